@@ -1,0 +1,24 @@
+"""pdserve: LLM serving with disaggregated prefill and decode.
+
+`LLM` is imported lazily so that the layers that must never load torch (router, bench, planner)
+can import `pdserve.*` freely.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.llm import LLM
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from pdserve.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'pdserve' has no attribute {name!r}")

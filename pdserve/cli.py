@@ -1,0 +1,101 @@
+"""The `pdserve` command line. Heavy modules (torch) are imported only by the subcommand that needs them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from pdserve.errors import PdserveError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for a prompt (a quick look at a model)")
+    gen.add_argument("prompt", nargs="+", help="one or more prompts")
+    gen.add_argument(
+        "--model", default="smollm2-135m", help="built-in name, .gguf file or Hugging Face folder"
+    )
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument("--device", default="auto")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    gen.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+
+    conv = sub.add_parser("convert", help="convert a GGUF file (or built-in name) into a Hugging Face folder")
+    conv.add_argument("model", help="built-in name or .gguf file")
+    conv.add_argument("out_dir")
+    conv.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    conv.add_argument("--overwrite", action="store_true")
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        return _convert(args)
+    except PdserveError as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pdserve import LLM, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    started = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+    loaded = time.perf_counter()
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+    else:
+        outputs = llm.generate(args.prompt, params)
+    finished = time.perf_counter()
+    for prompt, output in zip(args.prompt, outputs, strict=True):
+        completion = output.outputs[0]
+        print(f"--- {prompt!r}")
+        print(completion.text)
+        print(f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]")
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(
+        f"[model {args.model}: {llm.engine.dtype} on {llm.engine.device}, loaded in {loaded - started:.1f} s; "
+        f"{tokens} tokens in {finished - loaded:.2f} s]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pdserve.models.gguf_file import convert_gguf_to_hf
+    from pdserve.models.loader import resolve_model
+
+    source = resolve_model(args.model)
+    if source.kind != "gguf":
+        print(f"pdserve: error: {args.model} is already a Hugging Face folder", file=sys.stderr)
+        return 2
+    out = convert_gguf_to_hf(source.path, Path(args.out_dir), dtype=args.dtype, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Attention over the paged KV cache (torch). The portable path: plain torch ops, CPU and CUDA.
+
+The flat batch of one step holds `num_decode_tokens` decode tokens first (one per sequence), then
+prompt chunks. Decodes are attended together: their blocks are gathered into a padded
+[B, max_blocks * block_size] view and masked. Each prompt chunk is attended on its own: with no
+earlier context its fresh K/V are used directly under a causal mask; otherwise its earlier tokens
+are gathered from the cache.
+
+A device-specific kernel (e.g. a CUDA paged-attention kernel) can replace `paged_attention` behind
+the same signature; this implementation stays as the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunkMeta:
+    start: int  # first row of this chunk in the step's flat batch
+    end: int
+    num_context: int  # tokens of this request already in the cache before this chunk
+    block_table: torch.Tensor  # [num_blocks_of_request] int64
+    # [q_len, num_context + q_len] bool, True = attend; None = plain causal over the chunk itself
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token's K/V
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillChunkMeta] = field(default_factory=list)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    # Store this step's K/V first: decodes and later chunks read them back from the cache.
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+
+    num_decodes = meta.num_decode_tokens
+    if num_decodes:
+        assert meta.decode_block_tables is not None and meta.decode_mask is not None
+        tables = meta.decode_block_tables
+        ctx = tables.shape[1] * block_size
+        # [B, ctx, KVH, D]: whole blocks gathered at once (contiguous rows of block_size tokens).
+        keys = k_cache.index_select(0, tables.reshape(-1)).view(num_decodes, ctx, num_kv_heads, head_dim)
+        values = v_cache.index_select(0, tables.reshape(-1)).view(num_decodes, ctx, num_kv_heads, head_dim)
+        attn = F.scaled_dot_product_attention(
+            q[:num_decodes].unsqueeze(2),  # [B, H, 1, D]
+            keys.transpose(1, 2),  # [B, KVH, ctx, D]
+            values.transpose(1, 2),
+            attn_mask=meta.decode_mask,  # [B, 1, 1, ctx]
+            scale=scale,
+            enable_gqa=True,
+        )  # [B, H, 1, D]
+        out[:num_decodes] = attn.squeeze(2)
+
+    for chunk in meta.prefills:
+        q_chunk = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+        if chunk.num_context == 0:
+            keys = k[chunk.start : chunk.end]  # [L, KVH, D]
+            values = v[chunk.start : chunk.end]
+        else:
+            total = chunk.num_context + (chunk.end - chunk.start)
+            keys = k_cache.index_select(0, chunk.block_table).view(-1, num_kv_heads, head_dim)[:total]
+            values = v_cache.index_select(0, chunk.block_table).view(-1, num_kv_heads, head_dim)[:total]
+        attn = F.scaled_dot_product_attention(
+            q_chunk,
+            keys.transpose(0, 1).unsqueeze(0),  # [1, KVH, S, D]
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )  # [1, H, L, D]
+        out[chunk.start : chunk.end] = attn[0].transpose(0, 1)
+    return out

@@ -1,0 +1,232 @@
+"""The engine core: a step is schedule -> run -> update. Requests in, tokens out (token ids only).
+
+Text (tokenizing prompts, detokenizing outputs, stop strings) lives outside the core, in the
+offline `LLM` or the router, which end a request here with `finish()` when a stop string matches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.kv import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sched import Scheduler, SchedulerConfig, SchedulerStats
+from pdserve.errors import InvalidRequestError
+from pdserve.models.config import ModelConfig
+from pdserve.models.llama import LlamaForCausalLM
+from pdserve.outputs import TokenLogprob
+from pdserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None
+    finished: bool  # no more tokens will come (PREFILLED counts: the decode side takes over)
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class StepStats:
+    num_batched_tokens: int
+    num_decode_tokens: int
+    step_seconds: float
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "device 'cuda' asked for, but torch sees no CUDA GPU (is a CUDA build of torch installed?)"
+        )
+    return device
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        model: LlamaForCausalLM,
+        eos_token_ids: tuple[int, ...],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.dtype = dtype
+        block_bytes = ModelRunner.kv_bytes_per_block(model_config, config.block_size, dtype)
+        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gib * 2**30) // block_bytes)
+        context = config.max_model_len or model_config.max_position_embeddings
+        # A request can never need more than the whole cache, or it would preempt itself forever.
+        self.max_model_len = min(context, num_blocks * config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_model_len=self.max_model_len,
+                role=config.role,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                chunk_size=config.chunk_size,
+            ),
+            self.kv,
+        )
+        self.runner = ModelRunner(
+            model, model_config, num_blocks, config.block_size, dtype, device, config.seed
+        )
+        self.last_step: StepStats | None = None
+        self._kv_to_receive: list[tuple[str, list[int]]] = []
+        logger.info(
+            "engine ready: %s on %s, %s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d, role %s",
+            config.model,
+            device,
+            dtype,
+            num_blocks,
+            config.block_size,
+            num_blocks * block_bytes / 2**20,
+            self.max_model_len,
+            config.role.value,
+        )
+
+    # -- requests -------------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError for anything this engine cannot serve. Changes nothing."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        for token in prompt_token_ids:
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+                raise InvalidRequestError(f"token id {token!r} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens but this engine's context is "
+                f"{self.max_model_len} tokens, and at least one must be left to generate"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        first_token_id: int | None = None,
+    ) -> None:
+        """Queue a request. `first_token_id` (decode role): its prompt KV will arrive from a prefill
+        worker, which already sampled this first token."""
+        self.validate(prompt_token_ids, params)
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
+        if first_token_id is not None:
+            request.output_token_ids.append(first_token_id)
+            request.remote_kv = True
+        self.scheduler.add_request(request)
+
+    def abort(self, request_id: str) -> bool:
+        request = self.scheduler.abort(request_id)
+        self.runner.release(request_id)
+        return request is not None
+
+    def finish(self, request_id: str, stop_reason: str | None = None) -> bool:
+        """End a request that matched a stop string (decided outside the core)."""
+        request = self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED)
+        self.runner.release(request_id)
+        if request is not None:
+            request.stop_reason = stop_reason
+        return request is not None
+
+    def release(self, request_id: str) -> bool:
+        """Prefill role: free the blocks of a prefilled request once its KV has been taken."""
+        return self.scheduler.release(request_id)
+
+    def kv_received(self, request_id: str, ok: bool) -> EngineOutput | None:
+        """Decode role: the prompt KV of a request arrived (or failed to). A failure ends the
+        request with finish_reason 'error'; the caller logs and counts it and the router retries."""
+        request = self.scheduler.remote_kv_done(request_id, ok)
+        if request is None or ok:
+            return None
+        self.runner.release(request_id)
+        return EngineOutput(request_id, [], None, True, "error")
+
+    def take_kv_to_receive(self) -> list[tuple[str, list[int]]]:
+        """Decode role: (request id, block ids) whose KV the caller must now bring in, then report
+        with `kv_received`."""
+        pending, self._kv_to_receive = self._kv_to_receive, []
+        return pending
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        started = time.perf_counter()
+        out = self.scheduler.schedule()
+        self._kv_to_receive.extend(out.kv_to_receive)
+        if out.is_empty:
+            return []
+        result = self.runner.execute(out, self.kv)
+        updated = self.scheduler.update_from_output(out, result.sampled)
+        outputs = []
+        for request in updated:
+            rid = request.request_id
+            status = request.status
+            done = status.finished or status is RequestStatus.PREFILLED
+            if done:
+                self.runner.release(rid)
+            logprob = result.logprobs.get(rid)
+            outputs.append(
+                EngineOutput(
+                    request_id=rid,
+                    new_token_ids=[request.output_token_ids[-1]],
+                    new_logprobs=[logprob] if logprob is not None else None,
+                    finished=done,
+                    finish_reason=status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_preemptions=request.num_preemptions,
+                )
+            )
+        self.last_step = StepStats(
+            num_batched_tokens=out.num_batched_tokens,
+            num_decode_tokens=sum(1 for c in out.chunks if c.is_decode),
+            step_seconds=time.perf_counter() - started,
+        )
+        return outputs

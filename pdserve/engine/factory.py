@@ -1,0 +1,39 @@
+"""Build an engine from an `EngineConfig`: find the model, load weights and tokenizer (torch)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.core import EngineCore, pick_device, pick_dtype
+from pdserve.models.llama import LlamaForCausalLM
+from pdserve.models.loader import generation_eos_ids, iter_weights, load_config, load_tokenizer, resolve_model
+
+logger = logging.getLogger(__name__)
+
+
+def build_engine(config: EngineConfig) -> tuple[EngineCore, Any]:
+    """Returns the engine core and the model's tokenizer (with its chat template)."""
+    started = time.perf_counter()
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    source = resolve_model(config.model)
+    model_config = load_config(source)
+    device = pick_device(config.device)
+    dtype = pick_dtype(config.dtype, device)
+    max_positions = config.max_model_len or model_config.max_position_embeddings
+    with torch.device(device):
+        model = LlamaForCausalLM(model_config, max_positions)
+    with torch.no_grad():
+        model.load_weights(iter_weights(source))
+    model.to(dtype)  # the RoPE tables are not parameters: they stay float32, as in HF
+    model.eval()
+    tokenizer = load_tokenizer(source)
+    eos_ids = generation_eos_ids(source, model_config, tokenizer)
+    engine = EngineCore(config, model_config, model, eos_ids, device, dtype)
+    logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - started)
+    return engine, tokenizer

@@ -1,0 +1,182 @@
+"""The model runner (torch): one scheduler step in, sampled tokens out.
+
+It owns the KV cache, preallocated once as a single tensor
+[num_layers, 2 (K/V), num_blocks, block_size, num_kv_heads, head_dim], so that a block is one
+index on axis 2 whatever the layer (what a KV transfer moves), and builds the step's flat batch:
+decode tokens first, then prompt chunks, with their positions and cache slots.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.attention import AttentionMetadata, PrefillChunkMeta
+from pdserve.engine.kv import KVCacheManager
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import SamplingRow, sample
+from pdserve.engine.sched import SchedulerOutput
+from pdserve.models.config import ModelConfig
+from pdserve.models.llama import LlamaForCausalLM
+from pdserve.outputs import TokenLogprob
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        self.device = device
+        self.kv_cache = torch.zeros(
+            (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
+            dtype=dtype,
+            device=device,
+        )
+        self._generators: dict[str, torch.Generator] = {}
+        self._seed_source = random.Random(seed)  # seeds for requests that did not ask for one
+
+    @staticmethod
+    def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * element
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request state (the sampling generator) of a finished request."""
+        self._generators.pop(request_id, None)
+
+    # -- KV blocks in and out (for moving a request's KV between engines) ---------------------------
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[num_layers, 2, len(block_ids), block_size, KVH, D] copy of the given blocks."""
+        return self.kv_cache[:, :, torch.tensor(block_ids, device=self.device)]
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.kv_cache[:, :, torch.tensor(block_ids, device=self.device)] = data.to(self.kv_cache.device)
+
+    # -- the step ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> RunnerOutput:
+        input_ids, positions, _, meta, sample_index, rows, sampled_ids = self._prepare(out, kv)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+        result = RunnerOutput()
+        if not rows:
+            return result
+        logits = self.model.compute_logits(hidden[sample_index])  # [S, vocab] float32
+        tokens, logprobs = sample(logits, rows)
+        for request_id, token, logprob in zip(sampled_ids, tokens, logprobs, strict=True):
+            result.sampled[request_id] = token
+            if logprob is not None:
+                result.logprobs[request_id] = logprob
+        return result
+
+    def _prepare(
+        self, out: SchedulerOutput, kv: KVCacheManager
+    ) -> tuple[
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        AttentionMetadata,
+        torch.Tensor,
+        list[SamplingRow],
+        list[str],
+    ]:
+        block_size = self.block_size
+        window = self.config.sliding_window
+        device = self.device
+        token_ids: list[int] = []
+        decode_positions: list[int] = []
+        decode_slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        prefill_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (positions, slots) per chunk
+        prefills: list[PrefillChunkMeta] = []
+        sample_index: list[int] = []
+        rows: list[SamplingRow] = []
+        sampled_ids: list[str] = []
+
+        row = 0
+        for chunk in out.chunks:
+            request = chunk.request
+            table = kv.block_table(request.request_id)
+            end = chunk.start + chunk.num_tokens
+            token_ids.extend(request.token_ids_slice(chunk.start, end))
+            used_blocks = table[: -(-end // block_size)]
+            if chunk.is_decode:
+                pos = chunk.start
+                decode_positions.append(pos)
+                decode_slots.append(table[pos // block_size] * block_size + pos % block_size)
+                decode_tables.append(used_blocks)
+            else:
+                table_t = torch.tensor(used_blocks, dtype=torch.long)
+                pos_t = torch.arange(chunk.start, end, dtype=torch.long)
+                prefill_pieces.append((pos_t, table_t[pos_t // block_size] * block_size + pos_t % block_size))
+                mask = None
+                if chunk.start > 0 or (window is not None and end > window):
+                    keys = torch.arange(end)  # [S]
+                    mask = keys[None, :] <= pos_t[:, None]  # [L, S] causal with an offset
+                    if window is not None:
+                        mask &= keys[None, :] > pos_t[:, None] - window
+                    mask = mask.to(device)
+                prefills.append(
+                    PrefillChunkMeta(row, row + chunk.num_tokens, chunk.start, table_t.to(device), mask)
+                )
+            row += chunk.num_tokens
+            if chunk.sample:
+                sample_index.append(row - 1)
+                rows.append(self._sampling_row(request.request_id, request))
+                sampled_ids.append(request.request_id)
+
+        num_decodes = len(decode_positions)
+        meta = AttentionMetadata(
+            slot_mapping=torch.empty(0), num_decode_tokens=num_decodes, prefills=prefills
+        )
+        if num_decodes:
+            max_blocks = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
+            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)  # [B, MB]
+            lengths = torch.tensor(decode_positions, dtype=torch.long)[:, None] + 1  # [B, 1]
+            keys = torch.arange(max_blocks * block_size)[None, :]  # [1, ctx]
+            mask = keys < lengths
+            if window is not None:
+                mask &= keys >= lengths - window
+            meta.decode_mask = mask[:, None, None, :].to(device)  # [B, 1, 1, ctx]
+        positions = torch.cat(
+            [torch.tensor(decode_positions, dtype=torch.long)] + [p for p, _ in prefill_pieces]
+        )
+        slots = torch.cat([torch.tensor(decode_slots, dtype=torch.long)] + [s for _, s in prefill_pieces])
+        meta.slot_mapping = slots.to(device)
+        return (
+            torch.tensor(token_ids, dtype=torch.long, device=device),
+            positions.to(device),
+            meta.slot_mapping,
+            meta,
+            torch.tensor(sample_index, dtype=torch.long, device=device),
+            rows,
+            sampled_ids,
+        )
+
+    def _sampling_row(self, request_id: str, request: Request) -> SamplingRow:
+        params = request.sampling_params
+        generator = None
+        if not params.greedy:
+            generator = self._generators.get(request_id)
+            if generator is None:
+                seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+                generator = torch.Generator(device=self.device).manual_seed(seed)
+                self._generators[request_id] = generator
+        return SamplingRow(params, generator, request.prompt_token_ids, request.output_token_ids)

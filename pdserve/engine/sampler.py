@@ -1,0 +1,96 @@
+"""Turn the logits of one step into tokens (torch).
+
+Per-request parameters are applied row by row where they differ (penalties, temperature, top-k,
+top-p, min-p) and each sampled row draws from its request's own generator, so a seeded request
+gives the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.outputs import TokenLogprob
+from pdserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    generator: torch.Generator | None  # None for greedy rows
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits: [S, vocab] float32, one row per entry of `rows`. Returns token ids and logprobs."""
+    raw_logprobs = None
+    if any(r.params.logprobs is not None for r in rows):
+        raw_logprobs = torch.log_softmax(logits, dim=-1)  # [S, V] the model's own distribution
+    if any(r.params.needs_penalties for r in rows):
+        logits = logits.clone()
+        for i, row in enumerate(rows):
+            if row.params.needs_penalties:
+                _apply_penalties(logits[i], row)
+
+    greedy_tokens = logits.argmax(dim=-1).tolist()  # [S]
+    tokens: list[int] = []
+    for i, row in enumerate(rows):
+        if row.params.greedy:
+            tokens.append(greedy_tokens[i])
+        else:
+            tokens.append(_sample_row(logits[i], row))
+
+    logprobs: list[TokenLogprob | None] = [None] * len(rows)
+    if raw_logprobs is not None:
+        for i, row in enumerate(rows):
+            k = row.params.logprobs
+            if k is None:
+                continue
+            top: dict[int, float] = {}
+            if k > 0:
+                values, ids = raw_logprobs[i].topk(k)
+                top = dict(zip(ids.tolist(), values.tolist(), strict=True))
+            logprobs[i] = TokenLogprob(tokens[i], float(raw_logprobs[i, tokens[i]]), top)
+    return tokens, logprobs
+
+
+def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:  # logits [V], in place
+    params = row.params
+    vocab = logits.shape[0]
+    if params.repetition_penalty != 1.0:
+        # As in CTRL / HF: every token seen in prompt or output is made less likely.
+        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+        seen = seen[seen < vocab]
+        picked = logits[seen]
+        logits[seen] = torch.where(
+            picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty
+        )
+    if row.output_token_ids and (params.presence_penalty or params.frequency_penalty):
+        # As in OpenAI's API: over the generated tokens only.
+        counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
+        logits -= params.frequency_penalty * counts.to(logits.dtype)
+        logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:  # logits [V]
+    params = row.params
+    logits = logits / params.temperature
+    top_k = params.effective_top_k
+    if top_k and top_k < logits.shape[0]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token once the tokens before it already reach top_p; the first always stays.
+        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
+        logits = logits.scatter(0, order[drop], float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    # Exponential race (Gumbel-max equivalent): argmax(p / E) with E ~ Exp(1) draws from p,
+    # and takes exactly one draw from the request's generator per token.
+    noise = torch.empty_like(probs).exponential_(generator=row.generator)
+    return int((probs / noise).argmax())

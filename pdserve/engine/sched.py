@@ -1,0 +1,296 @@
+"""The scheduler: which tokens of which requests run in the next step. Pure Python.
+
+One step at a time under a token budget. Three roles:
+- `mixed`: colocated serving with chunked prefill. Requests ready to decode go first (one token
+  each), then prompt chunks fill what is left of the budget (Sarathi-Serve / vLLM style).
+- `prefill`: prompts only, long prompts chunked. A request ends after its first sampled token and
+  keeps its KV blocks (status PREFILLED) until `release()` says the decode side has them.
+- `decode`: decodes the running batch. A request whose prompt KV comes from another worker gets
+  blocks first (`SchedulerOutput.kv_to_receive`); once the caller reports the KV arrived, those
+  tokens simply count as computed. Short prompts may still be prefilled locally.
+
+When blocks run out, the latest-arrived request not yet scheduled this step is preempted: its
+blocks are freed and it is recomputed from scratch later (prompt + tokens generated so far).
+Nothing here knows about torch, processes or sockets.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.config import Role
+from pdserve.engine.kv import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_model_len: int
+    role: Role = Role.MIXED
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # At most this many prompt tokens of one request per step: a long prompt is split into chunks
+    # so that it never holds the batch for long.
+    chunk_size: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class ScheduledChunk:
+    """`num_tokens` tokens of `request`, starting at position `start`, run in this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    sample: bool  # the chunk reaches the request's last known token: sample the next one
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start > 0
+
+
+@dataclass
+class SchedulerOutput:
+    # Decode chunks first, then prompt chunks: the runner relies on that order.
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    # Decode role: (request id, block ids) to fill with KV from another worker.
+    kv_to_receive: list[tuple[str, list[int]]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_receiving_kv: int
+    num_prefilled_held: int
+    queued_prompt_tokens: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.receiving: dict[str, Request] = {}  # decode role: blocks allocated, KV in flight
+        self.prefilled: dict[str, Request] = {}  # prefill role: done, blocks held until release
+        self._requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- the narrow interface -----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in this scheduler")
+        if request.remote_kv and self.config.role is not Role.DECODE:
+            raise ValueError("only a decode-role scheduler accepts requests whose KV arrives from outside")
+        if request.remote_kv and not request.output_token_ids:
+            raise ValueError(
+                "a request with remote KV must carry the first token sampled by the prefill side"
+            )
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def get(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.receiving)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop the request wherever it is and free its blocks. Returns it, or None if unknown."""
+        return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request from outside (a stop string matched, a client left, a transfer failed)."""
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        self.receiving.pop(request_id, None)
+        self.prefilled.pop(request_id, None)
+        request.status = status
+        self.kv.free(request_id)
+        return request
+
+    def release(self, request_id: str) -> bool:
+        """Prefill role: the decode side holds the KV now (or the lease expired); free the blocks."""
+        request = self.prefilled.pop(request_id, None)
+        if request is None:
+            return False
+        self._requests.pop(request_id, None)
+        self.kv.free(request_id)
+        return True
+
+    def remote_kv_done(self, request_id: str, ok: bool) -> Request | None:
+        """Decode role: the prompt KV for `request_id` has arrived (ok) or failed to (not ok).
+
+        On failure the request ends with FINISHED_ERROR and its blocks are freed; the caller says
+        so loudly and the router retries. Returns the request, or None if it is no longer here."""
+        request = self.receiving.pop(request_id, None)
+        if request is None:
+            return None
+        if not ok:
+            self._requests.pop(request_id, None)
+            self.kv.free(request_id)
+            request.status = RequestStatus.FINISHED_ERROR
+            return request
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return request
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+        decodes: list[ScheduledChunk] = []
+        prompts: list[ScheduledChunk] = []
+
+        # 1. Running requests, those ready to decode before those still in their prompt.
+        ordered = sorted(self.running, key=lambda r: r.num_tokens_to_compute > 1)
+        for request in ordered:
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens_to_compute, budget, self._chunk_limit(request))
+            if not self._allocate_or_preempt(request, num_new, scheduled, out):
+                continue  # the request itself was preempted
+            chunk = self._chunk(request, num_new)
+            (decodes if chunk.is_decode else prompts).append(chunk)
+            scheduled.add(request.request_id)
+            budget -= num_new
+
+        # 2. Waiting requests, in arrival order (preempted ones were put back at the front).
+        while self.waiting and budget > 0:
+            if len(self.running) + len(self.receiving) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            if request.remote_kv and request.num_computed_tokens == 0:
+                blocks = self.kv.allocate(request.request_id, request.num_prompt_tokens)
+                if blocks is None:
+                    break
+                self.waiting.popleft()
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                self.receiving[request.request_id] = request
+                out.kv_to_receive.append((request.request_id, self.kv.block_table(request.request_id)))
+                continue
+            num_new = min(request.num_tokens_to_compute, budget, self._chunk_limit(request))
+            if self.kv.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
+                break  # no room: wait for blocks to free up rather than preempt running work
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunk = self._chunk(request, num_new)
+            (decodes if chunk.is_decode else prompts).append(chunk)
+            scheduled.add(request.request_id)
+            budget -= num_new
+
+        out.chunks = decodes + prompts
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests. Returns those that got a token (finished ones included)."""
+        updated: list[Request] = []
+        for chunk in out.chunks:
+            request = chunk.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += chunk.num_tokens
+            if not chunk.sample:
+                continue
+            token = sampled[request.request_id]
+            request.output_token_ids.append(token)
+            updated.append(request)
+            status = self._stop_status(request, token)
+            if status is not None:
+                self.finish(request.request_id, status)
+                request.status = status
+            elif self.config.role is Role.PREFILL:
+                self.running.remove(request)
+                request.status = RequestStatus.PREFILLED
+                self.prefilled[request.request_id] = request
+        return updated
+
+    def stats(self) -> SchedulerStats:
+        queued = sum(r.num_tokens_to_compute for r in self.waiting if not r.remote_kv)
+        queued += sum(r.num_tokens_to_compute for r in self.running if r.num_tokens_to_compute > 1)
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_receiving_kv=len(self.receiving),
+            num_prefilled_held=len(self.prefilled),
+            queued_prompt_tokens=queued,
+            kv_blocks_used=self.kv.num_used_blocks,
+            kv_blocks_free=self.kv.num_free_blocks,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _chunk_limit(self, request: Request) -> int:
+        return 1 if request.num_tokens_to_compute == 1 else self.config.chunk_size
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(request, start, num_new, sample=start + num_new == request.num_tokens)
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput
+    ) -> bool:
+        """Make room for `num_new` more tokens of a running request, preempting if needed.
+
+        Returns False if the request itself had to be preempted."""
+        total = request.num_computed_tokens + num_new
+        while self.kv.allocate(request.request_id, total) is None:
+            victims = [r for r in self.running if r.request_id not in scheduled and r is not request]
+            victim = max(victims, key=lambda r: r.arrival_time) if victims else request
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.remote_kv = False  # whatever KV came from outside is gone: recompute it here
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,19 @@
+"""Exceptions shared by every layer. No third-party imports."""
+
+
+class PdserveError(Exception):
+    """Base class of every error pdserve raises on purpose."""
+
+
+class InvalidRequestError(PdserveError, ValueError):
+    """The caller asked for something that cannot be served (bad prompt, bad sampling parameters).
+
+    Raised before any work is queued, so nothing is lost and nothing leaks."""
+
+
+class ModelLoadError(PdserveError):
+    """A model could not be loaded: missing file, corrupt file, unsupported architecture."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The model's architecture or one of its features is not implemented."""

@@ -1,0 +1,211 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5) over a paged KV cache (torch).
+
+One flat batch of tokens per step: [T] ids with their positions. q/k/v and gate/up projections are
+fused into single matmuls; attention is `paged_attention`. Numerics follow Hugging Face's
+implementation (RMSNorm and RoPE tables in float32) so greedy outputs match it token for token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.errors import ModelLoadError
+from pdserve.models.config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:  # [head_dim // 2] float32
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / float(scaling["factor"])
+    # Llama 3: low frequencies scaled down by `factor`, high ones kept, a smooth ramp between.
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    old_context_len = float(scaling.get("original_max_position_embeddings", 8192))
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config)
+        positions = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = torch.outer(positions, inv_freq)  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]: rotate-half (GPT-NeoX) layout, as HF
+        # Plain attributes, not buffers: `model.to(bfloat16)` must not round the tables (HF keeps
+        # them float32 and casts the product, as `forward` does).
+        self.cos = emb.cos()
+        self.sin = emb.sin()
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T]; q [T, H, D]; k [T, KVH, D]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 whatever the model dtype, as HF does, then scale in the model dtype.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * normed
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.intermediate_size = config.intermediate_size
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        rope: RotaryEmbedding,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(hidden))  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        hidden = hidden + self.o_proj(attn.view(num_tokens, self.q_size))  # [T, hidden]
+        gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))  # [T, 2 * intermediate]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        out: torch.Tensor = hidden + self.down_proj(F.silu(gate) * up)
+        return out
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rope = RotaryEmbedding(config, max_positions)
+        self.lm_head: nn.Linear | None = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, KVH, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        hidden: torch.Tensor = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, positions, self.rope, kv_cache[i, 0], kv_cache[i, 1], meta)
+        normed: torch.Tensor = self.norm(hidden)
+        return normed
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # -- weights ------------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up. Checks nothing is missing."""
+        cfg = self.config
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        inter = cfg.intermediate_size
+        fused = {  # HF name suffix -> (our parameter suffix, row offset, rows)
+            "self_attn.q_proj": ("qkv_proj", 0, q_size),
+            "self_attn.k_proj": ("qkv_proj", q_size, kv_size),
+            "self_attn.v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+            "mlp.gate_proj": ("gate_up_proj", 0, inter),
+            "mlp.up_proj": ("gate_up_proj", inter, inter),
+        }
+        renamed = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj"}
+        params = dict(self.named_parameters())
+        pending = set(params)
+        pending_rows: dict[str, int] = {}
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if cfg.tie_word_embeddings and name == "lm_head.weight":
+                continue  # some tied checkpoints still ship a copy
+            target, rows = self._target(name, fused, renamed)
+            if target not in params:
+                raise ModelLoadError(f"checkpoint has a weight the model does not expect: {name}")
+            param = params[target]
+            dest = param.data if rows is None else param.data[rows[0] : rows[0] + rows[1]]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ModelLoadError(
+                    f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            if rows is None:
+                pending.discard(target)
+            else:
+                pending_rows[target] = pending_rows.get(target, 0) + rows[1]
+                if pending_rows[target] == param.shape[0]:
+                    pending.discard(target)
+        if pending:
+            raise ModelLoadError(f"checkpoint is missing weights: {sorted(pending)[:8]}")
+
+    @staticmethod
+    def _target(
+        name: str, fused: dict[str, tuple[str, int, int]], renamed: dict[str, str]
+    ) -> tuple[str, tuple[int, int] | None]:
+        if name.startswith("model."):
+            name = name[len("model.") :]
+        for hf, (ours, offset, rows) in fused.items():
+            marker = f".{hf}."
+            if marker in name:
+                prefix, suffix = name.split(marker)
+                return f"{prefix}.{ours}.{suffix}", (offset, rows)
+        for hf, ours in renamed.items():
+            name = name.replace(f".{hf}.", f".{ours}.")
+        return name, None

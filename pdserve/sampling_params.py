@@ -1,0 +1,95 @@
+"""Sampling parameters, shaped like vLLM's so its users feel at home. Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.errors import InvalidRequestError
+
+# Below this a temperature is treated as greedy: dividing logits by ~0 only amplifies noise.
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the tokens of one request.
+
+    temperature 0 means greedy. `seed` makes a sampled request reproducible whatever else runs in
+    the same batch. `stop` strings are matched on the detokenized text and are not included in
+    the output; `stop_token_ids` end the request after that token (also not included in text).
+    `logprobs=k` returns the log-probability of each chosen token and of the k most likely ones
+    (k=0: the chosen token only), from the model's raw distribution, before penalties and
+    temperature.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def validate(self) -> None:
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(msg)
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise bad(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise bad(f"top_k must be an integer >= 1, or 0 / -1 to disable, got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad(f"seed must be an integer, got {self.seed!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise bad(f"{name} must be in [-2, 2], got {value!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise bad(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int)
+            or isinstance(self.logprobs, bool)
+            or not 0 <= self.logprobs <= 20
+        ):
+            raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+
+    @property
+    def effective_top_k(self) -> int:
+        return 0 if self.top_k in (0, -1) else self.top_k
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN

@@ -1,0 +1,237 @@
+"""Scheduler: pure Python, no torch. Every test ends with a leak check: every block free."""
+
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.config import Role
+from pdserve.engine.kv import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sched import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.sampling_params import SamplingParams
+
+EOS = 0
+
+
+def make(role: Role = Role.MIXED, blocks: int = 64, block_size: int = 4, **kw: int) -> Scheduler:
+    config = SchedulerConfig(max_model_len=kw.pop("max_model_len", 1024), role=role, **kw)
+    return Scheduler(config, KVCacheManager(blocks, block_size))
+
+
+def req(rid: str, prompt_len: int, max_tokens: int = 4, **kw: object) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return Request(rid, list(range(1, prompt_len + 1)), params, (EOS,), **kw)  # type: ignore[arg-type]
+
+
+def run_step(s: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list[Request]]:
+    out = s.schedule()
+    sampled = {c.request.request_id: token for c in out.chunks if c.sample}
+    return out, s.update_from_output(out, sampled)
+
+
+def drain(s: Scheduler, max_steps: int = 1000) -> None:
+    for _ in range(max_steps):
+        if not s.has_unfinished:
+            return
+        run_step(s)
+    raise AssertionError("scheduler did not finish its requests")
+
+
+def assert_no_leak(s: Scheduler) -> None:
+    s.kv.check_consistency()
+    assert s.kv.num_free_blocks == s.kv.num_blocks, f"{s.kv.num_used_blocks} KV blocks leaked"
+
+
+def test_scheduler_and_kv_manager_never_import_torch() -> None:
+    code = "import sys, pdserve.engine.sched, pdserve.engine.kv, pdserve.engine.detok; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_long_prompt_is_chunked_and_sampled_only_at_its_end() -> None:
+    s = make(chunk_size=8, max_num_batched_tokens=100)
+    s.add_request(req("a", 20))
+    chunks = []
+    for _ in range(3):
+        out, _ = run_step(s)
+        chunks.append((out.chunks[0].start, out.chunks[0].num_tokens, out.chunks[0].sample))
+    assert chunks == [(0, 8, False), (8, 8, False), (16, 4, True)]
+    assert s.get("a").output_token_ids == [7]  # type: ignore[union-attr]
+    drain(s)
+    assert_no_leak(s)
+
+
+def test_mixed_role_decodes_first_then_fills_budget_with_prompt_chunks() -> None:
+    s = make(chunk_size=64, max_num_batched_tokens=10)
+    s.add_request(req("a", 3, max_tokens=10))
+    s.add_request(req("b", 3, max_tokens=10))
+    run_step(s)  # both prompts (3 + 3 tokens)
+    s.add_request(req("long", 30, max_tokens=2))
+    out, _ = run_step(s)
+    kinds = [(c.request.request_id, c.num_tokens) for c in out.chunks]
+    assert kinds == [("a", 1), ("b", 1), ("long", 8)]  # decodes first, prompt chunk takes the rest
+    assert out.num_batched_tokens == 10
+    drain(s)
+    assert_no_leak(s)
+
+
+def test_max_num_seqs_limits_the_running_batch() -> None:
+    s = make(max_num_seqs=2)
+    for i in range(4):
+        s.add_request(req(f"r{i}", 2, max_tokens=3))
+    out, _ = run_step(s)
+    assert len(out.chunks) == 2 and len(s.waiting) == 2
+    drain(s)
+    assert_no_leak(s)
+
+
+def test_stop_conditions_eos_stop_token_length_and_context() -> None:
+    s = make(max_model_len=6)
+    s.add_request(req("eos", 2, max_tokens=10))
+    _, updated = run_step(s, token=EOS)
+    assert updated[0].status is RequestStatus.FINISHED_STOPPED and updated[0].stop_reason is None
+
+    r = req("stoptok", 2, max_tokens=10)
+    r.sampling_params.stop_token_ids = [9]
+    s.add_request(r)
+    _, updated = run_step(s, token=9)
+    assert updated[0].status is RequestStatus.FINISHED_STOPPED and updated[0].stop_reason == 9
+
+    s.add_request(req("ctx", 4, max_tokens=10))  # context 6: 2 tokens then out of room
+    drain(s)
+    assert s.get("ctx") is None
+    assert_no_leak(s)
+
+
+def test_ignore_eos_keeps_going_to_max_tokens() -> None:
+    s = make()
+    r = req("a", 2, max_tokens=3)
+    r.sampling_params.ignore_eos = True
+    s.add_request(r)
+    for _ in range(3):
+        run_step(s, token=EOS)
+    assert r.output_token_ids == [EOS, EOS, EOS] and r.status is RequestStatus.FINISHED_LENGTH
+    assert_no_leak(s)
+
+
+def test_preemption_when_blocks_run_out_recomputes_prompt_and_outputs() -> None:
+    # 6 blocks of 4: two requests of 8-token prompts fill 4 blocks; decoding grows them until
+    # one must give its blocks back.
+    s = make(blocks=6, block_size=4, max_num_batched_tokens=64)
+    a, b = req("a", 8, max_tokens=8), req("b", 8, max_tokens=8)
+    s.add_request(a)
+    s.add_request(b)
+    preempted: list[str] = []
+    for _ in range(200):
+        if not s.has_unfinished:
+            break
+        out, _ = run_step(s)
+        preempted += out.preempted
+        s.kv.check_consistency()
+    assert preempted and preempted[0] == "b"  # the latest arrival goes first
+    assert b.num_preemptions >= 1
+    assert a.output_token_ids == [7] * 8 and b.output_token_ids == [7] * 8
+    assert_no_leak(s)
+
+
+def test_request_that_preempts_itself_waits_and_completes() -> None:
+    s = make(blocks=3, block_size=4, max_num_batched_tokens=64)
+    s.add_request(req("a", 4, max_tokens=8))
+    s.add_request(req("b", 4, max_tokens=8))
+    drain(s)
+    assert s.num_preemptions >= 1
+    assert_no_leak(s)
+
+
+def test_abort_frees_blocks_wherever_the_request_is() -> None:
+    s = make(chunk_size=4, max_num_seqs=1)
+    s.add_request(req("running", 12))
+    s.add_request(req("waiting", 4))
+    run_step(s)
+    assert s.kv.num_used_blocks > 0
+    assert s.abort("running") is not None and s.abort("waiting") is not None
+    assert s.abort("unknown") is None
+    assert not s.has_unfinished
+    assert_no_leak(s)
+
+
+def test_prefill_role_stops_after_first_token_and_holds_blocks_until_release() -> None:
+    s = make(role=Role.PREFILL)
+    s.add_request(req("a", 10, max_tokens=5))
+    _, updated = run_step(s, token=42)
+    assert updated[0].status is RequestStatus.PREFILLED and updated[0].output_token_ids == [42]
+    assert not s.has_unfinished
+    assert s.kv.block_table("a") == [0, 1, 2]  # the prompt's 10 tokens, held
+    assert s.stats().num_prefilled_held == 1
+    assert s.schedule().is_empty  # never decodes
+    assert s.release("a") and not s.release("a")
+    assert_no_leak(s)
+
+
+def test_prefill_role_first_token_eos_finishes_and_frees() -> None:
+    s = make(role=Role.PREFILL)
+    s.add_request(req("a", 10))
+    _, updated = run_step(s, token=EOS)
+    assert updated[0].status is RequestStatus.FINISHED_STOPPED
+    assert_no_leak(s)
+
+
+def test_decode_role_receives_prompt_kv_then_decodes() -> None:
+    s = make(role=Role.DECODE)
+    r = req("a", 10, max_tokens=3, remote_kv=True)
+    r.output_token_ids.append(42)  # sampled by the prefill worker
+    s.add_request(r)
+    out = s.schedule()
+    assert out.is_empty and out.kv_to_receive == [("a", [0, 1, 2])]
+    assert r.status is RequestStatus.WAITING_FOR_REMOTE_KV and s.stats().num_receiving_kv == 1
+    assert s.schedule().is_empty  # nothing runs until the KV has arrived
+    s.remote_kv_done("a", ok=True)
+    out, _ = run_step(s)
+    assert [(c.start, c.num_tokens, c.sample) for c in out.chunks] == [(10, 1, True)]
+    drain(s)
+    assert r.output_token_ids == [42, 7, 7] and r.status is RequestStatus.FINISHED_LENGTH
+    assert_no_leak(s)
+
+
+def test_decode_role_failed_transfer_ends_request_and_frees_blocks() -> None:
+    s = make(role=Role.DECODE)
+    r = req("a", 10, remote_kv=True)
+    r.output_token_ids.append(42)
+    s.add_request(r)
+    s.schedule()
+    failed = s.remote_kv_done("a", ok=False)
+    assert failed is r and r.status is RequestStatus.FINISHED_ERROR
+    assert not s.has_unfinished
+    assert_no_leak(s)
+
+
+def test_decode_role_also_prefills_short_prompts_locally() -> None:
+    s = make(role=Role.DECODE)
+    s.add_request(req("local", 5, max_tokens=2))
+    drain(s)
+    assert_no_leak(s)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_model_len=0)
+    s = make()
+    s.add_request(req("a", 2))
+    with pytest.raises(ValueError, match="already"):
+        s.add_request(req("a", 2))
+    with pytest.raises(ValueError, match="decode-role"):
+        s.add_request(req("b", 2, remote_kv=True))
+    s.abort("a")
+    assert_no_leak(s)
+
+
+def test_stats_count_queued_prompt_tokens() -> None:
+    s = make(chunk_size=4, max_num_seqs=1)
+    s.add_request(req("a", 10))
+    s.add_request(req("b", 7))
+    assert s.stats().queued_prompt_tokens == 17
+    run_step(s)  # 4 tokens of a computed
+    stats = s.stats()
+    assert stats.queued_prompt_tokens == 13 and stats.num_running == 1 and stats.num_waiting == 1
+    drain(s)
+    assert_no_leak(s)
