@@ -11,6 +11,7 @@ and `qwen2`. torch and transformers are imported only by the functions that need
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.metadata
 import json
 import math
@@ -410,10 +411,50 @@ def iter_gguf_tensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, np.nd
 
 
 def load_gguf_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerFast:
-    """The tokenizer stored in a GGUF file, with its chat template, built offline by transformers."""
+    """The tokenizer stored in a GGUF file, with its chat template, built offline by transformers.
+
+    Building it means parsing every token and merge of the file in Python (~15 s for SmolLM2), so
+    the result is saved once under the cache folder ($PDSERVE_CACHE_DIR, default
+    ~/.cache/pdserve) keyed by the file's path, size, modification time and the transformers
+    version, and loaded from there afterwards (well under a second)."""
+    import shutil
+    import tempfile
+
+    import transformers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     p = Path(path)
+    cache_root = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "tokenizers"
+    cached = None
+    if p.is_file():
+        stat = p.stat()
+        key = f"{p.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+        cached = cache_root / hashlib.sha256(key.encode()).hexdigest()[:24]
+        if (cached / "tokenizer.json").is_file():
+            try:
+                loaded = AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+                if isinstance(loaded, PreTrainedTokenizerFast) and loaded.chat_template:
+                    return loaded
+            except Exception:  # a damaged cache entry: rebuilt below
+                pass
+            shutil.rmtree(cached, ignore_errors=True)
+    tok = _build_gguf_tokenizer(p)
+    if cached is not None:
+        staging: Path | None = None
+        try:
+            cache_root.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(dir=cache_root))
+            tok.save_pretrained(str(staging))
+            staging.rename(cached)  # atomic: a concurrent reader sees all of it or nothing
+        except OSError:  # another process won the race, or no room: the cache is only a cache
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+    return tok
+
+
+def _build_gguf_tokenizer(p: Path) -> PreTrainedTokenizerFast:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     if not p.is_file():
         _open(p)  # raises the same ModelLoadError as the other entry points
     try:
