@@ -2,8 +2,9 @@
 
 Measures, per engine, dtype and thread count:
 - prefill tokens/s for one 2048-token prompt (time to the first token);
-- decode tokens/s at batch 1, 8 and 32 with 512-token prompts (tokens after the first, over the
-  time after every request has its first token).
+- decode tokens/s at batch 1, 8 and 32 with 512-token prompts: (time to generate N tokens - time
+  to generate 1) over the N - 1 later tokens of each request.
+All three engines are timed the same way, from outside, through their offline `generate`.
 Each measurement runs `--repeats` times in a fresh subprocess per (engine, dtype, threads); the
 median is reported, with ratios against transformers and vLLM measured in the same run.
 
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 PREFILL_LEN = 2048
@@ -41,40 +43,38 @@ def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(count)]
 
 
+def measure(
+    generate: Callable[[list[list[int]], int], float], vocab: int, decode_tokens: int
+) -> dict[str, float]:
+    """For engines measured from outside (whole `generate` calls): prefill = one prompt, one token;
+    decode = (time for N tokens - time for 1 token) over the N - 1 later tokens of each request.
+    Every shape is run once before it is timed (warm-up: allocation, kernel selection)."""
+    results: dict[str, float] = {}
+    prompt = random_prompts(1, PREFILL_LEN, vocab, seed=0)
+    generate(prompt, 1)
+    results["prefill_tps"] = PREFILL_LEN / generate(prompt, 1)
+    for batch in BATCHES:
+        prompts = random_prompts(batch, DECODE_PROMPT_LEN, vocab, seed=batch)
+        generate(prompts, 2)
+        first = generate(prompts, 1)
+        total = generate(prompts, decode_tokens)
+        results[f"decode_tps_b{batch}"] = batch * (decode_tokens - 1) / (total - first)
+    return results
+
+
 # -- workers: each runs in its own process and prints one JSON line -------------------------------
 def worker_pdserve(args: argparse.Namespace) -> dict[str, float]:
     from pdserve import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, threads=args.threads, kv_cache_memory_gib=2.0)
-    vocab = llm.engine.model_config.vocab_size
-    engine = llm.engine
-    results: dict[str, float] = {}
 
-    def prefill_once() -> float:
-        [prompt] = random_prompts(1, PREFILL_LEN, vocab, seed=0)
-        engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    def generate(prompts: list[list[int]], new_tokens: int) -> float:
+        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         started = time.perf_counter()
-        while engine.has_unfinished:
-            engine.step()
-        return PREFILL_LEN / (time.perf_counter() - started)
+        llm.generate(prompts, params)
+        return time.perf_counter() - started
 
-    def decode_once(batch: int) -> float:
-        params = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
-        for i, prompt in enumerate(random_prompts(batch, DECODE_PROMPT_LEN, vocab, seed=batch)):
-            engine.add_request(f"d{i}", prompt, params)
-        produced = 0
-        while produced < batch:  # until every request has its first token
-            produced += sum(len(o.new_token_ids) for o in engine.step())
-        started = time.perf_counter()
-        while engine.has_unfinished:
-            produced += sum(len(o.new_token_ids) for o in engine.step())
-        return (produced - batch) / (time.perf_counter() - started)
-
-    prefill_once()  # warm-up
-    results["prefill_tps"] = prefill_once()
-    for batch in BATCHES:
-        results[f"decode_tps_b{batch}"] = decode_once(batch)
-    return results
+    return measure(generate, llm.engine.model_config.vocab_size, args.decode_tokens)
 
 
 def worker_hf(args: argparse.Namespace) -> dict[str, float]:
@@ -86,7 +86,6 @@ def worker_hf(args: argparse.Namespace) -> dict[str, float]:
     model = AutoModelForCausalLM.from_pretrained(args.hf_folder, dtype=dtype)
     model.generation_config.eos_token_id = None
     vocab = model.config.vocab_size
-    results: dict[str, float] = {}
 
     def generate(prompts: list[list[int]], new_tokens: int) -> float:
         ids = torch.tensor(prompts)
@@ -101,24 +100,23 @@ def worker_hf(args: argparse.Namespace) -> dict[str, float]:
             )
         return time.perf_counter() - started
 
-    prompt = random_prompts(1, PREFILL_LEN, vocab, seed=0)
-    generate(prompt, 1)  # warm-up
-    results["prefill_tps"] = PREFILL_LEN / generate(prompt, 1)
-    for batch in BATCHES:
-        prompts = random_prompts(batch, DECODE_PROMPT_LEN, vocab, seed=batch)
-        first = generate(prompts, 1)
-        total = generate(prompts, args.decode_tokens)
-        results[f"decode_tps_b{batch}"] = batch * (args.decode_tokens - 1) / max(total - first, 1e-9)
-    return results
+    return measure(generate, vocab, args.decode_tokens)
 
 
 def worker_vllm(args: argparse.Namespace) -> dict[str, float]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(args.hf_folder, dtype=args.dtype, max_model_len=4096, seed=0, max_num_seqs=64)
+    # No prefix caching: the same prompts are sent more than once and must be computed each time.
+    llm = LLM(
+        args.hf_folder,
+        dtype=args.dtype,
+        max_model_len=4096,
+        seed=0,
+        max_num_seqs=64,
+        enable_prefix_caching=False,
+    )
     vocab = llm.llm_engine.model_config.get_vocab_size()
-    results: dict[str, float] = {}
 
     def generate(prompts: list[list[int]], new_tokens: int) -> float:
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -126,17 +124,7 @@ def worker_vllm(args: argparse.Namespace) -> dict[str, float]:
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - started
 
-    prompt = random_prompts(1, PREFILL_LEN, vocab, seed=0)
-    generate(prompt, 1)
-    # A different prompt each time: vLLM's prefix cache would otherwise skip the work.
-    results["prefill_tps"] = PREFILL_LEN / generate(random_prompts(1, PREFILL_LEN, vocab, seed=1), 1)
-    for batch in BATCHES:
-        first = generate(random_prompts(batch, DECODE_PROMPT_LEN, vocab, seed=100 + batch), 1)
-        total = generate(
-            random_prompts(batch, DECODE_PROMPT_LEN, vocab, seed=200 + batch), args.decode_tokens
-        )
-        results[f"decode_tps_b{batch}"] = batch * (args.decode_tokens - 1) / max(total - first, 1e-9)
-    return results
+    return measure(generate, vocab, args.decode_tokens)
 
 
 WORKERS = {"pdserve": worker_pdserve, "hf": worker_hf, "vllm": worker_vllm}

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args)
         return _convert(args)
-    except PdserveError as exc:
+    except (PdserveError, ValueError) as exc:  # ValueError: a bad option (--device, --threads)
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
 
@@ -60,6 +60,13 @@ def _generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
+    if args.device != "auto":
+        import torch
+
+        try:
+            torch.device(args.device)
+        except RuntimeError as exc:  # torch's message lists the device types it knows
+            raise ValueError(f"bad --device {args.device!r}: {exc}") from None
     started = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
     loaded = time.perf_counter()

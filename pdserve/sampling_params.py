@@ -31,7 +31,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    stop: list[str] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # None or a single string are accepted too
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
@@ -39,8 +39,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
+        # As in vLLM and OpenAI's API: None means none, and one string means a list of one.
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
         self.validate()
 
     @property

@@ -81,15 +81,16 @@ class ModelConfig:
             eos_ids = (
                 tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             )
-            sliding = cfg.get("sliding_window")
-            if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
-                sliding = None  # Qwen2 configs carry a window they do not use unless this flag is set
+            num_layers = int(cfg["num_hidden_layers"])
+            sliding = cfg.get("sliding_window") if model_type != "llama" else None  # HF Llama has none
+            if model_type == "qwen2":
+                sliding = _qwen2_sliding_window(cfg, sliding, num_layers)
             config = cls(
                 model_type=str(model_type),
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                num_layers=num_layers,
                 num_heads=num_heads,
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
@@ -113,3 +114,20 @@ class ModelConfig:
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; only silu")
         return config
+
+
+def _qwen2_sliding_window(cfg: dict[str, Any], window: Any, num_layers: int) -> Any:
+    """The window every layer uses, as transformers runs Qwen2: none unless `use_sliding_window`,
+    and then only on the layers from `max_window_layers` on (or as `layer_types` lists them)."""
+    if not cfg.get("use_sliding_window", False) or not window:
+        return None
+    first = int(cfg.get("max_window_layers", 28))
+    layer_types = cfg.get("layer_types") or ["sliding" if i >= first else "full" for i in range(num_layers)]
+    num_sliding = sum("sliding" in str(kind) for kind in layer_types)
+    if num_sliding == 0:
+        return None
+    if num_sliding < len(layer_types):
+        raise UnsupportedModelError(
+            "Qwen2 with a sliding window on some layers only (max_window_layers / layer_types) is not supported"
+        )
+    return window

@@ -171,9 +171,11 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         pending = set(params)
         pending_rows: dict[str, int] = {}
+        seen: set[str] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
+            seen.add(name.removeprefix("model."))
             if cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some tied checkpoints still ship a copy
             target, rows = self._target(name, fused, renamed)
@@ -193,7 +195,28 @@ class LlamaForCausalLM(nn.Module):
                 if pending_rows[target] == param.shape[0]:
                     pending.discard(target)
         if pending:
-            raise ModelLoadError(f"checkpoint is missing weights: {sorted(pending)[:8]}")
+            # Named as in the checkpoint, not as our fused parameters.
+            missing = [
+                name if name.startswith("lm_head.") else f"model.{name}"
+                for target in sorted(pending)
+                for name in self._checkpoint_names(target, fused, renamed)
+                if name not in seen
+            ]
+            raise ModelLoadError(f"checkpoint is missing weights: {missing[:8]}")
+
+    @staticmethod
+    def _checkpoint_names(
+        target: str, fused: dict[str, tuple[str, int, int]], renamed: dict[str, str]
+    ) -> list[str]:
+        """The Hugging Face names (without `model.`) of the weights that make up parameter `target`."""
+        for hf, ours in renamed.items():
+            target = target.replace(f".{ours}.", f".{hf}.")
+        parts = [
+            target.replace(f".{ours}.", f".{hf}.")
+            for hf, (ours, _, _) in fused.items()
+            if f".{ours}." in target
+        ]
+        return parts or [target]
 
     @staticmethod
     def _target(
