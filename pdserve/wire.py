@@ -1,0 +1,170 @@
+"""Messages between the router and the workers: typed, versioned msgpack (msgspec). No torch.
+
+Every frame is one `Frame` (a protocol version and one message). Nothing is ever pickled: a frame
+from a peer is decoded into these types or rejected with `WireError`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdserve.errors import PdserveError
+from pdserve.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+class WireError(PdserveError):
+    """A frame that is not a valid message of this protocol version."""
+
+
+class WireSamplingParams(msgspec.Struct, frozen=True):
+    """What a worker needs of `SamplingParams`. Stop strings stay with the router, which owns the
+    text; stop token ids, EOS and max_tokens are checked by the engine."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    @classmethod
+    def from_params(cls, p: SamplingParams) -> WireSamplingParams:
+        return cls(
+            max_tokens=p.max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            min_p=p.min_p,
+            seed=p.seed,
+            repetition_penalty=p.repetition_penalty,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            stop_token_ids=list(p.stop_token_ids),
+            ignore_eos=p.ignore_eos,
+            logprobs=p.logprobs,
+        )
+
+    def to_params(self) -> SamplingParams:
+        """Validated again on this side: a peer's frame is input like any other."""
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+        )
+
+
+class KVHandle(msgspec.Struct, frozen=True):
+    """Where a prefilled request's KV blocks are, and until when the prefill side keeps them."""
+
+    worker_id: str
+    transport: str  # "shm" | "tcp" | "nixl"
+    address: str  # shm segment name, host:port, or a NIXL agent name
+    block_ids: list[int]
+    num_tokens: int  # tokens of KV in those blocks (the prompt)
+    lease_expires_at: float  # time.time() on the prefill side; the blocks are freed after it
+
+
+# -- router -> worker --------------------------------------------------------------------------------
+class AddRequest(msgspec.Struct, frozen=True, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: WireSamplingParams
+    # Decode role with remote prefill: the first token the prefill worker sampled, and its KV.
+    first_token_id: int | None = None
+    kv: KVHandle | None = None
+
+
+class Abort(msgspec.Struct, frozen=True, tag="abort"):
+    request_id: str
+
+
+class Release(msgspec.Struct, frozen=True, tag="release"):
+    """Prefill role: the decode side has the KV of this request (or gave up on it): free it."""
+
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
+    pass
+
+
+# -- worker -> router --------------------------------------------------------------------------------
+class Ready(msgspec.Struct, frozen=True, tag="ready"):
+    worker_id: str
+    role: str
+    model: str
+    max_model_len: int
+    vocab_size: int
+    kv_transport: str
+    kv_address: str
+
+
+class Tokens(msgspec.Struct, frozen=True, tag="tokens"):
+    """New tokens of one request; `finish_reason` set on the last message of the request.
+
+    A prefill worker's answer carries the first token, finish_reason "prefilled" and `kv`.
+    finish_reason "error" comes with `error`: the request failed on this worker (a KV transfer
+    that did not arrive, say) and the router decides whether to retry it."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    logprobs: list[tuple[int, float, dict[int, float]]] | None = None
+    kv: KVHandle | None = None
+    error: str | None = None
+
+
+class Load(msgspec.Struct, frozen=True, tag="load"):
+    worker_id: str
+    num_running: int
+    num_waiting: int
+    queued_prompt_tokens: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    num_prefilled_held: int
+    last_step_ms: float
+
+
+Message = AddRequest | Abort | Release | Shutdown | Ready | Tokens | Load
+
+
+class Frame(msgspec.Struct, frozen=True, array_like=True):
+    version: int
+    message: Message
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Frame)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(Frame(PROTOCOL_VERSION, message))
+
+
+def decode(data: bytes) -> Message:
+    try:
+        frame = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        # A frame of another version may not even parse: say which version we speak.
+        raise WireError(f"bad frame (this side speaks protocol {PROTOCOL_VERSION}): {exc}") from exc
+    if frame.version != PROTOCOL_VERSION:
+        raise WireError(f"peer speaks protocol {frame.version}, this side {PROTOCOL_VERSION}")
+    return frame.message
