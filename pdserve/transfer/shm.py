@@ -1,0 +1,110 @@
+"""Shared-memory KV cache segments: the `shm` transport's storage (same host).
+
+The prefill worker's whole KV cache lives in one POSIX shared-memory segment
+(/dev/shm/pdserve-kv-...), so a decode worker on the same host maps it read-only and copies a
+request's blocks straight out of it: one memcpy per block and layer, no serialization, no socket.
+
+The creating process owns the segment and unlinks it on close. Python's resource tracker also
+unlinks it if that process dies without closing (SIGKILL), so no segment outlives its worker.
+An attaching process maps the file directly and never registers it with its own tracker (which
+would unlink a segment that is not its own when it exits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import warnings
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import torch
+
+from pdserve.errors import PdserveError
+
+SEGMENT_PREFIX = "pdserve-kv-"
+_SHM_DIR = Path("/dev/shm")
+
+
+class SharedSegmentError(PdserveError):
+    """A shared-memory segment could not be created or opened."""
+
+
+class OwnedSegment:
+    """A new segment holding a tensor of `shape` and `dtype`, zero-filled."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        self.name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
+                name=self.name, create=True, size=max(nbytes, 1)
+            )
+        except OSError as exc:
+            raise SharedSegmentError(
+                f"cannot create a {nbytes / 2**20:.0f} MiB shared-memory segment for the KV cache "
+                f"(is /dev/shm large enough? `df -h /dev/shm`): {exc}"
+            ) from exc
+        # [shape] view over the segment; the segment is fresh, so already zero.
+        self.tensor = torch.frombuffer(self._shm.buf, dtype=dtype, count=torch.Size(shape).numel()).view(
+            shape
+        )
+
+    def close(self) -> None:
+        """Drop the mapping and remove the segment. Safe to call twice."""
+        shm, self._shm = self._shm, None
+        if shm is None:
+            return
+        del self.tensor  # the tensor holds an export of the buffer: release it before closing
+        # BufferError: a view is still alive somewhere; the unlink below still removes the name.
+        with contextlib.suppress(BufferError):
+            shm.close()
+        with contextlib.suppress(FileNotFoundError):
+            shm.unlink()
+
+
+class AttachedSegment:
+    """Another process's segment, mapped read-only as a tensor of `shape` and `dtype`."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        if not name.startswith(SEGMENT_PREFIX) or "/" in name:
+            raise SharedSegmentError(f"not a pdserve KV segment name: {name!r}")
+        path = _SHM_DIR / name
+        count = torch.Size(shape).numel()
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise SharedSegmentError(f"cannot open KV segment {name}: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size < nbytes:
+                raise SharedSegmentError(f"KV segment {name} holds {size} bytes, expected at least {nbytes}")
+            self._map: mmap.mmap | None = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        # torch warns that it cannot mark the tensor read-only; the mapping is PROT_READ, so a write
+        # would fault rather than corrupt the owner's cache. Nothing here writes to it.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            self.tensor = torch.frombuffer(memoryview(self._map), dtype=dtype, count=count).view(shape)
+        self.name = name
+
+    def close(self) -> None:
+        mapping, self._map = self._map, None
+        if mapping is None:
+            return
+        del self.tensor
+        with contextlib.suppress(BufferError):
+            mapping.close()
+
+
+def leftover_segments(pid: int | None = None) -> list[str]:
+    """Names of pdserve KV segments in /dev/shm (of one process, if `pid` is given)."""
+    prefix = SEGMENT_PREFIX if pid is None else f"{SEGMENT_PREFIX}{pid}-"
+    try:
+        return sorted(p.name for p in _SHM_DIR.iterdir() if p.name.startswith(prefix))
+    except FileNotFoundError:
+        return []
