@@ -57,3 +57,33 @@ def test_attach_errors_are_clear() -> None:
     finally:
         segment.close()
         segment.close()  # twice is fine
+
+
+def test_importer_copies_blocks_into_its_own_block_ids_and_counts() -> None:
+    from pdserve.transfer.base import FaultInjector, TransferError
+    from pdserve.transfer.shm import ShmImporter
+
+    shape = (3, 2, 8, 4, 2, 8)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
+    owner = OwnedSegment(shape, torch.float32)
+    owner.tensor.copy_(torch.randn(shape))
+    local = torch.zeros((3, 2, 5, 4, 2, 8))  # a different number of blocks on this side
+    importer = ShmImporter(local)
+    try:
+        moved = importer.pull(owner.name, [3, 6], [0, 4], timeout=5.0)
+        assert torch.equal(local[:, :, 0], owner.tensor[:, :, 3]) and torch.equal(
+            local[:, :, 4], owner.tensor[:, :, 6]
+        )
+        assert torch.count_nonzero(local[:, :, 1:4]) == 0  # nothing else touched
+        assert moved == 2 * 3 * 2 * 4 * 2 * 8 * 4 and importer.stats.bytes == moved
+        with pytest.raises(TransferError, match="outside"):
+            importer.pull(owner.name, [8], [0], timeout=5.0)
+        with pytest.raises(TransferError, match="gone"):
+            importer.pull("pdserve-kv-0-nothere", [0], [0], timeout=5.0)
+        importer.faults = FaultInjector(rate=1.0)
+        with pytest.raises(TransferError, match="injected"):
+            importer.pull(owner.name, [1], [1], timeout=5.0)
+        assert importer.stats.pulls == 4 and importer.stats.failures == 3
+    finally:
+        importer.close()
+        owner.close()
+    assert owner.name not in leftover_segments()

@@ -16,6 +16,7 @@ import contextlib
 import mmap
 import os
 import secrets
+import threading
 import warnings
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from pdserve.errors import PdserveError
+from pdserve.transfer.base import FaultInjector, KVImporter, TransferError, block_nbytes
 
 SEGMENT_PREFIX = "pdserve-kv-"
 _SHM_DIR = Path("/dev/shm")
@@ -108,3 +110,53 @@ def leftover_segments(pid: int | None = None) -> list[str]:
         return sorted(p.name for p in _SHM_DIR.iterdir() if p.name.startswith(prefix))
     except FileNotFoundError:
         return []
+
+
+class ShmImporter(KVImporter):
+    """Decode side of `shm`: maps the prefill worker's cache segment and copies blocks out of it."""
+
+    def __init__(self, kv_cache: torch.Tensor, faults: FaultInjector | None = None) -> None:
+        super().__init__(kv_cache, faults)
+        self._segments: dict[str, AttachedSegment] = {}
+        self._lock = threading.Lock()
+
+    def _source(self, address: str) -> torch.Tensor:
+        with self._lock:
+            segment = self._segments.get(address)
+            if segment is None:
+                layers, two, _, block_size, kv_heads, head_dim = self.kv_cache.shape
+                per_block = block_nbytes(self.kv_cache)
+                try:
+                    size = (_SHM_DIR / address).stat().st_size
+                except OSError as exc:
+                    raise TransferError(f"KV segment {address} is gone: {exc}") from exc
+                # The source may have a different number of blocks; everything else must match.
+                shape = (layers, two, size // per_block, block_size, kv_heads, head_dim)
+                segment = AttachedSegment(address, shape, self.kv_cache.dtype)
+                self._segments[address] = segment
+            return segment.tensor
+
+    def _pull(self, address: str, src_blocks: list[int], dst_blocks: list[int], timeout: float) -> int:
+        source = self._source(address)
+        if src_blocks and max(src_blocks) >= source.shape[2]:
+            raise TransferError(
+                f"block {max(src_blocks)} is outside segment {address} ({source.shape[2]} blocks)"
+            )
+        src = torch.tensor(src_blocks, dtype=torch.long)
+        dst = torch.tensor(dst_blocks, dtype=torch.long)
+        # [L, 2, n, BS, KVH, D] gathered from the source, scattered into our blocks.
+        self.kv_cache[:, :, dst] = source[:, :, src]
+        return len(src_blocks) * block_nbytes(self.kv_cache)
+
+    def forget(self, address: str) -> None:
+        """Unmap a source that went away (its worker died), so its memory can be reclaimed."""
+        with self._lock:
+            segment = self._segments.pop(address, None)
+        if segment is not None:
+            segment.close()
+
+    def close(self) -> None:
+        with self._lock:
+            segments, self._segments = list(self._segments.values()), {}
+        for segment in segments:
+            segment.close()
