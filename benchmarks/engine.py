@@ -55,7 +55,7 @@ def measure(
     results["prefill_tps"] = PREFILL_LEN / generate(prompt, 1)
     for batch in BATCHES:
         prompts = random_prompts(batch, DECODE_PROMPT_LEN, vocab, seed=batch)
-        generate(prompts, 2)
+        generate(random_prompts(batch, 16, vocab, seed=batch), 2)  # warm-up at this batch size
         first = generate(prompts, 1)
         total = generate(prompts, decode_tokens)
         results[f"decode_tps_b{batch}"] = batch * (decode_tokens - 1) / (total - first)

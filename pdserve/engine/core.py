@@ -15,7 +15,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.runner import ModelRunner
+from pdserve.engine.runner import KVAllocator, ModelRunner
 from pdserve.engine.sched import Scheduler, SchedulerConfig, SchedulerStats
 from pdserve.errors import InvalidRequestError
 from pdserve.models.config import ModelConfig
@@ -83,6 +83,7 @@ class EngineCore:
         eos_token_ids: tuple[int, ...],
         device: torch.device,
         dtype: torch.dtype,
+        kv_allocator: KVAllocator | None = None,
     ) -> None:
         self.config = config
         self.model_config = model_config
@@ -106,7 +107,7 @@ class EngineCore:
             self.kv,
         )
         self.runner = ModelRunner(
-            model, model_config, num_blocks, config.block_size, dtype, device, config.seed
+            model, model_config, num_blocks, config.block_size, dtype, device, config.seed, kv_allocator
         )
         self.last_step: StepStats | None = None
         self._kv_to_receive: list[tuple[str, list[int]]] = []

@@ -10,14 +10,17 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore, pick_device, pick_dtype
+from pdserve.engine.runner import KVAllocator
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.loader import generation_eos_ids, iter_weights, load_config, load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
 
 
-def build_engine(config: EngineConfig) -> tuple[EngineCore, Any]:
-    """Returns the engine core and the model's tokenizer (with its chat template)."""
+def build_engine(config: EngineConfig, kv_allocator: KVAllocator | None = None) -> tuple[EngineCore, Any]:
+    """Returns the engine core and the model's tokenizer (with its chat template).
+
+    `kv_allocator` places the KV cache (in shared memory for the `shm` transport)."""
     started = time.perf_counter()
     if config.threads is not None:
         torch.set_num_threads(config.threads)
@@ -34,6 +37,6 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, Any]:
     model.eval()
     tokenizer = load_tokenizer(source)
     eos_ids = generation_eos_ids(source, model_config, tokenizer)
-    engine = EngineCore(config, model_config, model, eos_ids, device, dtype)
+    engine = EngineCore(config, model_config, model, eos_ids, device, dtype, kv_allocator)
     logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - started)
     return engine, tokenizer

@@ -9,6 +9,7 @@ decode tokens first, then prompt chunks, with their positions and cache slots.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,9 @@ from pdserve.engine.sched import SchedulerOutput
 from pdserve.models.config import ModelConfig
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.outputs import TokenLogprob
+
+# (shape, dtype) -> a zeroed tensor of that shape: where the KV cache lives.
+KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 
 @dataclass
@@ -39,16 +43,17 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         seed: int = 0,
+        kv_allocator: KVAllocator | None = None,
     ) -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
         self.device = device
-        self.kv_cache = torch.zeros(
-            (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
-            dtype=dtype,
-            device=device,
-        )
+        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        if kv_allocator is None:
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        else:  # e.g. in shared memory, for the `shm` KV transport; must come back zeroed
+            self.kv_cache = kv_allocator(shape, dtype)
         self._generators: dict[str, torch.Generator] = {}
         self._seed_source = random.Random(seed)  # seeds for requests that did not ask for one
 
@@ -150,6 +155,8 @@ class ModelRunner:
             padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
             meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)  # [B, MB]
             lengths = torch.tensor(decode_positions, dtype=torch.long)[:, None] + 1  # [B, 1]
+            meta.decode_seq_lens = lengths[:, 0].to(device)  # [B]
+            meta.sliding_window = window  # with the lengths, what the CPU kernel needs
             keys = torch.arange(max_blocks * block_size)[None, :]  # [1, ctx]
             mask = keys < lengths
             if window is not None:

@@ -1,0 +1,5 @@
+import sys
+
+from pdserve.worker.main import main
+
+sys.exit(main())

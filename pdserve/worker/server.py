@@ -1,0 +1,284 @@
+"""A worker process's serving loop: the control RPC and the engine loop, on separate threads.
+
+- The RPC thread owns the ZeroMQ ROUTER socket. It decodes each frame (`pdserve.wire`), hands it
+  to the engine thread through a queue, and sends what the engine thread produced. It never waits
+  for a step, so the router always gets through, even during a long prefill chunk.
+- The engine thread owns the engine: it applies queued commands between steps, steps while there
+  is work, and emits `Tokens` and periodic `Load` messages.
+- Decode role: KV pulls run on a small thread pool (they copy into blocks the running batch does
+  not touch); their outcome comes back to the engine thread through the same queue.
+
+Every timeout is explicit: the lease on prefilled blocks, the KV pull timeout, the idle wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import zmq
+
+from pdserve import wire
+from pdserve.config import Role
+from pdserve.engine.core import EngineCore, EngineOutput
+from pdserve.errors import InvalidRequestError
+from pdserve.transfer.base import KVImporter, TransferError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    worker_id: str
+    rpc_address: str  # e.g. tcp://127.0.0.1:7001 or ipc:///tmp/pdserve-p0.sock
+    transport: str  # name of the KV transport
+    kv_address: str  # where this worker's KV can be read (prefill role), "" otherwise
+    lease_seconds: float = 30.0  # prefilled blocks are freed after this without a Release
+    kv_pull_timeout: float = 10.0
+    load_interval: float = 0.1  # seconds between Load reports while busy (and on every change)
+
+
+@dataclass
+class _KVDone:
+    request_id: str
+    ok: bool
+    error: str | None
+
+
+class WorkerServer:
+    def __init__(
+        self, engine: EngineCore, options: WorkerOptions, importer: KVImporter | None = None
+    ) -> None:
+        self.engine = engine
+        self.options = options
+        self.importer = importer
+        self._inbox: queue.Queue[wire.Message | _KVDone] = queue.Queue()
+        # Engine thread -> RPC thread: an inproc PUSH/PULL pair, so a new token wakes the RPC
+        # thread at once (no polling interval between a token and the router).
+        self._outbox_address = f"inproc://pdserve-outbox-{id(self)}"
+        self._outbox: zmq.Socket[bytes] | None = None  # created on the engine thread
+        self._stop = threading.Event()
+        self._leases: dict[str, float] = {}  # prefill role: request id -> monotonic expiry
+        self._pending_kv: dict[str, wire.KVHandle] = {}  # decode role: request id -> its source
+        self._pulls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pull") if importer else None
+        self.lease_expiries = 0
+        self.kv_failures = 0
+
+    # -- threads -------------------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        """Runs until a Shutdown message or `stop()`. The engine loop runs on this thread."""
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._outbox = context.socket(zmq.PUSH)
+        self._outbox.setsockopt(zmq.LINGER, 0)
+        self._outbox.bind(self._outbox_address)
+        rpc = threading.Thread(target=self._rpc_loop, args=(context,), name="rpc", daemon=True)
+        rpc.start()
+        try:
+            self._engine_loop()
+        finally:
+            self._stop.set()
+            rpc.join(timeout=5.0)
+            self._outbox.close()
+            if self._pulls is not None:
+                self._pulls.shutdown(wait=True, cancel_futures=True)
+            if self.importer is not None:
+                self.importer.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _rpc_loop(self, context: zmq.Context[zmq.Socket[bytes]]) -> None:
+        sock = context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(self.options.rpc_address)
+        outbox = context.socket(zmq.PULL)
+        outbox.setsockopt(zmq.LINGER, 0)
+        outbox.connect(self._outbox_address)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(outbox, zmq.POLLIN)
+        pending: list[bytes] = []  # produced before any router said hello
+        peer: bytes | None = None
+        ready = wire.encode(
+            wire.Ready(
+                worker_id=self.options.worker_id,
+                role=self.engine.config.role.value,
+                model=self.engine.config.model,
+                max_model_len=self.engine.max_model_len,
+                vocab_size=self.engine.model_config.vocab_size,
+                kv_transport=self.options.transport,
+                kv_address=self.options.kv_address,
+            )
+        )
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(timeout=100))  # the timeout only bounds the stop check
+                if sock in events:
+                    identity, payload = sock.recv_multipart()
+                    if identity != peer:
+                        peer = identity  # a (re)connected router: greet it first
+                        sock.send_multipart([peer, ready])
+                    if payload:  # an empty frame is a hello: the router only wants Ready
+                        try:
+                            self._inbox.put(wire.decode(payload))
+                        except wire.WireError as exc:
+                            logger.error("worker %s: dropped a bad frame: %s", self.options.worker_id, exc)
+                if outbox in events:
+                    while True:
+                        try:
+                            pending.append(outbox.recv(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                if peer is not None:
+                    for frame in pending:
+                        sock.send_multipart([peer, frame])
+                    pending.clear()
+        finally:
+            outbox.close()
+            sock.close()
+
+    def _engine_loop(self) -> None:
+        engine = self.engine
+        last_load = 0.0
+        while not self._stop.is_set():
+            busy = engine.has_unfinished
+            try:
+                item = self._inbox.get(timeout=0 if busy else 0.02)
+                self._apply(item)
+                while True:  # everything else that is queued, before the next step
+                    self._apply(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if self._stop.is_set():
+                break
+            self._start_pulls()
+            if engine.has_unfinished:
+                for out in engine.step():
+                    self._emit(out)
+            self._expire_leases()
+            now = time.monotonic()
+            if now - last_load >= self.options.load_interval:
+                self._send(self._load())
+                last_load = now
+
+    # -- commands --------------------------------------------------------------------------------------
+    def _apply(self, item: wire.Message | _KVDone) -> None:
+        engine = self.engine
+        if isinstance(item, _KVDone):
+            self._pending_kv.pop(item.request_id, None)
+            failed = engine.kv_received(item.request_id, item.ok)
+            if failed is not None:
+                self.kv_failures += 1
+                logger.error(
+                    "worker %s: KV for %s failed: %s", self.options.worker_id, item.request_id, item.error
+                )
+                self._send(
+                    wire.Tokens(item.request_id, [], "error", error=f"KV transfer failed: {item.error}")
+                )
+        elif isinstance(item, wire.AddRequest):
+            self._add(item)
+        elif isinstance(item, wire.Abort):
+            self._pending_kv.pop(item.request_id, None)
+            self._leases.pop(item.request_id, None)
+            engine.abort(item.request_id)
+            engine.release(item.request_id)
+        elif isinstance(item, wire.Release):
+            self._leases.pop(item.request_id, None)
+            engine.release(item.request_id)
+        elif isinstance(item, wire.Shutdown):
+            self._stop.set()
+
+    def _add(self, msg: wire.AddRequest) -> None:
+        try:
+            params = msg.params.to_params()
+            if msg.kv is not None:
+                if self.importer is None or self.engine.config.role is not Role.DECODE:
+                    raise InvalidRequestError("this worker does not take KV from other workers")
+                if msg.first_token_id is None:
+                    raise InvalidRequestError("a request with remote KV needs the first token")
+            self.engine.add_request(
+                msg.request_id, msg.prompt_token_ids, params, first_token_id=msg.first_token_id
+            )
+        except (InvalidRequestError, ValueError) as exc:
+            self._send(wire.Tokens(msg.request_id, [], "error", error=str(exc)))
+            return
+        if msg.kv is not None:
+            self._pending_kv[msg.request_id] = msg.kv
+
+    def _start_pulls(self) -> None:
+        for request_id, dst_blocks in self.engine.take_kv_to_receive():
+            handle = self._pending_kv.get(request_id)
+            if handle is None or self._pulls is None:
+                self._inbox.put(_KVDone(request_id, False, "no KV source for this request"))
+                continue
+            self._pulls.submit(self._pull, request_id, handle, dst_blocks)
+
+    def _pull(self, request_id: str, handle: wire.KVHandle, dst_blocks: list[int]) -> None:
+        assert self.importer is not None
+        if time.time() > handle.lease_expires_at:
+            self._inbox.put(_KVDone(request_id, False, "the prefill worker's lease had expired"))
+            return
+        try:
+            self.importer.pull(handle.address, handle.block_ids, dst_blocks, self.options.kv_pull_timeout)
+        except TransferError as exc:
+            self._inbox.put(_KVDone(request_id, False, str(exc)))
+            return
+        self._inbox.put(_KVDone(request_id, True, None))
+
+    # -- outputs --------------------------------------------------------------------------------------
+    def _emit(self, out: EngineOutput) -> None:
+        kv = None
+        if out.finish_reason == "prefilled":
+            expires = time.monotonic() + self.options.lease_seconds
+            self._leases[out.request_id] = expires
+            kv = wire.KVHandle(
+                worker_id=self.options.worker_id,
+                transport=self.options.transport,
+                address=self.options.kv_address,
+                block_ids=list(self.engine.kv.block_table(out.request_id)),
+                num_tokens=len(self.engine.scheduler.prefilled[out.request_id].prompt_token_ids),
+                lease_expires_at=time.time() + self.options.lease_seconds,
+            )
+        logprobs = None
+        if out.new_logprobs is not None:
+            logprobs = [(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs]
+        stop_reason = out.stop_reason if isinstance(out.stop_reason, int) else None
+        self._send(
+            wire.Tokens(out.request_id, out.new_token_ids, out.finish_reason, stop_reason, logprobs, kv)
+        )
+
+    def _expire_leases(self) -> None:
+        if not self._leases:
+            return
+        now = time.monotonic()
+        for request_id in [r for r, expiry in self._leases.items() if expiry < now]:
+            del self._leases[request_id]
+            if self.engine.release(request_id):
+                self.lease_expiries += 1
+                logger.warning(
+                    "worker %s: lease of %s expired; its KV blocks are freed",
+                    self.options.worker_id,
+                    request_id,
+                )
+
+    def _load(self) -> wire.Load:
+        stats = self.engine.stats()
+        step = self.engine.last_step
+        return wire.Load(
+            worker_id=self.options.worker_id,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting + stats.num_receiving_kv,
+            queued_prompt_tokens=stats.queued_prompt_tokens,
+            kv_blocks_used=stats.kv_blocks_used,
+            kv_blocks_free=stats.kv_blocks_free,
+            num_prefilled_held=stats.num_prefilled_held,
+            last_step_ms=step.step_seconds * 1000 if step else 0.0,
+        )
+
+    def _send(self, message: wire.Message) -> None:
+        assert self._outbox is not None, "only the engine thread sends, while serving"
+        self._outbox.send(wire.encode(message))

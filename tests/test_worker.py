@@ -1,0 +1,186 @@
+"""Worker processes end to end: real processes, real ZeroMQ sockets, KV through shared memory.
+
+A prefill worker answers with the first token and a KV handle; a decode worker pulls that KV and
+continues; the result is token for token what the offline engine produces."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from pdserve import LLM, SamplingParams, wire
+from pdserve.transfer.shm import leftover_segments
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPTS = [list(range(20, 20 + n)) for n in (3, 17, 40)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Worker:
+    def __init__(self, model: Path, role: str, worker_id: str, *extra: str) -> None:
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        cmd = [sys.executable, "-m", "pdserve.worker", "--model", str(model), "--role", role]
+        cmd += [
+            "--worker-id",
+            worker_id,
+            "--rpc",
+            self.address,
+            "--dtype",
+            "float32",
+            "--num-kv-blocks",
+            "64",
+        ]
+        self.proc = subprocess.Popen([*cmd, *extra], stderr=subprocess.PIPE, text=True)
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(self.address)
+        self.sock.send(b"")  # hello: the worker answers with Ready once its engine is up
+        self.ready = self.recv(timeout=120)
+        assert isinstance(self.ready, wire.Ready)
+
+    def send(self, message: wire.Message) -> None:
+        self.sock.send(wire.encode(message))
+
+    def recv(self, timeout: float = 30) -> wire.Message:
+        if not self.sock.poll(timeout=int(timeout * 1000)):
+            raise TimeoutError(f"no message from worker within {timeout} s")
+        return wire.decode(self.sock.recv())
+
+    def recv_tokens(self, timeout: float = 30) -> wire.Tokens:
+        deadline = time.monotonic() + timeout
+        while True:
+            message = self.recv(max(0.1, deadline - time.monotonic()))
+            if isinstance(message, wire.Tokens):
+                return message
+
+    def last_load(self, timeout: float = 5) -> wire.Load:
+        deadline = time.monotonic() + timeout
+        load = None
+        while time.monotonic() < deadline:
+            message = self.recv(timeout)
+            if isinstance(message, wire.Load):
+                load = message
+                if load.kv_blocks_used == 0:
+                    return load
+        assert load is not None
+        return load
+
+    def stop(self) -> int:
+        self.send(wire.Shutdown())
+        try:
+            code = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self.sock.close()
+        return code
+
+
+@pytest.fixture
+def pair(tiny_llama: Path) -> Iterator[tuple[Worker, Worker]]:
+    prefill = Worker(tiny_llama, "prefill", "p0")
+    decode = Worker(tiny_llama, "decode", "d0")
+    try:
+        yield prefill, decode
+    finally:
+        for worker in (prefill, decode):
+            if worker.proc.poll() is None:
+                assert worker.stop() == 0
+
+
+def test_prefill_to_decode_over_shm_matches_offline(tiny_llama: Path, pair: tuple[Worker, Worker]) -> None:
+    prefill, decode = pair
+    expected = [
+        o.outputs[0].token_ids for o in LLM(str(tiny_llama), dtype="float32").generate(PROMPTS, GREEDY)
+    ]
+    params = wire.WireSamplingParams.from_params(GREEDY)
+    for i, prompt in enumerate(PROMPTS):
+        prefill.send(wire.AddRequest(f"r{i}", prompt, params))
+    handles: dict[str, wire.Tokens] = {}
+    while len(handles) < len(PROMPTS):
+        tokens = prefill.recv_tokens()
+        assert tokens.finish_reason == "prefilled" and tokens.kv is not None
+        assert tokens.kv.address.startswith("pdserve-kv-") and tokens.kv.num_tokens > 0
+        handles[tokens.request_id] = tokens
+    for i, prompt in enumerate(PROMPTS):
+        first = handles[f"r{i}"]
+        decode.send(wire.AddRequest(f"r{i}", prompt, params, first_token_id=first.token_ids[0], kv=first.kv))
+    got = {f"r{i}": list(handles[f"r{i}"].token_ids) for i in range(len(PROMPTS))}
+    done = 0
+    while done < len(PROMPTS):
+        tokens = decode.recv_tokens()
+        assert tokens.error is None, tokens.error
+        got[tokens.request_id] += tokens.token_ids
+        done += tokens.finish_reason is not None
+    for i in range(len(PROMPTS)):
+        prefill.send(wire.Release(f"r{i}"))
+    assert [got[f"r{i}"] for i in range(len(PROMPTS))] == expected
+    assert prefill.last_load().kv_blocks_used == 0 and decode.last_load().kv_blocks_used == 0
+
+
+def test_failed_kv_pull_is_reported_not_recomputed(tiny_llama: Path) -> None:
+    prefill = Worker(tiny_llama, "prefill", "p0")
+    decode = Worker(tiny_llama, "decode", "d0", "--kv-fault-rate", "1.0")
+    try:
+        params = wire.WireSamplingParams.from_params(GREEDY)
+        prefill.send(wire.AddRequest("r", PROMPTS[1], params))
+        first = prefill.recv_tokens()
+        decode.send(wire.AddRequest("r", PROMPTS[1], params, first_token_id=first.token_ids[0], kv=first.kv))
+        answer = decode.recv_tokens()
+        assert answer.finish_reason == "error" and answer.error and "injected fault" in answer.error
+        assert decode.last_load().kv_blocks_used == 0
+    finally:
+        assert prefill.stop() == 0 and decode.stop() == 0
+
+
+def test_lease_expiry_frees_prefilled_blocks(tiny_llama: Path) -> None:
+    prefill = Worker(tiny_llama, "prefill", "p0", "--lease-seconds", "0.5")
+    try:
+        prefill.send(wire.AddRequest("r", PROMPTS[2], wire.WireSamplingParams.from_params(GREEDY)))
+        assert prefill.recv_tokens().finish_reason == "prefilled"
+        assert prefill.last_load(timeout=10).kv_blocks_used == 0
+    finally:
+        assert prefill.stop() == 0
+
+
+def test_bad_requests_get_an_error_and_the_worker_keeps_serving(tiny_llama: Path) -> None:
+    worker = Worker(tiny_llama, "mixed", "m0")
+    try:
+        worker.send(wire.AddRequest("empty", [], wire.WireSamplingParams(max_tokens=3)))
+        answer = worker.recv_tokens()
+        assert answer.finish_reason == "error" and answer.error and "empty" in answer.error
+        worker.sock.send(b"\x00 not a frame")
+        worker.send(wire.AddRequest("ok", PROMPTS[0], wire.WireSamplingParams(max_tokens=2, temperature=0.0)))
+        tokens: list[int] = []
+        while True:
+            answer = worker.recv_tokens()
+            tokens += answer.token_ids
+            if answer.finish_reason:
+                break
+        assert answer.request_id == "ok" and len(tokens) <= 2
+    finally:
+        assert worker.stop() == 0
+
+
+def test_sigterm_stops_the_worker_and_removes_its_segment(tiny_llama: Path) -> None:
+    worker = Worker(tiny_llama, "prefill", "p0")
+    segment = worker.ready.kv_address  # type: ignore[union-attr]
+    assert segment in leftover_segments()
+    os.kill(worker.proc.pid, signal.SIGTERM)
+    assert worker.proc.wait(timeout=30) == 0
+    worker.sock.close()
+    assert segment not in leftover_segments()
