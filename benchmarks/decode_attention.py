@@ -135,7 +135,15 @@ def main() -> None:
         f"H={HEADS} KVH={KV_HEADS} D={HEAD_DIM} block_size={BLOCK_SIZE} context~{args.context} "
         f"layers={args.layers}, load average before: {os.getloadavg()[0]:.2f} (other work skews timings)"
     )
-    header = f"{'dtype':>9} {'threads':>7} {'batch':>5} {'portable ms':>11} {'kernel ms':>9} {'speedup':>7} {'max|diff|':>9}"
+    columns = (
+        ("dtype", 9),
+        ("threads", 7),
+        ("batch", 5),
+        ("portable ms", 11),
+        ("kernel ms", 9),
+        ("speedup", 7),
+    )
+    header = " ".join(f"{name:>{width}}" for name, width in columns) + f" {'max|diff|':>9}"
     print(header)
     print("-" * len(header))
     with torch.inference_mode():

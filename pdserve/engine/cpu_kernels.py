@@ -5,8 +5,8 @@ cpu_attention.cpp), or None when kernels are disabled (`PDSERVE_CPU_KERNELS=0`) 
 (no compiler, no ninja, a compile error): then one warning says why, and callers keep the portable
 torch path, which stays the reference.
 
-The first use on a machine compiles (tens of seconds); later processes load the cached library in
-milliseconds. The build folder is keyed by everything the binary depends on (sources, flags, torch
+The first use on a machine compiles (10-20 s on 2 cores); later processes load the cached library
+in milliseconds. The build folder is keyed by everything the binary depends on (sources, flags, torch
 and Python versions, the CPU's instruction set since we compile with -march=native), so a changed
 source, an upgraded torch or a home directory shared between different machines never loads a
 stale or illegal binary. It lives under `$PDSERVE_CACHE_DIR/torch_extensions` (default
@@ -16,7 +16,9 @@ Concurrency: torch's own guard is a lock file (`FileBaton`) that waiters poll fo
 killed mid-build would hang every later process. We serialize builders with `fcntl.flock` instead
 (the kernel drops it when its holder dies) and, holding it, clear a stale baton before calling
 torch. A `ready` stamp, written atomically once the library has loaded, lets later processes skip
-torch's builder (which runs ninja and probes the compiler, ~1 s) and load the library directly.
+torch's builder (which reruns ninja and probes the compiler) and load the library directly.
+A failed build is not remembered: each new process tries again (and warns again), so installing a
+missing compiler or ninja needs no cache cleanup.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ logger = logging.getLogger(__name__)
 
 _NAME = "pdserve_cpu_kernels"
 _SOURCES = ("cpu_attention.cpp",)
-# -ffp-contract=fast lets gcc fuse a*b+c into FMAs (off by default under -std=c++17); -fopenmp
-# enables the `omp simd` loops and matches torch's OpenMP at::parallel_for. No -ffast-math: the
-# kernel must stay close to the portable path.
+# -ffp-contract=fast lets gcc fuse a*b+c into FMAs (off by default in torch's ISO -std=c++ mode);
+# -fopenmp enables the `omp simd` loops and matches torch's OpenMP at::parallel_for. No -ffast-math:
+# the kernel must stay close to the portable path.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
 _unavailable_reason: str | None = None
@@ -116,7 +118,7 @@ def _load_library() -> None:
     with open(build_dir / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if we die; waits for a builder
         try:
-            if not ready.exists():
+            if not (ready.exists() and library.exists()):
                 # Only flock holders build here, so a baton left now was left by a dead builder.
                 (build_dir / "lock").unlink(missing_ok=True)
                 _ensure_ninja_on_path()

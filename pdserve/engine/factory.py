@@ -10,6 +10,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore, pick_device, pick_dtype
+from pdserve.engine.cpu_kernels import decode_attention_kernel
 from pdserve.engine.runner import KVAllocator
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.loader import generation_eos_ids, iter_weights, load_config, load_tokenizer, resolve_model
@@ -37,6 +38,10 @@ def build_engine(config: EngineConfig, kv_allocator: KVAllocator | None = None) 
     model.eval()
     tokenizer = load_tokenizer(source)
     eos_ids = generation_eos_ids(source, model_config, tokenizer)
+    if device.type == "cpu":
+        # Build (first time on this machine, ~10-20 s) or load the CPU kernel now, at start-up,
+        # rather than stalling the first decode step of the first request.
+        decode_attention_kernel()
     engine = EngineCore(config, model_config, model, eos_ids, device, dtype, kv_allocator)
     logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - started)
     return engine, tokenizer
