@@ -37,37 +37,16 @@ class WireSamplingParams(msgspec.Struct, frozen=True):
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> WireSamplingParams:
-        return cls(
-            max_tokens=p.max_tokens,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            min_p=p.min_p,
-            seed=p.seed,
-            repetition_penalty=p.repetition_penalty,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            stop_token_ids=list(p.stop_token_ids),
-            ignore_eos=p.ignore_eos,
-            logprobs=p.logprobs,
-        )
+        # Every field here has the same name in SamplingParams.
+        fields = {name: getattr(p, name) for name in cls.__struct_fields__}
+        fields["stop_token_ids"] = list(p.stop_token_ids)
+        return cls(**fields)
 
     def to_params(self) -> SamplingParams:
         """Validated again on this side: a peer's frame is input like any other."""
-        return SamplingParams(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            seed=self.seed,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            stop_token_ids=list(self.stop_token_ids),
-            ignore_eos=self.ignore_eos,
-            logprobs=self.logprobs,
-        )
+        fields = msgspec.structs.asdict(self)
+        fields["stop_token_ids"] = list(self.stop_token_ids)
+        return SamplingParams(**fields)
 
 
 class KVHandle(msgspec.Struct, frozen=True):
