@@ -111,6 +111,17 @@ class Tokens(msgspec.Struct, frozen=True, tag="tokens"):
     error: str | None = None
 
 
+class KVPulled(msgspec.Struct, frozen=True, tag="kv_pulled"):
+    """Decode worker: the prompt KV of a request arrived (ok) or did not. The router then releases
+    the prefill side's blocks, and counts the transfer's bytes and time in its metrics."""
+
+    request_id: str
+    ok: bool
+    nbytes: int
+    seconds: float
+    error: str | None = None
+
+
 class Load(msgspec.Struct, frozen=True, tag="load"):
     worker_id: str
     num_running: int
@@ -122,7 +133,7 @@ class Load(msgspec.Struct, frozen=True, tag="load"):
     last_step_ms: float
 
 
-Message = AddRequest | Abort | Release | Shutdown | Ready | Tokens | Load
+Message = AddRequest | Abort | Release | Shutdown | Ready | Tokens | KVPulled | Load
 
 
 class Frame(msgspec.Struct, frozen=True, array_like=True):

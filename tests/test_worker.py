@@ -49,6 +49,7 @@ class Worker:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(self.address)
         self.sock.send(b"")  # hello: the worker answers with Ready once its engine is up
+        self.kv_pulled: list[wire.KVPulled] = []  # every KVPulled seen, in order
         self.ready = self.recv(timeout=120)
         assert isinstance(self.ready, wire.Ready)
 
@@ -58,7 +59,10 @@ class Worker:
     def recv(self, timeout: float = 30) -> wire.Message:
         if not self.sock.poll(timeout=int(timeout * 1000)):
             raise TimeoutError(f"no message from worker within {timeout} s")
-        return wire.decode(self.sock.recv())
+        message = wire.decode(self.sock.recv())
+        if isinstance(message, wire.KVPulled):
+            self.kv_pulled.append(message)
+        return message
 
     def recv_tokens(self, timeout: float = 30) -> wire.Tokens:
         deadline = time.monotonic() + timeout
@@ -129,6 +133,9 @@ def test_prefill_to_decode_over_shm_matches_offline(tiny_llama: Path, pair: tupl
     for i in range(len(PROMPTS)):
         prefill.send(wire.Release(f"r{i}"))
     assert [got[f"r{i}"] for i in range(len(PROMPTS))] == expected
+    # The decode side acknowledged each transfer with what it moved.
+    assert sorted(p.request_id for p in decode.kv_pulled) == ["r0", "r1", "r2"]
+    assert all(p.ok and p.nbytes > 0 and p.seconds > 0 for p in decode.kv_pulled)
     assert prefill.last_load().kv_blocks_used == 0 and decode.last_load().kv_blocks_used == 0
 
 
@@ -142,6 +149,7 @@ def test_failed_kv_pull_is_reported_not_recomputed(tiny_llama: Path) -> None:
         decode.send(wire.AddRequest("r", PROMPTS[1], params, first_token_id=first.token_ids[0], kv=first.kv))
         answer = decode.recv_tokens()
         assert answer.finish_reason == "error" and answer.error and "injected fault" in answer.error
+        assert [(p.request_id, p.ok) for p in decode.kv_pulled] == [("r", False)]
         assert decode.last_load().kv_blocks_used == 0
     finally:
         assert prefill.stop() == 0 and decode.stop() == 0

@@ -47,6 +47,8 @@ class _KVDone:
     request_id: str
     ok: bool
     error: str | None
+    nbytes: int = 0
+    seconds: float = 0.0
 
 
 class WorkerServer:
@@ -169,7 +171,8 @@ class WorkerServer:
     def _apply(self, item: wire.Message | _KVDone) -> None:
         engine = self.engine
         if isinstance(item, _KVDone):
-            self._pending_kv.pop(item.request_id, None)
+            if self._pending_kv.pop(item.request_id, None) is not None:  # else aborted meanwhile
+                self._send(wire.KVPulled(item.request_id, item.ok, item.nbytes, item.seconds, item.error))
             failed = engine.kv_received(item.request_id, item.ok)
             if failed is not None:
                 self.kv_failures += 1
@@ -222,12 +225,15 @@ class WorkerServer:
         if time.time() > handle.lease_expires_at:
             self._inbox.put(_KVDone(request_id, False, "the prefill worker's lease had expired"))
             return
+        started = time.perf_counter()
         try:
-            self.importer.pull(handle.address, handle.block_ids, dst_blocks, self.options.kv_pull_timeout)
+            nbytes = self.importer.pull(
+                handle.address, handle.block_ids, dst_blocks, self.options.kv_pull_timeout
+            )
         except TransferError as exc:
-            self._inbox.put(_KVDone(request_id, False, str(exc)))
+            self._inbox.put(_KVDone(request_id, False, str(exc), 0, time.perf_counter() - started))
             return
-        self._inbox.put(_KVDone(request_id, True, None))
+        self._inbox.put(_KVDone(request_id, True, None, nbytes, time.perf_counter() - started))
 
     # -- outputs --------------------------------------------------------------------------------------
     def _emit(self, out: EngineOutput) -> None:
