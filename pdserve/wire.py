@@ -109,6 +109,7 @@ class Tokens(msgspec.Struct, frozen=True, tag="tokens"):
     logprobs: list[tuple[int, float, dict[int, float]]] | None = None
     kv: KVHandle | None = None
     error: str | None = None
+    queue_seconds: float | None = None  # how long the request waited on this worker to start
 
 
 class KVPulled(msgspec.Struct, frozen=True, tag="kv_pulled"):

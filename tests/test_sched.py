@@ -235,3 +235,16 @@ def test_stats_count_queued_prompt_tokens() -> None:
     assert stats.queued_prompt_tokens == 13 and stats.num_running == 1 and stats.num_waiting == 1
     drain(s)
     assert_no_leak(s)
+
+
+def test_queue_time_is_measured_from_arrival_to_first_schedule() -> None:
+    s = make(max_num_seqs=1)
+    first, second = req("a", 4, max_tokens=2), req("b", 4, max_tokens=2)
+    s.add_request(first)
+    s.add_request(second)
+    run_step(s)
+    assert first.queue_seconds is not None and first.queue_seconds >= 0
+    assert second.queue_seconds is None  # still waiting behind max_num_seqs=1
+    drain(s)
+    assert second.queue_seconds is not None and second.queue_seconds >= first.queue_seconds
+    assert_no_leak(s)

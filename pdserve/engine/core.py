@@ -37,6 +37,7 @@ class EngineOutput:
     finish_reason: str | None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    queue_seconds: float | None = None  # arrival -> first scheduled on this engine
 
 
 @dataclass
@@ -223,6 +224,7 @@ class EngineCore:
                     finish_reason=status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_preemptions=request.num_preemptions,
+                    queue_seconds=request.queue_seconds,
                 )
             )
         self.last_step = StepStats(

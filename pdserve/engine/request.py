@@ -57,6 +57,8 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
+    # When the scheduler first gave it blocks: arrival -> here is its queue time on this engine.
+    first_scheduled_time: float | None = None
     # Tokens sampled elsewhere before this engine saw the request (the first token from a prefill
     # worker). They count as outputs; their KV has not been computed here yet.
     output_token_ids: list[int] = field(default_factory=list)
@@ -66,6 +68,12 @@ class Request:
     remote_kv: bool = False
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+
+    @property
+    def queue_seconds(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -16,6 +16,7 @@ Nothing here knows about torch, processes or sockets.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -195,6 +196,7 @@ class Scheduler:
                 if blocks is None:
                     break
                 self.waiting.popleft()
+                request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KV
                 self.receiving[request.request_id] = request
                 out.kv_to_receive.append((request.request_id, self.kv.block_table(request.request_id)))
@@ -203,6 +205,7 @@ class Scheduler:
             if self.kv.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
                 break  # no room: wait for blocks to free up rather than preempt running work
             self.waiting.popleft()
+            request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chunk = self._chunk(request, num_new)

@@ -254,7 +254,15 @@ class WorkerServer:
             logprobs = [(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs]
         stop_reason = out.stop_reason if isinstance(out.stop_reason, int) else None
         self._send(
-            wire.Tokens(out.request_id, out.new_token_ids, out.finish_reason, stop_reason, logprobs, kv)
+            wire.Tokens(
+                out.request_id,
+                out.new_token_ids,
+                out.finish_reason,
+                stop_reason,
+                logprobs,
+                kv,
+                queue_seconds=out.queue_seconds,
+            )
         )
 
     def _expire_leases(self) -> None:
