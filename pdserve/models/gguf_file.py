@@ -410,6 +410,21 @@ def iter_gguf_tensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, np.nd
     yield from _iter_tensors(reader, _checked_config(reader, path), path)
 
 
+def tokenizer_cache_dir(path: Path) -> Path | None:
+    """Where the tokenizer built from GGUF file `path` is cached (None if there is no such file).
+
+    Keyed by the file's path, size, modification time and the transformers version that built it.
+    The folder holds tokenizer.json, tokenizer_config.json and chat_template.jinja, which the
+    router reads without transformers (and so without torch)."""
+    if not path.is_file():
+        return None
+    stat = path.stat()
+    version = importlib.metadata.version("transformers")
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version}"
+    cache_root = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "tokenizers"
+    return cache_root / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
 def load_gguf_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerFast:
     """The tokenizer stored in a GGUF file, with its chat template, built offline by transformers.
 
@@ -420,30 +435,24 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerFast
     import shutil
     import tempfile
 
-    import transformers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     p = Path(path)
-    cache_root = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "tokenizers"
-    cached = None
-    if p.is_file():
-        stat = p.stat()
-        key = f"{p.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-        cached = cache_root / hashlib.sha256(key.encode()).hexdigest()[:24]
-        if (cached / "tokenizer.json").is_file():
-            try:
-                loaded = AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
-                if isinstance(loaded, PreTrainedTokenizerFast) and loaded.chat_template:
-                    return loaded
-            except Exception:  # a damaged cache entry: rebuilt below
-                pass
-            shutil.rmtree(cached, ignore_errors=True)
+    cached = tokenizer_cache_dir(p)
+    if cached is not None and (cached / "tokenizer.json").is_file():
+        try:
+            loaded = AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+            if isinstance(loaded, PreTrainedTokenizerFast) and loaded.chat_template:
+                return loaded
+        except Exception:  # a damaged cache entry: rebuilt below
+            pass
+        shutil.rmtree(cached, ignore_errors=True)
     tok = _build_gguf_tokenizer(p)
     if cached is not None:
         staging: Path | None = None
         try:
-            cache_root.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(dir=cache_root))
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(dir=cached.parent))
             tok.save_pretrained(str(staging))
             staging.rename(cached)  # atomic: a concurrent reader sees all of it or nothing
         except OSError:  # another process won the race, or no room: the cache is only a cache
