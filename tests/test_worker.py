@@ -1,4 +1,5 @@
-"""Worker processes end to end: real processes, real ZeroMQ sockets, KV through shared memory.
+"""Worker processes end to end: real processes, real ZeroMQ sockets, KV through each transport
+(shared memory, TCP, NIXL where it is installed).
 
 A prefill worker answers with the first token and a KV handle; a decode worker pulls that KV and
 continues; the result is token for token what the offline engine produces."""
@@ -18,10 +19,23 @@ import pytest
 import zmq
 
 from pdserve import LLM, SamplingParams, wire
+from pdserve.transfer import nixl_backend
 from pdserve.transfer.shm import leftover_segments
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [list(range(20, 20 + n)) for n in (3, 17, 40)]
+
+
+TRANSPORTS = [
+    "shm",
+    "tcp",
+    pytest.param(
+        "nixl",
+        marks=pytest.mark.skipif(
+            nixl_backend.unavailable_reason() is not None, reason=str(nixl_backend.unavailable_reason())
+        ),
+    ),
+]
 
 
 def free_port() -> int:
@@ -94,10 +108,11 @@ class Worker:
         return code
 
 
-@pytest.fixture
-def pair(tiny_llama: Path) -> Iterator[tuple[Worker, Worker]]:
-    prefill = Worker(tiny_llama, "prefill", "p0")
-    decode = Worker(tiny_llama, "decode", "d0")
+@pytest.fixture(params=TRANSPORTS)
+def pair(tiny_llama: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Worker, Worker]]:
+    transport = request.param
+    prefill = Worker(tiny_llama, "prefill", "p0", "--transport", transport)
+    decode = Worker(tiny_llama, "decode", "d0", "--transport", transport)
     try:
         yield prefill, decode
     finally:
@@ -106,8 +121,9 @@ def pair(tiny_llama: Path) -> Iterator[tuple[Worker, Worker]]:
                 assert worker.stop() == 0
 
 
-def test_prefill_to_decode_over_shm_matches_offline(tiny_llama: Path, pair: tuple[Worker, Worker]) -> None:
+def test_prefill_to_decode_matches_offline(tiny_llama: Path, pair: tuple[Worker, Worker]) -> None:
     prefill, decode = pair
+    transport = prefill.ready.kv_transport  # type: ignore[union-attr]
     expected = [
         o.outputs[0].token_ids for o in LLM(str(tiny_llama), dtype="float32").generate(PROMPTS, GREEDY)
     ]
@@ -118,7 +134,12 @@ def test_prefill_to_decode_over_shm_matches_offline(tiny_llama: Path, pair: tupl
     while len(handles) < len(PROMPTS):
         tokens = prefill.recv_tokens()
         assert tokens.finish_reason == "prefilled" and tokens.kv is not None
-        assert tokens.kv.address.startswith("pdserve-kv-") and tokens.kv.num_tokens > 0
+        assert tokens.kv.transport == transport and tokens.kv.num_tokens > 0
+        if transport == "shm":
+            assert tokens.kv.address.startswith("pdserve-kv-")
+        else:  # tcp, nixl: the prefill worker's KV server; its cache is not in shared memory
+            assert tokens.kv.address.startswith("127.0.0.1:")
+            assert leftover_segments(prefill.proc.pid) == []
         handles[tokens.request_id] = tokens
     for i, prompt in enumerate(PROMPTS):
         first = handles[f"r{i}"]
@@ -192,3 +213,23 @@ def test_sigterm_stops_the_worker_and_removes_its_segment(tiny_llama: Path) -> N
     assert worker.proc.wait(timeout=30) == 0
     worker.sock.close()
     assert segment not in leftover_segments()
+
+
+def test_tcp_pull_after_release_is_refused(tiny_llama: Path) -> None:
+    """The prefill worker's exporter serves only leased blocks: once released, a (late) pull of the
+    same handle fails instead of reading blocks that another request may now own."""
+    prefill = Worker(tiny_llama, "prefill", "p0", "--transport", "tcp")
+    decode = Worker(tiny_llama, "decode", "d0", "--transport", "tcp")
+    try:
+        params = wire.WireSamplingParams.from_params(GREEDY)
+        prefill.send(wire.AddRequest("r", PROMPTS[2], params))
+        first = prefill.recv_tokens()
+        assert first.kv is not None
+        prefill.send(wire.Release("r"))
+        assert prefill.last_load().kv_blocks_used == 0
+        decode.send(wire.AddRequest("r", PROMPTS[2], params, first_token_id=first.token_ids[0], kv=first.kv))
+        answer = decode.recv_tokens()
+        assert answer.finish_reason == "error" and answer.error and "no lease" in answer.error
+        assert decode.last_load().kv_blocks_used == 0
+    finally:
+        assert prefill.stop() == 0 and decode.stop() == 0

@@ -1,8 +1,9 @@
 """The KV transfer interface, split by side (torch).
 
 The exporting (prefill) side owns a KV cache tensor and publishes an `address` through which its
-blocks can be read while they are under lease. The importing (decode) side pulls a list of source
-blocks into its own block ids. Both sides count bytes, time and failures; a failed pull raises
+blocks can be read while they are under lease (`KVExporter`, for transports that serve reads; the
+`shm` segment needs no server). The importing (decode) side pulls a list of source blocks into its
+own block ids, naming the request whose lease covers them. Both sides count bytes, time and failures; a failed pull raises
 `TransferError` and is never papered over here: the caller reports it and the router retries.
 
 Cache layout on both sides: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], so a
@@ -15,6 +16,7 @@ import abc
 import random
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -66,8 +68,20 @@ class KVImporter(abc.ABC):
         self.stats = TransferStats()
         self.faults = faults or FaultInjector()
 
-    def pull(self, address: str, src_blocks: list[int], dst_blocks: list[int], timeout: float) -> int:
-        """Copy `src_blocks` of the cache at `address` into `dst_blocks` here. Returns bytes moved."""
+    def pull(
+        self,
+        address: str,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        timeout: float,
+        *,
+        request_id: str = "",
+    ) -> int:
+        """Copy `src_blocks` of the cache at `address` into `dst_blocks` here. Returns bytes moved.
+
+        `request_id` names the prefill side's lease on `src_blocks`; transports whose exporter
+        checks leases (tcp, nixl) refuse a pull without a live one, so a late pull can never read
+        blocks that were freed and reused by another request."""
         if len(src_blocks) > len(dst_blocks):
             raise TransferError(
                 f"{len(src_blocks)} source blocks but only {len(dst_blocks)} destination blocks"
@@ -76,7 +90,9 @@ class KVImporter(abc.ABC):
         nbytes = 0
         try:
             self.faults.maybe_fail(f"pull of {len(src_blocks)} blocks from {address}")
-            nbytes = self._pull(address, src_blocks, dst_blocks[: len(src_blocks)], timeout)
+            nbytes = self._pull_request(
+                request_id, address, src_blocks, dst_blocks[: len(src_blocks)], timeout
+            )
         except TransferError:
             self.stats.record(0, time.perf_counter() - started, ok=False)
             raise
@@ -89,6 +105,12 @@ class KVImporter(abc.ABC):
     @abc.abstractmethod
     def _pull(self, address: str, src_blocks: list[int], dst_blocks: list[int], timeout: float) -> int: ...
 
+    def _pull_request(
+        self, request_id: str, address: str, src_blocks: list[int], dst_blocks: list[int], timeout: float
+    ) -> int:
+        """Backends that name the lease to the exporter override this; the others ignore the id."""
+        return self._pull(address, src_blocks, dst_blocks, timeout)
+
     def close(self) -> None:  # noqa: B027 (optional hook)
         pass
 
@@ -97,3 +119,103 @@ def block_nbytes(kv_cache: torch.Tensor) -> int:
     """Bytes of one block across all layers and K/V."""
     layers, two, _, block_size, kv_heads, head_dim = kv_cache.shape
     return layers * two * block_size * kv_heads * head_dim * kv_cache.element_size()
+
+
+class LeaseError(PdserveError):
+    """A read of blocks that are not under a live lease of the named request."""
+
+
+@dataclass
+class _Lease:
+    blocks: frozenset[int]
+    readers: int = 0  # reads of these blocks in flight
+    revoked: bool = False  # ended while a read was still in flight (that read must fail)
+    aborts: list[Callable[[], None]] = field(default_factory=list)  # stop the in-flight reads
+
+
+class LeaseTable:
+    """Which blocks of the exporter's cache may be read, per request, and who is reading them.
+
+    The worker registers a request's blocks when it is prefilled and unregisters them before it
+    frees them (Release, Abort, lease expiry). `unregister` waits for reads in flight, and after a
+    grace period aborts them, so a block is never freed, reused and then sent under an old lease.
+    Thread-safe: the engine thread registers, the transport's threads read."""
+
+    def __init__(self) -> None:
+        self._leases: dict[str, _Lease] = {}
+        self._changed = threading.Condition()
+
+    def register(self, request_id: str, block_ids: Sequence[int]) -> None:
+        with self._changed:
+            self._leases[request_id] = _Lease(frozenset(block_ids))
+
+    def unregister(self, request_id: str, grace: float = 1.0) -> bool:
+        """End the lease. Returns False if reads were still in flight after `grace` seconds and
+        were aborted (they report a failure to their importer)."""
+        with self._changed:
+            lease = self._leases.pop(request_id, None)
+            if lease is None or self._changed.wait_for(lambda: lease.readers == 0, timeout=grace):
+                return True
+            lease.revoked = True
+            aborts = list(lease.aborts)
+        for abort in aborts:  # outside the lock: an abort may wake a reader that takes it
+            abort()
+        with self._changed:
+            # An aborted read ends at once (its socket is shut); the bound only guards a bug.
+            self._changed.wait_for(lambda: lease.readers == 0, timeout=grace)
+        return False
+
+    def acquire(self, request_id: str, block_ids: Sequence[int], abort: Callable[[], None]) -> _Lease:
+        """Start a read of `block_ids` under `request_id`'s lease; `abort` stops it if the lease
+        must end before the read does. Pair with `release`."""
+        with self._changed:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                raise LeaseError(f"request {request_id!r} holds no lease here (released or expired)")
+            outside = sorted(set(block_ids) - lease.blocks)
+            if outside:
+                raise LeaseError(f"blocks {outside[:8]} are not under the lease of request {request_id!r}")
+            lease.readers += 1
+            lease.aborts.append(abort)
+            return lease
+
+    def release(self, lease: _Lease, abort: Callable[[], None]) -> bool:
+        """End a read. False if the lease ended during it (the data read may be torn)."""
+        with self._changed:
+            lease.readers -= 1
+            lease.aborts.remove(abort)
+            self._changed.notify_all()
+            return not lease.revoked
+
+    def __len__(self) -> int:
+        with self._changed:
+            return len(self._leases)
+
+
+class KVExporter(abc.ABC):
+    """Prefill side of a transport that serves reads: publishes `address`, serves the blocks of
+    requests under lease, counts what it served (`stats`)."""
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        if not kv_cache.is_contiguous():
+            raise ValueError("the exported KV cache must be one contiguous tensor")
+        self.kv_cache = kv_cache  # [L, 2, NB, BS, KVH, D], this worker's cache
+        self.leases = LeaseTable()
+        self.stats = TransferStats()
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """What goes into `KVHandle.address`."""
+
+    def register(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """The request's blocks may now be read (it is prefilled and under lease)."""
+        self.leases.register(request_id, block_ids)
+
+    def unregister(self, request_id: str) -> None:
+        """The request's blocks are about to be freed: no read of them may be in flight after this."""
+        self.leases.unregister(request_id)
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop serving; every thread and socket of the exporter is gone when this returns."""

@@ -1,7 +1,12 @@
 """`python -m pdserve.worker`: one engine in one role, serving the control RPC.
 
 Started by the cluster backend (or by hand for debugging). Stops on a Shutdown message, SIGTERM
-or SIGINT, and removes its shared-memory KV segment on the way out.
+or SIGINT, and removes its shared-memory KV segment (or stops its KV server) on the way out.
+
+KV transports (`--transport`, the same on every worker of a deployment):
+- `shm`: same host; a prefill worker's KV cache lives in /dev/shm, decode workers copy out of it.
+- `tcp`: across hosts; a prefill worker serves leased blocks on `--kv-host`:`--kv-port`.
+- `nixl`: NIXL (UCX) reads of a prefill worker's registered cache; needs `pip install pdserve[nixl]`.
 """
 
 from __future__ import annotations
@@ -11,8 +16,14 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from pdserve.config import EngineConfig, Role
+
+if TYPE_CHECKING:  # the worker loads torch only after its arguments are valid
+    import torch
+
+    from pdserve.transfer.base import FaultInjector, KVExporter, KVImporter
 
 logger = logging.getLogger("pdserve.worker")
 
@@ -23,7 +34,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--role", choices=[r.value for r in Role], required=True)
     p.add_argument("--worker-id", required=True)
     p.add_argument("--rpc", required=True, help="ZeroMQ address to bind, e.g. tcp://127.0.0.1:7001")
-    p.add_argument("--transport", choices=["shm"], default="shm")
+    p.add_argument("--transport", choices=["shm", "tcp", "nixl"], default="shm")
+    p.add_argument(
+        "--kv-host",
+        default="127.0.0.1",
+        help="tcp/nixl, prefill role: address to serve KV blocks on (0.0.0.0: all, published as the hostname)",
+    )
+    p.add_argument("--kv-port", type=int, default=0, help="tcp/nixl, prefill role: port (0: any free port)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=1, help="torch threads (one per worker by default)")
     p.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. '0' or '0-1' (Linux)")
@@ -61,11 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, _cpu_list(args.cpus))
 
     # Imported here: argument errors above answer without loading torch.
-    import torch
-
     from pdserve.engine.factory import build_engine
     from pdserve.transfer.base import FaultInjector
-    from pdserve.transfer.shm import OwnedSegment, ShmImporter
+    from pdserve.transfer.shm import OwnedSegment
     from pdserve.worker.server import WorkerOptions, WorkerServer
 
     role = Role(args.role)
@@ -89,22 +104,28 @@ def main(argv: list[str] | None = None) -> int:
         segment = OwnedSegment(shape, dtype)
         return segment.tensor
 
-    # A prefill worker's cache lives in shared memory so decode workers can copy out of it.
-    allocator = allocate_in_shm if role is Role.PREFILL else None
+    # With shm a prefill worker's cache lives in shared memory so decode workers can copy out of
+    # it; the other transports serve it from ordinary memory.
+    allocator = allocate_in_shm if role is Role.PREFILL and args.transport == "shm" else None
+    exporter: KVExporter | None = None
+    importer: KVImporter | None = None
     try:
         engine, _ = build_engine(config, kv_allocator=allocator)
-        importer = None
-        if role is not Role.PREFILL:
-            importer = ShmImporter(engine.runner.kv_cache, FaultInjector(args.kv_fault_rate))
+        kv_cache = engine.runner.kv_cache  # [L, 2, NB, BS, KVH, D]
+        if role is Role.PREFILL:
+            exporter = _make_exporter(args, kv_cache)
+        else:
+            importer = _make_importer(args.transport, kv_cache, FaultInjector(args.kv_fault_rate))
+        kv_address = segment.name if segment is not None else exporter.address if exporter else ""
         options = WorkerOptions(
             worker_id=args.worker_id,
             rpc_address=args.rpc,
             transport=args.transport,
-            kv_address=segment.name if segment is not None else "",
+            kv_address=kv_address,
             lease_seconds=args.lease_seconds,
             kv_pull_timeout=args.kv_pull_timeout,
         )
-        server = WorkerServer(engine, options, importer)
+        server = WorkerServer(engine, options, importer, exporter=exporter)
 
         def on_signal(signum: int, _frame: object) -> None:
             logger.info("signal %d: stopping", signum)
@@ -115,9 +136,39 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("serving %s as %s on %s", args.model, role.value, args.rpc)
         server.serve_forever()
     finally:
+        if exporter is not None:
+            exporter.close()  # the server closed it already if it ran; twice is fine
         if segment is not None:
             segment.close()
     return 0
+
+
+def _make_exporter(args: argparse.Namespace, kv_cache: torch.Tensor) -> KVExporter | None:
+    """Prefill side: the server for the transports that serve reads (shm needs none)."""
+    if args.transport == "tcp":
+        from pdserve.transfer.tcp import TcpExporter
+
+        return TcpExporter(kv_cache, args.kv_host, args.kv_port)
+    if args.transport == "nixl":
+        from pdserve.transfer.nixl_backend import NixlExporter
+
+        return NixlExporter(kv_cache, args.kv_host, args.kv_port, name=f"pdserve-{args.worker_id}")
+    return None
+
+
+def _make_importer(transport: str, kv_cache: torch.Tensor, faults: FaultInjector) -> KVImporter:
+    """Decode (and mixed) side: backends are imported only when chosen."""
+    if transport == "tcp":
+        from pdserve.transfer.tcp import TcpImporter
+
+        return TcpImporter(kv_cache, faults)
+    if transport == "nixl":
+        from pdserve.transfer.nixl_backend import NixlImporter
+
+        return NixlImporter(kv_cache, faults)
+    from pdserve.transfer.shm import ShmImporter
+
+    return ShmImporter(kv_cache, faults)
 
 
 if __name__ == "__main__":

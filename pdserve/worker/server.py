@@ -26,7 +26,7 @@ from pdserve import wire
 from pdserve.config import Role
 from pdserve.engine.core import EngineCore, EngineOutput
 from pdserve.errors import InvalidRequestError
-from pdserve.transfer.base import KVImporter, TransferError
+from pdserve.transfer.base import KVExporter, KVImporter, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +53,19 @@ class _KVDone:
 
 class WorkerServer:
     def __init__(
-        self, engine: EngineCore, options: WorkerOptions, importer: KVImporter | None = None
+        self,
+        engine: EngineCore,
+        options: WorkerOptions,
+        importer: KVImporter | None = None,
+        *,
+        exporter: KVExporter | None = None,
     ) -> None:
         self.engine = engine
         self.options = options
         self.importer = importer
+        # Prefill role with a transport that serves reads (tcp, nixl): told which blocks are
+        # leased, so it never serves a block after it was freed (see the lease hooks below).
+        self.exporter = exporter
         self._inbox: queue.Queue[wire.Message | _KVDone] = queue.Queue()
         # Engine thread -> RPC thread: an inproc PUSH/PULL pair, so a new token wakes the RPC
         # thread at once (no polling interval between a token and the router).
@@ -89,6 +97,8 @@ class WorkerServer:
                 self._pulls.shutdown(wait=True, cancel_futures=True)
             if self.importer is not None:
                 self.importer.close()
+            if self.exporter is not None:
+                self.exporter.close()
 
     def stop(self) -> None:
         self._stop.set()
@@ -187,10 +197,12 @@ class WorkerServer:
         elif isinstance(item, wire.Abort):
             self._pending_kv.pop(item.request_id, None)
             self._leases.pop(item.request_id, None)
+            self._lease_ended(item.request_id)
             engine.abort(item.request_id)
             engine.release(item.request_id)
         elif isinstance(item, wire.Release):
             self._leases.pop(item.request_id, None)
+            self._lease_ended(item.request_id)
             engine.release(item.request_id)
         elif isinstance(item, wire.Shutdown):
             self._stop.set()
@@ -227,8 +239,13 @@ class WorkerServer:
             return
         started = time.perf_counter()
         try:
+            # The same request id on both workers names the prefill side's lease (tcp, nixl).
             nbytes = self.importer.pull(
-                handle.address, handle.block_ids, dst_blocks, self.options.kv_pull_timeout
+                handle.address,
+                handle.block_ids,
+                dst_blocks,
+                self.options.kv_pull_timeout,
+                request_id=request_id,
             )
         except TransferError as exc:
             self._inbox.put(_KVDone(request_id, False, str(exc), 0, time.perf_counter() - started))
@@ -241,11 +258,13 @@ class WorkerServer:
         if out.finish_reason == "prefilled":
             expires = time.monotonic() + self.options.lease_seconds
             self._leases[out.request_id] = expires
+            block_ids = list(self.engine.kv.block_table(out.request_id))
+            self._lease_started(out.request_id, block_ids)
             kv = wire.KVHandle(
                 worker_id=self.options.worker_id,
                 transport=self.options.transport,
                 address=self.options.kv_address,
-                block_ids=list(self.engine.kv.block_table(out.request_id)),
+                block_ids=block_ids,
                 num_tokens=len(self.engine.scheduler.prefilled[out.request_id].prompt_token_ids),
                 lease_expires_at=time.time() + self.options.lease_seconds,
             )
@@ -271,6 +290,7 @@ class WorkerServer:
         now = time.monotonic()
         for request_id in [r for r, expiry in self._leases.items() if expiry < now]:
             del self._leases[request_id]
+            self._lease_ended(request_id)
             if self.engine.release(request_id):
                 self.lease_expiries += 1
                 logger.warning(
@@ -278,6 +298,17 @@ class WorkerServer:
                     self.options.worker_id,
                     request_id,
                 )
+
+    # -- lease hooks for the KV exporter ------------------------------------------------------------
+    def _lease_started(self, request_id: str, block_ids: list[int]) -> None:
+        if self.exporter is not None:
+            self.exporter.register(request_id, block_ids)
+
+    def _lease_ended(self, request_id: str) -> None:
+        """Before the blocks are freed: the exporter stops serving them (it waits for, or cuts, a
+        read in flight), so a late pull can never read blocks another request reuses."""
+        if self.exporter is not None:
+            self.exporter.unregister(request_id)
 
     def _load(self) -> wire.Load:
         stats = self.engine.stats()

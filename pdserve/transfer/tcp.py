@@ -1,0 +1,508 @@
+"""The `tcp` transport: KV blocks across hosts, block-granular, zero-copy framing.
+
+Prefill side (`TcpExporter`): a listening socket served by its own threads (one accepts, one per
+connection). A pull names a request and its source blocks; the exporter checks them against the
+request's lease (`LeaseTable`), then sends one small reply header and the blocks straight out of
+the KV cache tensor: `sendmsg` over memoryviews of the cache, one per contiguous run of blocks in
+each layer's K or V plane. No pickle, no per-block Python copy.
+
+Decode side (`TcpImporter`): keeps a few idle connections per address, sends the request and
+`recvmsg_into`s the payload directly into its own destination block slices.
+
+Stream order of a payload: for each of the L*2 (layer, K/V) planes, the requested blocks in
+request order, each one [block_size, kv_heads, head_dim] piece. Each side cuts that stream into
+its own runs of consecutive block ids, so the source and destination block ids are independent.
+
+Request:  REQUEST header, request id (utf-8), num_blocks little-endian uint32 block ids.
+Reply:    REPLY header, then `payload_bytes` of blocks (status OK) or an error text (otherwise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import sys
+import threading
+import time
+from array import array
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.transfer.base import FaultInjector, KVExporter, KVImporter, LeaseError, TransferError
+
+MAGIC = b"PDKV"
+VERSION = 1
+# magic, version, op, request id bytes, num blocks, pieces per block (L*2), piece bytes, dtype
+REQUEST = struct.Struct("<4sBBHIIQ16s")
+# magic, version, status, message bytes, payload bytes
+REPLY = struct.Struct("<4sBBIQ")
+
+OP_PULL = 1
+OK, NO_LEASE, LAYOUT, BAD_REQUEST, BUSY = 0, 1, 2, 3, 4
+_STATUS = {NO_LEASE: "not under lease", LAYOUT: "layout mismatch", BAD_REQUEST: "bad request", BUSY: "busy"}
+
+_IOV_MAX = 512  # buffers per sendmsg / recvmsg_into call (Linux allows 1024)
+_MAX_REQUEST_ID = 1024
+_SOCKET_BUFFER = 4 << 20  # a large window keeps loopback and LAN transfers streaming
+
+
+class _Stale(Exception):
+    """A pooled connection the peer had closed before this request: retry on a fresh one."""
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise TransferError(f"not a host:port KV address: {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def cache_bytes(kv_cache: torch.Tensor) -> memoryview:
+    """The whole cache as one flat writable byte view (no copy; works for every dtype)."""
+    if not kv_cache.is_contiguous() or kv_cache.device.type != "cpu":
+        raise ValueError("the tcp transport needs a contiguous CPU KV cache")
+    return kv_cache.view(-1).view(torch.uint8).numpy().data.cast("B")
+
+
+def layout_of(kv_cache: torch.Tensor) -> tuple[int, int, int, bytes]:
+    """(blocks, pieces per block, bytes per piece, dtype) of a [L, 2, NB, BS, KVH, D] cache."""
+    layers, two, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    piece = block_size * kv_heads * head_dim * kv_cache.element_size()
+    return num_blocks, layers * two, piece, str(kv_cache.dtype).removeprefix("torch.").encode()
+
+
+def block_views(
+    flat: memoryview, num_blocks: int, pieces: int, piece: int, blocks: Sequence[int]
+) -> list[memoryview]:
+    """Views of `blocks` in stream order, one per run of consecutive block ids in each plane."""
+    runs: list[tuple[int, int]] = []  # (first block, count)
+    for b in blocks:
+        if runs and b == runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    views = []
+    for p in range(pieces):
+        plane = p * num_blocks
+        for first, count in runs:
+            start = (plane + first) * piece
+            views.append(flat[start : start + count * piece])
+    return views
+
+
+def pack_ids(ids: Sequence[int]) -> bytes:
+    """Block ids on the wire: little-endian uint32."""
+    packed = array("I", ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_ids(raw: bytes) -> list[int]:
+    packed = array("I")
+    packed.frombytes(raw)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tolist()
+
+
+def _deadline_timeout(sock: socket.socket, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    sock.settimeout(left)
+
+
+def send_views(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
+    """sendmsg every byte of `views`, handling partial sends, within `deadline`."""
+    views = list(views)
+    i = 0
+    while i < len(views):
+        _deadline_timeout(sock, deadline)
+        sent = sock.sendmsg(views[i : i + _IOV_MAX])
+        while sent:
+            n = len(views[i])
+            if sent >= n:
+                sent -= n
+                i += 1
+            else:
+                views[i] = views[i][sent:]
+                sent = 0
+
+
+def recv_views(sock: socket.socket, views: list[memoryview], deadline: float) -> int:
+    """recvmsg_into until every view is full; returns the bytes received (short on EOF)."""
+    views = list(views)
+    total = 0
+    i = 0
+    while i < len(views):
+        _deadline_timeout(sock, deadline)
+        got = sock.recvmsg_into(views[i : i + _IOV_MAX])[0]
+        if got == 0:
+            return total
+        total += got
+        while got:
+            n = len(views[i])
+            if got >= n:
+                got -= n
+                i += 1
+            else:
+                views[i] = views[i][got:]
+                got = 0
+    return total
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: float, eof_ok: bool = False) -> bytes:
+    """Exactly `n` bytes; b"" if `eof_ok` and the peer closed before sending any."""
+    buf = bytearray(n)
+    got = recv_views(sock, [memoryview(buf)], deadline) if n else 0
+    if got == 0 and n and eof_ok:
+        return b""
+    if got < n:
+        raise ConnectionError(f"connection closed after {got} of {n} bytes")
+    return bytes(buf)
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the request is one small write
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+
+
+class TcpExporter(KVExporter):
+    """Serves leased blocks of `kv_cache` on `host:port` (port 0: any free port)."""
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        advertise_host: str | None = None,
+        send_timeout: float = 30.0,
+        idle_timeout: float = 300.0,
+        max_connections: int = 64,
+    ) -> None:
+        super().__init__(kv_cache)  # [L, 2, NB, BS, KVH, D]
+        self._flat = cache_bytes(kv_cache)
+        self._layout = layout_of(kv_cache)
+        self.send_timeout = send_timeout  # one reply must be sent within this
+        self.idle_timeout = idle_timeout  # an importer's pooled connection is dropped after this
+        self.max_connections = max_connections
+        self._listener = socket.create_server((host, port), backlog=64)
+        self._listener.settimeout(0.2)  # bounds how long close() waits for the accept thread
+        bound_port = self._listener.getsockname()[1]
+        if advertise_host is None:
+            advertise_host = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
+        self._address = (
+            f"[{advertise_host}]:{bound_port}" if ":" in advertise_host else f"{advertise_host}:{bound_port}"
+        )
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._acceptor = threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True)
+        self._acceptor.start()
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._acceptor.join(timeout=5.0)
+        self._listener.close()
+        with self._lock:
+            conns = dict(self._conns)
+        for conn in conns:  # wakes a thread blocked in recv or sendmsg
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for thread in conns.values():
+            thread.join(timeout=5.0)
+
+    # -- threads ----------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            _tune(conn)
+            thread = threading.Thread(target=self._serve, args=(conn,), name="kv-tcp-serve", daemon=True)
+            with self._lock:
+                if len(self._conns) >= self.max_connections:
+                    conn.close()  # the importer sees EOF: a clear failure, not a hang
+                    continue
+                self._conns[conn] = thread
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while not self._closed.is_set():
+                try:
+                    head = recv_exact(conn, REQUEST.size, time.monotonic() + self.idle_timeout, eof_ok=True)
+                except OSError:  # includes the idle timeout
+                    return
+                if not head:
+                    return  # the importer closed its pooled connection
+                deadline = time.monotonic() + self.send_timeout
+                if not self._serve_one(conn, head, deadline):
+                    return
+        finally:
+            self._connection_closed(conn)
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
+
+    def _connection_closed(self, conn: socket.socket) -> None:
+        """Hook: an importer's connection ended (subclasses drop what it held)."""
+
+    def _serve_one(self, conn: socket.socket, head: bytes, deadline: float) -> bool:
+        """Answers one request. False when the connection must be closed."""
+        magic, version, op, id_len, num_blocks, pieces, piece, dtype = REQUEST.unpack(head)
+        if magic != MAGIC or version != VERSION or id_len > _MAX_REQUEST_ID:
+            self._reply_error(conn, BAD_REQUEST, f"not a pdserve KV request (version {version})", deadline)
+            return False
+        try:
+            request_id = recv_exact(conn, id_len, deadline).decode()
+            raw = recv_exact(conn, 4 * num_blocks, deadline)
+        except (OSError, UnicodeDecodeError):
+            return False
+        return self._handle(conn, op, request_id, unpack_ids(raw), (pieces, piece, dtype), deadline)
+
+    def _handle(
+        self,
+        conn: socket.socket,
+        op: int,
+        request_id: str,
+        blocks: list[int],
+        layout: tuple[int, int, bytes],
+        deadline: float,
+    ) -> bool:
+        """One request of kind `op`; subclasses add their own kinds."""
+        if op != OP_PULL:
+            return self._reply_error(conn, BAD_REQUEST, f"unknown operation {op}", deadline)
+        status, error = self._check_layout(layout, blocks)
+        if error:
+            return self._reply_error(conn, status, error, deadline)
+        started = time.perf_counter()
+
+        def abort() -> None:  # the lease ends while we send: cut the stream, the importer fails
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+        try:
+            lease = self.leases.acquire(request_id, blocks, abort)
+        except LeaseError as exc:
+            return self._reply_error(conn, NO_LEASE, str(exc), deadline)
+        num_blocks, pieces, piece, _ = self._layout
+        nbytes = len(blocks) * pieces * piece
+        ok = False
+        try:
+            header = REPLY.pack(MAGIC, VERSION, OK, 0, nbytes)
+            views = [memoryview(header), *block_views(self._flat, num_blocks, pieces, piece, blocks)]
+            send_views(conn, views, deadline)
+            ok = True
+        except OSError:
+            pass  # the importer's side reports it (a short read or its own timeout)
+        finally:
+            ok = self.leases.release(lease, abort) and ok
+            self.stats.record(nbytes, time.perf_counter() - started, ok)
+        return ok
+
+    def _check_layout(self, layout: tuple[int, int, bytes], blocks: list[int]) -> tuple[int, str]:
+        num_blocks, pieces, piece, dtype = self._layout
+        want_pieces, want_piece, want_dtype = layout
+        want_dtype = want_dtype.rstrip(b"\0")
+        if (want_pieces, want_piece, want_dtype) != (pieces, piece, dtype):
+            theirs = want_dtype.decode(errors="replace")
+            return LAYOUT, (
+                f"KV layout mismatch: this exporter has {pieces} pieces of {piece} bytes per block "
+                f"({dtype.decode()}), the importer expects {want_pieces} of {want_piece} ({theirs}): "
+                "same model, block size and dtype on both sides?"
+            )
+        if blocks and max(blocks) >= num_blocks:
+            return BAD_REQUEST, f"block {max(blocks)} is outside this cache ({num_blocks} blocks)"
+        return OK, ""
+
+    def _reply_ok(self, conn: socket.socket, body: bytes, deadline: float) -> bool:
+        """A small OK reply with `body` as its payload (side-channel operations)."""
+        try:
+            send_views(conn, [memoryview(REPLY.pack(MAGIC, VERSION, OK, 0, len(body)) + body)], deadline)
+        except OSError:
+            return False
+        return True
+
+    def _reply_error(self, conn: socket.socket, status: int, message: str, deadline: float) -> bool:
+        text = message.encode()[:4096]
+        try:
+            send_views(conn, [memoryview(REPLY.pack(MAGIC, VERSION, status, len(text), 0) + text)], deadline)
+        except OSError:
+            return False
+        self.stats.record(0, 0.0, ok=False)
+        return True
+
+
+class TcpImporter(KVImporter):
+    """Decode side of `tcp`: pulls blocks from a `TcpExporter` into this worker's cache."""
+
+    def __init__(
+        self, kv_cache: torch.Tensor, faults: FaultInjector | None = None, max_idle_per_address: int = 4
+    ) -> None:
+        super().__init__(kv_cache, faults)  # [L, 2, NB, BS, KVH, D]
+        self._flat = cache_bytes(kv_cache)
+        self._layout = layout_of(kv_cache)
+        self.max_idle_per_address = max_idle_per_address
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._lock = threading.Lock()
+
+    def _pull(self, address: str, src_blocks: list[int], dst_blocks: list[int], timeout: float) -> int:
+        return self._pull_request("", address, src_blocks, dst_blocks, timeout)
+
+    def _pull_request(
+        self, request_id: str, address: str, src_blocks: list[int], dst_blocks: list[int], timeout: float
+    ) -> int:
+        deadline = time.monotonic() + timeout
+        num_blocks, pieces, piece, _ = self._layout
+        if dst_blocks and max(dst_blocks) >= num_blocks:
+            raise TransferError(
+                f"destination block {max(dst_blocks)} is outside this cache ({num_blocks} blocks)"
+            )
+        request = self.request(OP_PULL, request_id, src_blocks)
+        sock: socket.socket | None
+        sock, reply = self.exchange(address, request, deadline, timeout)
+        try:
+            _, _, status, msg_len, payload = reply
+            if status != OK:
+                error = self._refused(address, sock, status, msg_len, deadline)
+                self.put_back(address, sock)  # an error reply leaves the stream in step
+                sock = None
+                raise error
+            expected = len(src_blocks) * pieces * piece
+            if payload != expected:
+                raise TransferError(f"{address} announced {payload} bytes, expected {expected}")
+            views = block_views(self._flat, num_blocks, pieces, piece, dst_blocks)
+            got = recv_views(sock, views, deadline)
+            if got < expected:
+                raise TransferError(
+                    f"short read from {address}: connection closed after {got} of {expected} bytes"
+                )
+            self.put_back(address, sock)
+            sock = None
+            return expected
+        except TimeoutError as exc:
+            raise TransferError(f"pull from {address} timed out after {timeout:.1f} s") from exc
+        finally:
+            if sock is not None:
+                sock.close()  # mid-stream: this connection can never be reused
+
+    def request(self, op: int, request_id: str, blocks: Sequence[int]) -> bytes:
+        """A request of kind `op`, carrying this side's layout (the exporter refuses a mismatch)."""
+        _, pieces, piece, dtype = self._layout
+        rid = request_id.encode()
+        head = REQUEST.pack(MAGIC, VERSION, op, len(rid), len(blocks), pieces, piece, dtype)
+        return head + rid + pack_ids(blocks)
+
+    def call(self, address: str, op: int, request_id: str, blocks: Sequence[int], timeout: float) -> bytes:
+        """One request with a small reply (side-channel operations); returns the reply's payload."""
+        deadline = time.monotonic() + timeout
+        sock, (_, _, status, msg_len, payload) = self.exchange(
+            address, self.request(op, request_id, blocks), deadline, timeout
+        )
+        try:
+            error = self._refused(address, sock, status, msg_len, deadline) if status != OK else None
+            body = recv_exact(sock, payload, deadline) if error is None else b""
+        except TimeoutError as exc:
+            sock.close()
+            raise TransferError(f"request to {address} timed out after {timeout:.1f} s") from exc
+        except BaseException:
+            sock.close()
+            raise
+        self.put_back(address, sock)  # a complete reply, error or not, leaves the stream in step
+        if error is not None:
+            raise error
+        return body
+
+    def _refused(
+        self, address: str, sock: socket.socket, status: int, msg_len: int, deadline: float
+    ) -> TransferError:
+        message = recv_exact(sock, msg_len, deadline).decode(errors="replace")
+        return TransferError(f"{address} refused the request ({_STATUS.get(status, status)}): {message}")
+
+    def exchange(
+        self, address: str, request: bytes, deadline: float, timeout: float
+    ) -> tuple[socket.socket, tuple[bytes, int, int, int, int]]:
+        """Sends `request`, reads the reply header. A pooled connection the exporter had closed
+        is retried once on a fresh one (the exporter drops idle connections)."""
+        for attempt in range(2):
+            sock, pooled = self._connection(address, deadline, timeout, fresh=attempt > 0)
+            try:
+                try:
+                    send_views(sock, [memoryview(request)], deadline)
+                    head = recv_exact(sock, REPLY.size, deadline, eof_ok=True)
+                except ConnectionError as exc:
+                    if pooled:
+                        raise _Stale() from exc
+                    raise TransferError(f"{address} dropped the connection: {exc}") from exc
+                if not head:
+                    if pooled:
+                        raise _Stale()
+                    raise TransferError(f"{address} closed the connection before replying")
+                reply = REPLY.unpack(head)
+                if reply[0] != MAGIC or reply[1] != VERSION:
+                    raise TransferError(f"{address} is not a pdserve KV exporter of version {VERSION}")
+                return sock, reply
+            except _Stale:
+                sock.close()
+            except TimeoutError as exc:
+                sock.close()
+                raise TransferError(f"pull from {address} timed out after {timeout:.1f} s") from exc
+            except BaseException:
+                sock.close()
+                raise
+        raise TransferError(f"{address} keeps closing connections")  # unreachable: fresh is never stale
+
+    def _connection(
+        self, address: str, deadline: float, timeout: float, fresh: bool
+    ) -> tuple[socket.socket, bool]:
+        if not fresh:
+            with self._lock:
+                idle = self._idle.get(address)
+                if idle:
+                    return idle.pop(), True
+        host, port = parse_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=max(0.001, deadline - time.monotonic()))
+        except TimeoutError as exc:
+            raise TransferError(f"connecting to {address} timed out after {timeout:.1f} s") from exc
+        except OSError as exc:
+            raise TransferError(f"cannot connect to KV exporter {address}: {exc}") from exc
+        _tune(sock)
+        return sock, False
+
+    def put_back(self, address: str, sock: socket.socket) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(address, [])
+            if len(idle) < self.max_idle_per_address:
+                idle.append(sock)
+                return
+        sock.close()
+
+    def forget(self, address: str) -> None:
+        """Close the idle connections to an exporter that went away."""
+        with self._lock:
+            idle = self._idle.pop(address, [])
+        for sock in idle:
+            sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for socks in idle.values():
+            for sock in socks:
+                sock.close()

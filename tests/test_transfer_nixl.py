@@ -1,0 +1,145 @@
+"""The `nixl` transport, where NIXL imports: real agents in two processes (UCX), the lease held
+around each one-sided read. Skipped, with the reason, where NIXL is not installed."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pdserve.transfer import nixl_backend
+from pdserve.transfer.base import FaultInjector, TransferError
+
+pytestmark = pytest.mark.skipif(
+    nixl_backend.unavailable_reason() is not None, reason=str(nixl_backend.unavailable_reason())
+)
+
+SHAPE = (3, 2, 8, 4, 2, 8)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
+BLOCK_BYTES = 3 * 2 * 4 * 2 * 8 * 4  # float32
+
+
+@pytest.fixture
+def exporter() -> Iterator[nixl_backend.NixlExporter]:
+    torch.manual_seed(0)
+    exp = nixl_backend.NixlExporter(torch.randn(SHAPE))
+    try:
+        yield exp
+    finally:
+        exp.close()
+        assert [t.name for t in threading.enumerate() if t.name.startswith("kv-tcp")] == []
+
+
+@pytest.fixture(scope="module")
+def importer() -> Iterator[nixl_backend.NixlImporter]:
+    """One importer agent for the module: creating UCX agents is the slow part."""
+    imp = nixl_backend.NixlImporter(torch.zeros((3, 2, 5, 4, 2, 8)))
+    try:
+        yield imp
+    finally:
+        imp.close()
+
+
+def test_blocks_arrive_byte_exact_from_another_process() -> None:
+    code = (
+        "import sys, torch; from pdserve.transfer.nixl_backend import NixlExporter;"
+        "torch.manual_seed(7); cache = torch.randn(4, 2, 16, 4, 2, 8).to(torch.bfloat16);"
+        "exp = NixlExporter(cache); exp.register('r', [2, 3, 9, 11]);"
+        "print('ADDRESS', exp.address, flush=True); sys.stdin.readline();"
+        "print('SERVED', exp.stats.pulls, exp.stats.bytes, flush=True); exp.close()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+
+    def line(tag: str) -> list[str]:
+        while True:  # NIXL may log on stdout too
+            words = proc.stdout.readline().split()  # type: ignore[union-attr]
+            assert words or proc.poll() is None, "the exporter process ended"
+            if words and words[0] == tag:
+                return words[1:]
+
+    local = torch.zeros((4, 2, 6, 4, 2, 8), dtype=torch.bfloat16)
+    importer = nixl_backend.NixlImporter(local)
+    try:
+        (address,) = line("ADDRESS")
+        moved = importer.pull(address, [9, 2, 3, 11], [5, 0, 1, 3], timeout=10.0, request_id="r")
+        torch.manual_seed(7)
+        source = torch.randn(4, 2, 16, 4, 2, 8).to(torch.bfloat16)
+        for src, dst in zip([9, 2, 3, 11], [5, 0, 1, 3], strict=True):
+            assert torch.equal(local[:, :, dst].view(torch.int16), source[:, :, src].view(torch.int16))
+        assert torch.count_nonzero(local[:, :, [2, 4]].float()) == 0
+        assert moved == 4 * 4 * 2 * 4 * 2 * 8 * 2 and importer.stats.bytes == moved
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert line("SERVED") == ["1", str(moved)]
+        assert proc.wait(timeout=30) == 0
+    finally:
+        importer.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_only_leased_blocks_are_read(
+    exporter: nixl_backend.NixlExporter, importer: nixl_backend.NixlImporter
+) -> None:
+    exporter.register("r1", [1, 2])
+    assert importer.pull(exporter.address, [2, 1], [0, 1], timeout=5.0, request_id="r1") == 2 * BLOCK_BYTES
+    assert torch.equal(importer.kv_cache[:, :, 0], exporter.kv_cache[:, :, 2])
+    with pytest.raises(TransferError, match="not under lease"):
+        importer.pull(exporter.address, [1, 5], [0, 1], timeout=5.0, request_id="r1")
+    exporter.unregister("r1")
+    with pytest.raises(TransferError, match="no lease"):
+        importer.pull(exporter.address, [1], [0], timeout=5.0, request_id="r1")
+    assert len(exporter.leases) == 0 and exporter._holds == {}
+
+
+def test_a_lease_ended_during_the_read_fails_the_pull(
+    exporter: nixl_backend.NixlExporter, importer: nixl_backend.NixlImporter
+) -> None:
+    """The read is one-sided: the exporter cannot stop it, so the hold around it decides."""
+    exporter.register("r", [3])
+    side = importer._side
+    side.call(exporter.address, nixl_backend.OP_HOLD, "r", [3], timeout=5.0)  # a read begins...
+    assert exporter.leases.unregister("r", grace=0.1) is False  # ...the lease ends under it
+    with pytest.raises(TransferError, match="ended during the read"):
+        side.call(exporter.address, nixl_backend.OP_DONE, "r", [3], timeout=5.0)
+    assert exporter._holds == {}
+
+
+def test_layout_mismatch_is_refused(exporter: nixl_backend.NixlExporter) -> None:
+    exporter.register("r", [0])
+    imp = nixl_backend.NixlImporter(torch.zeros((3, 2, 4, 4, 2, 16), dtype=torch.float16))
+    try:
+        with pytest.raises(TransferError, match="layout mismatch"):
+            imp.pull(exporter.address, [0], [0], timeout=5.0, request_id="r")
+    finally:
+        imp.close()
+
+
+def test_unreachable_or_silent_exporters_fail_cleanly(importer: nixl_backend.NixlImporter) -> None:
+    exp = nixl_backend.NixlExporter(torch.randn(SHAPE))
+    address = exp.address
+    exp.close()
+    with pytest.raises(TransferError, match="cannot connect"):
+        importer.pull(address, [0], [0], timeout=5.0, request_id="r")
+    with socket.create_server(("127.0.0.1", 0)) as silent, pytest.raises(TransferError, match="timed out"):
+        importer.pull(f"127.0.0.1:{silent.getsockname()[1]}", [0], [0], timeout=0.3, request_id="r")
+
+
+def test_fault_injection(exporter: nixl_backend.NixlExporter, importer: nixl_backend.NixlImporter) -> None:
+    exporter.register("r", [0])
+    pulls, failures = importer.stats.pulls, importer.stats.failures
+    importer.faults = FaultInjector(rate=1.0)
+    try:
+        with pytest.raises(TransferError, match="injected fault"):
+            importer.pull(exporter.address, [0], [0], timeout=5.0, request_id="r")
+    finally:
+        importer.faults = FaultInjector()
+    assert (importer.stats.pulls - pulls, importer.stats.failures - failures) == (1, 1)

@@ -1,0 +1,197 @@
+"""The `tcp` transport over real sockets: byte-exact blocks, leases enforced by the exporter,
+timeouts, a closed exporter, fault injection. Every exporter, socket and process is stopped."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pdserve.transfer.base import FaultInjector, TransferError
+from pdserve.transfer.tcp import REPLY, REQUEST, TcpExporter, TcpImporter
+
+SHAPE = (3, 2, 8, 4, 2, 8)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
+BLOCK_BYTES = 3 * 2 * 4 * 2 * 8 * 4  # float32
+
+
+def kv_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("kv-tcp")]
+
+
+@pytest.fixture
+def exporter() -> Iterator[TcpExporter]:
+    torch.manual_seed(0)
+    exp = TcpExporter(torch.randn(SHAPE))
+    try:
+        yield exp
+    finally:
+        exp.close()
+        assert kv_threads() == []
+
+
+@pytest.fixture
+def importer() -> Iterator[TcpImporter]:
+    imp = TcpImporter(torch.zeros((3, 2, 5, 4, 2, 8)))  # fewer blocks than the source: fine
+    try:
+        yield imp
+    finally:
+        imp.close()
+
+
+def test_blocks_arrive_byte_exact_from_another_process() -> None:
+    code = (
+        "import sys, torch; from pdserve.transfer.tcp import TcpExporter;"
+        "torch.manual_seed(7); cache = torch.randn(4, 2, 16, 4, 2, 8).to(torch.bfloat16);"
+        "exp = TcpExporter(cache); exp.register('r', [2, 3, 9, 11]);"
+        "print(exp.address, flush=True); sys.stdin.readline();"
+        "print(exp.stats.pulls, exp.stats.bytes, flush=True); exp.close()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    local = torch.zeros((4, 2, 6, 4, 2, 8), dtype=torch.bfloat16)
+    importer = TcpImporter(local)
+    try:
+        address = proc.stdout.readline().strip()
+        # Consecutive runs and gaps on both sides, in a different order.
+        moved = importer.pull(address, [9, 2, 3, 11], [5, 0, 1, 3], timeout=10.0, request_id="r")
+        torch.manual_seed(7)
+        source = torch.randn(4, 2, 16, 4, 2, 8).to(torch.bfloat16)
+        for src, dst in zip([9, 2, 3, 11], [5, 0, 1, 3], strict=True):
+            assert torch.equal(local[:, :, dst].view(torch.int16), source[:, :, src].view(torch.int16))
+        assert torch.count_nonzero(local[:, :, [2, 4]].float()) == 0  # nothing else touched
+        assert moved == 4 * 4 * 2 * 4 * 2 * 8 * 2 and importer.stats.bytes == moved
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().split() == ["1", str(moved)]  # the exporter counted it too
+        assert proc.wait(timeout=30) == 0
+    finally:
+        importer.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_only_leased_blocks_of_the_named_request_are_served(
+    exporter: TcpExporter, importer: TcpImporter
+) -> None:
+    exporter.register("r1", [1, 2])
+    exporter.register("r2", [5])
+    assert importer.pull(exporter.address, [2, 1], [0, 1], timeout=5.0, request_id="r1") == 2 * BLOCK_BYTES
+    assert torch.equal(importer.kv_cache[:, :, 0], exporter.kv_cache[:, :, 2])
+    with pytest.raises(TransferError, match=r"not under lease.*blocks \[5\]"):
+        importer.pull(exporter.address, [1, 5], [0, 1], timeout=5.0, request_id="r1")
+    with pytest.raises(TransferError, match="no lease"):
+        importer.pull(exporter.address, [1], [0], timeout=5.0, request_id="other")
+    with pytest.raises(TransferError, match="no lease"):
+        importer.pull(exporter.address, [1], [0], timeout=5.0)  # no request id: never served
+    exporter.unregister("r1")
+    with pytest.raises(TransferError, match="no lease"):
+        importer.pull(exporter.address, [1, 2], [0, 1], timeout=5.0, request_id="r1")
+    assert importer.pull(exporter.address, [5], [4], timeout=5.0, request_id="r2") == BLOCK_BYTES
+    assert (importer.stats.pulls, importer.stats.failures) == (6, 4)
+    assert (exporter.stats.pulls, exporter.stats.failures) == (6, 4)
+    assert exporter.stats.bytes == importer.stats.bytes == 3 * BLOCK_BYTES
+
+
+def test_layout_mismatches_are_refused_clearly(exporter: TcpExporter) -> None:
+    exporter.register("r", [0])
+    for local in (torch.zeros((3, 2, 4, 4, 2, 4)), torch.zeros((3, 2, 4, 4, 2, 16), dtype=torch.float16)):
+        imp = TcpImporter(local)  # half the bytes per block; same bytes per block but another dtype
+        try:
+            with pytest.raises(TransferError, match="layout mismatch"):
+                imp.pull(exporter.address, [0], [0], timeout=5.0, request_id="r")
+        finally:
+            imp.close()
+
+
+def test_timeout_when_the_exporter_stalls(importer: TcpImporter) -> None:
+    # A listener that never answers: the connection completes in the kernel backlog.
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        with pytest.raises(TransferError, match="timed out"):
+            importer.pull(address, [0], [0], timeout=0.3, request_id="r")
+        assert time.monotonic() - started < 2.0
+
+    # An exporter that announces the blocks and stops halfway.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        accepted: list[socket.socket] = []
+
+        def half_answer() -> None:
+            conn, _ = server.accept()
+            accepted.append(conn)
+            conn.recv(4096)  # the whole request (a few dozen bytes)
+            conn.sendall(REPLY.pack(b"PDKV", 1, 0, 0, BLOCK_BYTES) + b"\0" * 100)
+
+        thread = threading.Thread(target=half_answer)
+        thread.start()
+        try:
+            with pytest.raises(TransferError, match="timed out"):
+                importer.pull(address, [0], [0], timeout=0.5, request_id="r")
+        finally:
+            thread.join(timeout=5)
+            for conn in accepted:
+                conn.close()
+    assert importer.stats.failures == 2
+
+
+def test_a_closed_exporter_is_a_clean_transfer_error(importer: TcpImporter) -> None:
+    exp = TcpExporter(torch.randn(SHAPE))
+    exp.register("r", [0])
+    importer.pull(exp.address, [0], [0], timeout=5.0, request_id="r")  # leaves a pooled connection
+    exp.close()
+    assert kv_threads() == []
+    with pytest.raises(TransferError, match=r"cannot connect.*refused"):
+        importer.pull(exp.address, [0], [0], timeout=5.0, request_id="r")
+    with pytest.raises(TransferError, match="host:port"):
+        importer.pull("pdserve-kv-123-abc", [0], [0], timeout=5.0, request_id="r")
+
+
+def test_fault_injection(exporter: TcpExporter) -> None:
+    exporter.register("r", [0, 1])
+    imp = TcpImporter(torch.zeros((3, 2, 5, 4, 2, 8)), FaultInjector(rate=1.0))
+    try:
+        with pytest.raises(TransferError, match="injected fault"):
+            imp.pull(exporter.address, [0, 1], [0, 1], timeout=5.0, request_id="r")
+        assert (imp.stats.pulls, imp.stats.failures) == (1, 1)
+        assert exporter.stats.pulls == 0  # dropped before anything went out
+    finally:
+        imp.close()
+
+
+def test_ending_a_lease_cuts_a_read_in_flight() -> None:
+    """A reader that stops reading holds the send; ending the lease must not wait for it forever,
+    and the exporter must stop sending before the blocks are freed."""
+    cache = torch.randn((2, 2, 64, 16, 8, 64))  # 16 MiB: more than the socket buffers hold
+    exp = TcpExporter(cache)
+    exp.register("r", list(range(64)))
+    rid = b"r"
+    request = REQUEST.pack(b"PDKV", 1, 1, len(rid), 64, 4, 16 * 8 * 64 * 4, b"float32") + rid
+    request += b"".join(i.to_bytes(4, "little") for i in range(64))
+    reader = socket.socket()
+    try:
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        reader.connect(("127.0.0.1", int(exp.address.rsplit(":", 1)[1])))
+        reader.sendall(request)
+        assert len(reader.recv(REPLY.size, socket.MSG_WAITALL)) == REPLY.size  # sending has begun
+        time.sleep(0.2)
+        started = time.monotonic()
+        assert exp.leases.unregister("r", grace=0.3) is False  # had to abort the read
+        assert time.monotonic() - started < 2.0
+        deadline = time.monotonic() + 2.0
+        while exp.stats.failures == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the serving thread counts it just after it lets go of the lease
+        assert exp.stats.failures == 1 and exp.stats.bytes == 0
+    finally:
+        reader.close()
+        exp.close()
+    assert kv_threads() == []
