@@ -36,7 +36,23 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     conv.add_argument("--overwrite", action="store_true")
 
+    from pdserve import serve
+
+    srv = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API (router + workers on this host)",
+        description=serve.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_arguments(srv)
+
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        try:
+            return serve.run(serve.resolve_options(args))
+        except PdserveError as exc:
+            print(f"pdserve: error: {exc}", file=sys.stderr)
+            return 2
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -1,0 +1,340 @@
+"""The router's HTTP API (Starlette): OpenAI-compatible completions and chat, models, health, metrics.
+
+No torch: text goes through `RouterTokenizer`, tokens through the `Dispatcher`. Bad input is a 400
+with OpenAI's error body before anything is queued; an empty decode pool is a 503, too many
+requests in flight a 429. A stream that fails after it started ends with an error event and
+`[DONE]`. A client that goes away (streaming or not) aborts its request on every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from pdserve import wire
+from pdserve.engine.detok import IncrementalDetokenizer
+from pdserve.errors import InvalidRequestError
+from pdserve.router import openai_types as oa
+from pdserve.router.dispatch import (
+    Dispatcher,
+    Overloaded,
+    RequestFailed,
+    RequestState,
+    RouterConfig,
+    Unavailable,
+)
+from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics
+from pdserve.router.tokenizer import RouterTokenizer
+from pdserve.router.workers import WorkerLink, WorkerSet
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    model_name: str
+    workers: Sequence[tuple[str, str]]  # (worker id, ZeroMQ address)
+    config: RouterConfig = field(default_factory=RouterConfig)
+    ready_timeout: float = 600.0  # startup waits this long for every worker's Ready
+    heartbeat_timeout: float = 3.0
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+
+
+def _sse(body: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+class Router:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        tokenizer: RouterTokenizer,
+        eos_token_ids: Sequence[int],
+        startup_abort: Callable[[], str | None] | None = None,
+    ) -> None:
+        """`startup_abort`: called while waiting for the workers; a message ends the wait (a
+        worker process that died while loading its model, say)."""
+        self.settings = settings
+        self._startup_abort = startup_abort
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.metrics = RouterMetrics()
+        self.workers = WorkerSet(heartbeat_timeout=settings.heartbeat_timeout)
+        self.workers.on_load = self._record_load
+        self.workers.on_state = self._record_state
+        self.dispatcher = Dispatcher(self.workers, settings.config, self.metrics)
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+            ],
+            lifespan=self._lifespan,
+        )
+
+    @asynccontextmanager
+    async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
+        for worker_id, address in self.settings.workers:
+            self.workers.add(worker_id, address)
+        try:
+            await self.workers.wait_ready(self.settings.ready_timeout, self._startup_abort)
+            logger.info("router ready: %d workers", len(self.workers.links))
+            yield
+        finally:
+            await self.workers.close()
+
+    # -- endpoints ----------------------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=True)
+
+    async def models(self, _request: Request) -> Response:
+        card = {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "pdserve"}
+        if (context := self._max_model_len()) is not None:
+            card["max_model_len"] = context
+        return _json({"object": "list", "data": [card]})
+
+    async def health(self, _request: Request) -> Response:
+        workers = {
+            w.worker_id: {"role": w.role, "up": w.up, **({} if w.up else {"reason": w.down_reason})}
+            for w in self.workers.links.values()
+        }
+        try:
+            self.dispatcher.check_available()
+        except (Unavailable, Overloaded) as exc:
+            return _json({"status": "unavailable", "reason": str(exc), "workers": workers}, 503)
+        return _json({"status": "ok", "workers": workers})
+
+    async def metrics_endpoint(self, _request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    # -- a request ----------------------------------------------------------------------------------------
+    async def _serve(self, request: Request, chat: bool) -> Response:
+        arrived = time.monotonic()
+        try:
+            run = self._admit(await request.body(), chat, arrived)
+        except InvalidRequestError as exc:
+            return self._reject(str(exc), "invalid_request_error", 400)
+        except Unavailable as exc:
+            return self._reject(str(exc), "service_unavailable", 503)
+        except Overloaded as exc:
+            return self._reject(str(exc), "rate_limit_exceeded", 429)
+        if run.stream:
+            return StreamingResponse(self._stream(run), media_type="text/event-stream")
+        return await self._whole(request, run)
+
+    def _reject(self, message: str, kind: str, status: int) -> Response:
+        self.metrics.requests.labels("none", "rejected").inc()
+        return _json(oa.error_body(message, kind, status), status)
+
+    def _admit(self, body: bytes, chat: bool, arrived: float) -> _Run:
+        req: oa.CompletionRequest | oa.ChatCompletionRequest
+        if chat:
+            chat_req: oa.ChatCompletionRequest = oa.decode_body(body, oa.ChatCompletionRequest)
+            messages = oa.check_chat(chat_req)
+            text = self.tokenizer.apply_chat_template(messages, chat_req.add_generation_prompt)
+            # The template already holds any BOS the model wants.
+            prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            req = chat_req
+        else:
+            completion_req: oa.CompletionRequest = oa.decode_body(body, oa.CompletionRequest)
+            oa.check_completion(completion_req)
+            prompt = oa.prompt_of(completion_req)
+            req = completion_req
+            prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            vocab = self.tokenizer.vocab_size
+            if any(not 0 <= t < vocab for t in prompt_ids):
+                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if req.model != self.settings.model_name:
+            raise InvalidRequestError(
+                f"model {req.model!r} is not served here; this server serves {self.settings.model_name!r}"
+            )
+        self.dispatcher.check_available()
+        context = self._max_model_len()
+        if context is None:
+            raise Unavailable("no worker is ready")
+        max_tokens = oa.requested_max_tokens(req)
+        if len(prompt_ids) >= context:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_ids)} tokens but the model's context is {context} tokens, "
+                "and at least one must be left to generate"
+            )
+        if max_tokens is None:
+            max_tokens = context - len(prompt_ids)
+        elif max_tokens >= 1 and len(prompt_ids) + max_tokens > context:
+            raise InvalidRequestError(
+                f"this model's context is {context} tokens, but {len(prompt_ids) + max_tokens} were asked for "
+                f"({len(prompt_ids)} in the prompt, {max_tokens} to generate): lower max_tokens"
+            )
+        params = oa.sampling_params(req, max_tokens)  # raises InvalidRequestError (max_tokens < 1, ...)
+        prefix = "chatcmpl" if chat else "cmpl"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        return _Run(
+            state=RequestState(request_id),
+            prompt_ids=prompt_ids,
+            params=wire.WireSamplingParams.from_params(params),
+            detok=IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_ids,
+                params.stop,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
+            ),
+            builder=oa.ResponseBuilder(request_id, self.settings.model_name, chat),
+            stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            ignore_eos=params.ignore_eos,
+            arrived=arrived,
+        )
+
+    async def _deltas(self, run: _Run) -> AsyncIterator[tuple[str, str | None, int | str | None]]:
+        """(new text, finish reason, stop reason) as tokens arrive; records the latency metrics."""
+        events = self.dispatcher.generate(run.state, run.prompt_ids, run.params)
+        sent = 0
+        try:
+            async for event in events:
+                run.token_arrived(time.monotonic(), len(event.token_ids), self.metrics)
+                finish: str | None = event.finish_reason
+                stop_reason: int | str | None = event.stop_reason
+                for token in event.token_ids:
+                    run.output_ids.append(token)
+                    if token in self.eos_token_ids and not run.ignore_eos:
+                        continue  # EOS ends the text; it counts as a token, it prints nothing
+                    if run.detok.add_token(token) is not None:
+                        finish, stop_reason = "stop", run.detok.stop_reason
+                        break
+                text = run.detok.streamable_text(finished=finish is not None)
+                delta, sent = text[sent:], len(text)
+                yield delta, finish, stop_reason
+                if finish is not None:
+                    run.state.outcome = "ok"  # also when a stop string ended it before the engine did
+                    run.finished(time.monotonic(), self.metrics)
+                    return
+        finally:
+            await events.aclose()  # closing early (stop string, client gone) aborts the request
+
+    async def _stream(self, run: _Run) -> AsyncIterator[bytes]:
+        b = run.builder
+        try:
+            if b.chat:
+                yield _sse(b.chunk("", role=True))
+            async for delta, finish, stop_reason in self._deltas(run):
+                if delta or finish is not None:
+                    yield _sse(b.chunk(delta, finish, stop_reason))
+            if run.include_usage:
+                yield _sse(b.usage_chunk(oa.usage(len(run.prompt_ids), len(run.output_ids))))
+        except (RequestFailed, Unavailable, Overloaded) as exc:
+            logger.error("request %s failed mid-stream: %s", run.state.request_id, exc)
+            yield _sse(oa.error_body(str(exc), "server_error", 503 if isinstance(exc, Unavailable) else 500))
+        yield b"data: [DONE]\n\n"
+
+    async def _whole(self, request: Request, run: _Run) -> Response:
+        async def collect() -> Response:
+            text = ""
+            ending: tuple[str | None, int | str | None] = (None, None)
+            async for delta, finish, stop_reason in self._deltas(run):
+                text += delta
+                ending = (finish, stop_reason)
+            use = oa.usage(len(run.prompt_ids), len(run.output_ids))
+            return _json(run.builder.whole(text, *ending, use))
+
+        work = asyncio.create_task(collect())
+        gone = asyncio.create_task(_client_gone(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (work, gone):
+                if not task.done():
+                    task.cancel()  # the client left: cancelling `work` aborts the request
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+        if work.cancelled():
+            return Response(status_code=499)  # nobody reads this: the client is gone
+        try:
+            return work.result()
+        except Unavailable as exc:
+            return _json(oa.error_body(str(exc), "service_unavailable", 503), 503)
+        except (RequestFailed, Overloaded) as exc:
+            logger.error("request %s failed: %s", run.state.request_id, exc)
+            return _json(oa.error_body(str(exc), "server_error", 500), 500)
+
+    # -- worker state into metrics --------------------------------------------------------------------------
+    def _max_model_len(self) -> int | None:
+        lengths = [w.ready.max_model_len for w in self.workers.links.values() if w.up and w.ready]
+        return min(lengths) if lengths else None
+
+    def _record_load(self, link: WorkerLink) -> None:
+        load = link.load
+        if load is None:
+            return
+        labels = (link.role or "unknown", link.worker_id)
+        m = self.metrics
+        m.worker_running.labels(*labels).set(load.num_running)
+        m.worker_waiting.labels(*labels).set(load.num_waiting)
+        m.worker_kv_used.labels(*labels).set(load.kv_blocks_used)
+        m.worker_kv_free.labels(*labels).set(load.kv_blocks_free)
+        m.worker_queued_prompt.labels(*labels).set(load.queued_prompt_tokens)
+        m.worker_step.labels(*labels).set(load.last_step_ms / 1000)
+
+    def _record_state(self, link: WorkerLink) -> None:
+        self.metrics.worker_up.labels(link.role or "unknown", link.worker_id).set(1 if link.up else 0)
+
+
+async def _client_gone(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@dataclass
+class _Run:
+    """One admitted request on its way through `_deltas`."""
+
+    state: RequestState
+    prompt_ids: list[int]
+    params: wire.WireSamplingParams
+    detok: IncrementalDetokenizer
+    builder: oa.ResponseBuilder
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+    arrived: float
+    output_ids: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    def token_arrived(self, now: float, count: int, metrics: RouterMetrics) -> None:
+        if not count:
+            return
+        if self.first_token_at is None:
+            self.first_token_at = now
+            metrics.ttft.observe(now - self.arrived)
+        elif self.last_token_at is not None:
+            metrics.itl.observe(now - self.last_token_at)
+        self.last_token_at = now
+        metrics.generation_tokens.inc(count)
+
+    def finished(self, now: float, metrics: RouterMetrics) -> None:
+        metrics.e2e.observe(now - self.arrived)
+        if self.first_token_at is not None and len(self.output_ids) > 1:
+            metrics.tpot.observe((now - self.first_token_at) / (len(self.output_ids) - 1))

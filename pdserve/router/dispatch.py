@@ -1,0 +1,288 @@
+"""One request's journey across the workers: path, workers, retries, KV release. No torch.
+
+Disaggregated path: the prefill worker answers with the first token and a KV handle; that token
+is passed on at once (TTFT); the decode worker pulls the KV, acknowledges (`KVPulled`, and the
+router releases the prefill worker's blocks), then streams the rest. Local path: the decode (or
+mixed) worker prefills and decodes by itself.
+
+When a prefill worker dies or a KV transfer fails, the request is prefilled again (on another
+prefill worker, or locally) from what the client has already seen: the prompt plus the tokens
+already streamed, with the remaining token budget. Each retry is logged with the request id and
+counted (`pdserve_request_retries_total`). A decode worker that dies after it streamed tokens ends
+the stream with an error (its KV is gone). Every wait has a timeout. Whatever happens, every leg
+still open on a worker is aborted when the request ends, so no KV block is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+
+from pdserve import wire
+from pdserve.errors import PdserveError
+from pdserve.router import policy
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.workers import Leg, LegEvent, WorkerDown, WorkerLink, WorkerSet
+
+logger = logging.getLogger(__name__)
+
+
+class Unavailable(PdserveError):
+    """No worker can take the request now (HTTP 503)."""
+
+
+class Overloaded(PdserveError):
+    """Too many requests in flight (HTTP 429)."""
+
+
+class RequestFailed(PdserveError):
+    """The request failed on the workers after it was admitted (an error event or HTTP 500)."""
+
+
+class _Retry(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    local_prefill_threshold: int = policy.DEFAULT_LOCAL_PREFILL_THRESHOLD
+    max_retries: int = 2  # re-prefills of one request before it fails
+    prefill_timeout: float = 300.0  # AddRequest -> first token on a prefill worker, queueing included
+    token_timeout: float = 60.0  # the longest wait for the next token of a running stream
+    max_in_flight: int = 512  # admitted requests; beyond this new ones get 429
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+
+
+@dataclass
+class RequestState:
+    """What the dispatcher did with one request; read by the API layer for logs and metrics."""
+
+    request_id: str
+    path: str = "none"
+    retries: int = 0
+    outcome: str = "aborted"  # until the request ends otherwise (a client that left, say)
+    legs: list[Leg] = field(default_factory=list)
+
+
+class Dispatcher:
+    def __init__(self, workers: WorkerSet, config: RouterConfig, metrics: RouterMetrics) -> None:
+        self.workers = workers
+        self.config = config
+        self.metrics = metrics
+        self.in_flight = 0
+
+    def check_available(self) -> None:
+        if not self.workers.up("decode", "mixed"):
+            raise Unavailable("no decode worker is up: the decode pool is empty")
+        if self.in_flight >= self.config.max_in_flight:
+            raise Overloaded(
+                f"{self.in_flight} requests in flight (limit {self.config.max_in_flight}); retry later"
+            )
+
+    async def generate(
+        self, state: RequestState, prompt: list[int], params: wire.WireSamplingParams
+    ) -> AsyncGenerator[TokenEvent, None]:
+        """Token events of one request, the last with its finish reason. Raises Unavailable,
+        Overloaded (before any token) or RequestFailed. Closing the iterator early aborts the
+        request everywhere."""
+        self.check_available()
+        self.in_flight += 1
+        self.metrics.in_flight.inc()
+        emitted: list[int] = []
+        try:
+            while True:
+                try:
+                    async for event in self._attempt(state, prompt, emitted, params):
+                        emitted.extend(event.token_ids)
+                        yield event
+                    state.outcome = "ok"
+                    return
+                except _Retry as retry:
+                    state.retries += 1
+                    self.metrics.retries.labels(retry.reason).inc()
+                    if state.retries > self.config.max_retries:
+                        raise RequestFailed(
+                            f"request failed after {self.config.max_retries} retries: {retry}"
+                        ) from None
+                    logger.warning("request %s: retry %d (%s)", state.request_id, state.retries, retry)
+                    if len(emitted) >= params.max_tokens:
+                        yield TokenEvent([], "length")
+                        state.outcome = "ok"
+                        return
+        except (RequestFailed, Unavailable):
+            state.outcome = "error"
+            raise
+        finally:
+            for leg in state.legs:
+                leg.close(abort=True)  # a no-op for legs the worker is done with
+            self.in_flight -= 1
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(state.path, state.outcome).inc()
+
+    # -- one attempt ------------------------------------------------------------------------------
+    async def _attempt(
+        self, state: RequestState, prompt: list[int], emitted: list[int], params: wire.WireSamplingParams
+    ) -> AsyncIterator[TokenEvent]:
+        # A retry continues from what the client has seen: those tokens become prompt.
+        tokens = prompt + emitted
+        attempt_params = msgspec.structs.replace(params, max_tokens=params.max_tokens - len(emitted))
+        leg_id = f"{state.request_id}.{state.retries}"
+        prefill = self._pick_prefill(len(tokens))
+        if prefill is None:
+            decode = self._pick_decode()
+            state.path = "colocated" if decode.role == "mixed" else "local_prefill"
+            leg = self._open(
+                state, decode, leg_id, len(tokens), wire.AddRequest(leg_id, tokens, attempt_params)
+            )
+            async for event in self._stream(state, leg, kv_pending=False):
+                yield event
+            return
+
+        state.path = "remote_prefill"
+        pleg = self._open(
+            state, prefill, leg_id, len(tokens), wire.AddRequest(leg_id, tokens, attempt_params)
+        )
+        sent_at = time.monotonic()
+        answer = await self._next(
+            pleg, self.config.prefill_timeout, "the first token from the prefill worker"
+        )
+        if isinstance(answer, WorkerDown):
+            raise _Retry("prefill_worker_down", f"prefill worker {answer.worker_id} went down")
+        if isinstance(answer, wire.KVPulled) or answer.finish_reason == "error":
+            pleg.done = True
+            raise _Retry(
+                "prefill_failed", f"prefill worker {prefill.worker_id}: {getattr(answer, 'error', '')}"
+            )
+        if answer.queue_seconds is not None:
+            self.metrics.queue_time.labels("prefill").observe(answer.queue_seconds)
+            self.metrics.prefill_time.observe(max(0.0, time.monotonic() - sent_at - answer.queue_seconds))
+        if answer.finish_reason != "prefilled" or answer.kv is None:
+            pleg.done = True  # the first token ended it (EOS, max_tokens=1): nothing to decode
+            yield TokenEvent(answer.token_ids, answer.finish_reason, answer.stop_reason)
+            return
+        yield TokenEvent(answer.token_ids)  # the first token goes to the client now
+
+        decode = self._pick_decode()
+        first_token = answer.token_ids[0]
+        dleg = self._open(
+            state,
+            decode,
+            leg_id,
+            0,
+            wire.AddRequest(leg_id, tokens, attempt_params, first_token_id=first_token, kv=answer.kv),
+        )
+        async for event in self._stream(
+            state, dleg, kv_pending=True, prefill_leg=pleg, transport=answer.kv.transport
+        ):
+            yield event
+
+    async def _stream(
+        self,
+        state: RequestState,
+        leg: Leg,
+        *,
+        kv_pending: bool,
+        prefill_leg: Leg | None = None,
+        transport: str = "",
+    ) -> AsyncIterator[TokenEvent]:
+        worker = leg.link.worker_id
+        streamed = 0
+        kv_failed = False
+        while True:
+            event = await self._next(leg, self.config.token_timeout, f"the next token from worker {worker}")
+            if isinstance(event, wire.KVPulled):
+                self._kv_pulled(state, event, prefill_leg, transport)
+                kv_failed = not event.ok
+                continue
+            if isinstance(event, WorkerDown):
+                if streamed == 0:
+                    raise _Retry("decode_worker_down", f"worker {worker} went down before its first token")
+                raise RequestFailed(f"worker {worker} went down mid-stream ({event.reason})")
+            if event.finish_reason == "error":
+                leg.done = True
+                if kv_pending and (kv_failed or streamed == 0):
+                    raise _Retry("kv_transfer_failed", f"worker {worker}: {event.error}")
+                raise RequestFailed(f"worker {worker} failed the request: {event.error}")
+            if streamed == 0 and event.queue_seconds is not None:
+                self.metrics.queue_time.labels(leg.link.role or "decode").observe(event.queue_seconds)
+            streamed += len(event.token_ids)
+            if event.finish_reason is not None:
+                leg.done = True
+            yield TokenEvent(event.token_ids, event.finish_reason, event.stop_reason)
+            if event.finish_reason is not None:
+                return
+
+    def _kv_pulled(
+        self, state: RequestState, event: wire.KVPulled, prefill_leg: Leg | None, transport: str
+    ) -> None:
+        # The decode side has the KV (or gave up on it): the prefill side's blocks can go.
+        if prefill_leg is not None and not prefill_leg.done:
+            if prefill_leg.link.up:
+                prefill_leg.link.send(wire.Release(prefill_leg.leg_id))
+            prefill_leg.close(abort=False)
+        if event.ok:
+            self.metrics.kv_transfer_time.labels(transport).observe(event.seconds)
+            self.metrics.kv_transfer_bytes.labels(transport).observe(event.nbytes)
+        else:
+            self.metrics.kv_transfer_failures.labels(transport).inc()
+            logger.error("request %s: KV transfer failed (%s): %s", state.request_id, transport, event.error)
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def _open(
+        self, state: RequestState, link: WorkerLink, leg_id: str, prompt_tokens: int, message: wire.AddRequest
+    ) -> Leg:
+        leg = link.open_leg(leg_id, prompt_tokens)
+        state.legs.append(leg)
+        if not link.send(message):
+            leg.close(abort=False)
+            raise _Retry("worker_unreachable", f"worker {link.worker_id} is not connected")
+        return leg
+
+    @staticmethod
+    async def _next(leg: Leg, timeout: float, what: str) -> LegEvent:
+        try:
+            return await asyncio.wait_for(leg.events.get(), timeout)
+        except TimeoutError:
+            raise RequestFailed(f"timed out after {timeout:.0f} s waiting for {what}") from None
+
+    def _pick_prefill(self, prompt_tokens: int) -> WorkerLink | None:
+        links = {w.worker_id: w for w in self.workers.up("prefill")}
+        if policy.choose_path(prompt_tokens, self.config.local_prefill_threshold, bool(links)) == "local":
+            return None
+        views = [
+            policy.PrefillView(
+                w.worker_id, w.queued_prompt_tokens, w.load.queued_prompt_tokens if w.load else 0
+            )
+            for w in links.values()
+        ]
+        chosen = policy.choose_prefill(views)
+        return links[chosen.worker_id] if chosen else None
+
+    def _pick_decode(self) -> WorkerLink:
+        links = {w.worker_id: w for w in self.workers.up("decode", "mixed")}
+        views = [
+            policy.DecodeView(
+                w.worker_id,
+                len(w.legs),
+                w.load.kv_blocks_free if w.load else None,
+                (w.load.kv_blocks_free + w.load.kv_blocks_used) if w.load else None,
+            )
+            for w in links.values()
+        ]
+        chosen = policy.choose_decode(views)
+        if chosen is None:
+            raise Unavailable("no decode worker is up: the decode pool is empty")
+        return links[chosen.worker_id]

@@ -1,0 +1,106 @@
+"""The router's Prometheus metrics (prometheus_client). Names and meanings: docs/metrics.md.
+
+One registry per router (not the process-global one), so two routers in one process, as in
+tests, do not share counts.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Latency buckets from 1 ms to 2 min: TTFT of a queued long prompt on CPU runs to tens of seconds.
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+_BYTES_BUCKETS = tuple(float(2**i) for i in range(10, 34, 2))  # 1 KiB .. 8 GiB
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+
+        def histogram(
+            name: str, doc: str, labels: tuple[str, ...] = (), buckets: tuple[float, ...] = _LATENCY_BUCKETS
+        ) -> Histogram:
+            return Histogram(name, doc, labels, registry=r, buckets=buckets)
+
+        self.ttft = histogram("pdserve_time_to_first_token_seconds", "Request arrival to its first token")
+        self.itl = histogram(
+            "pdserve_inter_token_latency_seconds", "Gap between consecutive tokens of a stream"
+        )
+        self.tpot = histogram(
+            "pdserve_time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1), per request"
+        )
+        self.e2e = histogram("pdserve_e2e_request_latency_seconds", "Request arrival to its last token")
+        self.queue_time = histogram(
+            "pdserve_queue_time_seconds",
+            "Time a request waited on a worker before it was scheduled",
+            ("pool",),
+        )
+        self.prefill_time = histogram(
+            "pdserve_prefill_time_seconds",
+            "Prefill on the prefill pool: scheduled to first token, RPC included",
+        )
+        self.kv_transfer_time = histogram(
+            "pdserve_kv_transfer_seconds", "One request's KV pull by a decode worker", ("transport",)
+        )
+        self.kv_transfer_bytes = histogram(
+            "pdserve_kv_transfer_bytes", "Bytes of one request's KV pull", ("transport",), _BYTES_BUCKETS
+        )
+        self.requests = Counter(
+            "pdserve_requests",
+            "Finished requests by path (remote_prefill, local_prefill, colocated) and outcome "
+            "(ok, error, rejected, aborted)",
+            ("path", "outcome"),
+            registry=r,
+        )
+        self.retries = Counter(
+            "pdserve_request_retries", "Re-prefills of a request, by reason", ("reason",), registry=r
+        )
+        self.kv_transfer_failures = Counter(
+            "pdserve_kv_transfer_failures", "KV pulls that failed or timed out", ("transport",), registry=r
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens", "Tokens streamed to clients", registry=r
+        )
+        self.in_flight = Gauge("pdserve_requests_in_flight", "Requests admitted and not finished", registry=r)
+
+        worker_labels = ("pool", "worker")
+        self.worker_up = Gauge(
+            "pdserve_worker_up", "1 while the worker is connected and ready", worker_labels, registry=r
+        )
+        self.worker_running = Gauge(
+            "pdserve_worker_running_requests", "Requests running on the worker", worker_labels, registry=r
+        )
+        self.worker_waiting = Gauge(
+            "pdserve_worker_waiting_requests", "Requests queued on the worker", worker_labels, registry=r
+        )
+        self.worker_kv_used = Gauge(
+            "pdserve_worker_kv_blocks_used", "KV cache blocks in use", worker_labels, registry=r
+        )
+        self.worker_kv_free = Gauge(
+            "pdserve_worker_kv_blocks_free", "KV cache blocks free", worker_labels, registry=r
+        )
+        self.worker_queued_prompt = Gauge(
+            "pdserve_worker_queued_prompt_tokens",
+            "Prompt tokens waiting to be prefilled",
+            worker_labels,
+            registry=r,
+        )
+        self.worker_step = Gauge(
+            "pdserve_worker_last_step_seconds",
+            "Duration of the worker's last step",
+            worker_labels,
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

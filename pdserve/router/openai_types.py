@@ -1,0 +1,249 @@
+"""OpenAI-compatible request bodies (msgspec), their checks, and response bodies. No torch.
+
+Decoding a body into these types checks every field's type and names the field that is wrong
+("Expected `int`, got `str` - at `$.max_tokens`"); fields we do not know are ignored, as OpenAI
+clients send many. What we know but do not support is refused with a clear 400 rather than
+silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import msgspec
+
+from pdserve.errors import InvalidRequestError
+from pdserve.sampling_params import SamplingParams
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: str | list[Any]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+
+def decode_body(body: bytes, kind: type[CompletionRequest] | type[ChatCompletionRequest]) -> Any:
+    if not body.strip():
+        raise InvalidRequestError("the request body is empty: send a JSON object")
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequestError(f"invalid request: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
+
+
+def check_common(req: _SamplingFields) -> None:
+    if req.n != 1:
+        raise InvalidRequestError("only n=1 is supported")
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequestError("stream_options is only allowed when stream is true")
+    if req.min_tokens:
+        raise InvalidRequestError("min_tokens is not supported")
+
+
+def check_completion(req: CompletionRequest) -> None:
+    check_common(req)
+    for name, unsupported in (
+        ("logprobs", req.logprobs is not None),
+        ("echo", req.echo),
+        ("suffix", req.suffix is not None),
+        ("best_of", req.best_of not in (None, 1)),
+    ):
+        if unsupported:
+            raise InvalidRequestError(f"{name} is not supported by this server")
+
+
+def check_chat(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as the chat template wants them: role and text content."""
+    check_common(req)
+    if req.logprobs or req.top_logprobs:
+        raise InvalidRequestError("logprobs is not supported by this server")
+    if req.tools:
+        raise InvalidRequestError("tools are not supported by this server")
+    if req.response_format not in (None, {"type": "text"}):
+        raise InvalidRequestError("only response_format {'type': 'text'} is supported")
+    if not req.messages:
+        raise InvalidRequestError("messages must hold at least one message")
+    messages = []
+    for i, message in enumerate(req.messages):
+        content = message.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise InvalidRequestError(f"messages[{i}]: only text content parts are supported")
+                parts.append(part.text)
+            content = "".join(parts)
+        messages.append({"role": message.role, "content": content or ""})
+    return messages
+
+
+def prompt_of(req: CompletionRequest) -> str | list[int]:
+    prompt = req.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty")
+        return prompt
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    if prompt and all(isinstance(p, str | list) for p in prompt):
+        raise InvalidRequestError("only one prompt per request is supported")
+    raise InvalidRequestError("prompt must be a string or a non-empty list of token ids")
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k in (None, -1) else req.top_k,  # vLLM spells "off" as -1
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+
+
+def requested_max_tokens(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    return req.max_tokens
+
+
+# -- responses --------------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape; the official client raises it as the matching APIError."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class ResponseBuilder:
+    """The JSON bodies of one request's answer (whole or in chunks)."""
+
+    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.chat = chat
+        self.created = int(time.time())
+
+    def _envelope(self, kind: Literal["whole", "chunk"]) -> dict[str, Any]:
+        if self.chat:
+            obj = "chat.completion" if kind == "whole" else "chat.completion.chunk"
+        else:
+            obj = "text_completion"
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(
+        self, text: str, finish_reason: str | None, stop_reason: int | str | None, use: dict[str, int]
+    ) -> dict[str, Any]:
+        body = self._envelope("whole")
+        choice: dict[str, Any] = {
+            "index": 0,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        body["choices"] = [choice]
+        body["usage"] = use
+        return body
+
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        stop_reason: int | str | None = None,
+        *,
+        role: bool = False,
+    ) -> dict[str, Any]:
+        body = self._envelope("chunk")
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        body["choices"] = [choice]
+        return body
+
+    def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
+        body = self._envelope("chunk")
+        body["choices"] = []
+        body["usage"] = use
+        return body

@@ -1,0 +1,60 @@
+"""Routing decisions as plain functions over what the router knows of each worker. Pure Python.
+
+Kept free of sockets and asyncio so that the simulator can reuse them unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Prompts of at most this many tokens are prefilled on the decode worker itself. A transfer costs
+# a round trip and a copy; a local prefill of a handful of tokens costs the decode batch about one
+# step. Above one KV block's worth the remote path wins on this hardware (see docs/serving.md).
+DEFAULT_LOCAL_PREFILL_THRESHOLD = 16
+
+
+@dataclass(frozen=True)
+class PrefillView:
+    worker_id: str
+    queued_prompt_tokens: int  # sent by this router and not prefilled yet (exact, not sampled)
+    reported_queued_tokens: int  # what the worker last reported (other routers' work included)
+
+
+@dataclass(frozen=True)
+class DecodeView:
+    worker_id: str
+    active_requests: int  # streams this router has on the worker
+    kv_blocks_free: int | None  # from the worker's last Load; None before the first one
+    kv_blocks_total: int | None
+    max_num_seqs: int | None = None
+
+
+def choose_path(prompt_tokens: int, local_prefill_threshold: int, prefill_available: bool) -> str:
+    """'remote' (prefill pool, then KV transfer) or 'local' (the decode worker prefills)."""
+    if not prefill_available or prompt_tokens <= local_prefill_threshold:
+        return "local"
+    return "remote"
+
+
+def choose_prefill(workers: list[PrefillView]) -> PrefillView | None:
+    """Least predicted wait: the fewest prompt tokens queued ahead (prefill time grows with them)."""
+    if not workers:
+        return None
+    return min(workers, key=lambda w: (max(w.queued_prompt_tokens, w.reported_queued_tokens), w.worker_id))
+
+
+def choose_decode(workers: list[DecodeView], blocks_needed: int = 0) -> DecodeView | None:
+    """The least loaded worker with room: fewest streams, then most free KV. A worker whose last
+    report shows too few free blocks for this prompt is passed over while another has room."""
+    if not workers:
+        return None
+    roomy = [w for w in workers if w.kv_blocks_free is None or w.kv_blocks_free >= blocks_needed]
+    candidates = roomy or workers
+
+    def load(w: DecodeView) -> tuple[float, float, str]:
+        used = 0.0
+        if w.kv_blocks_free is not None and w.kv_blocks_total:
+            used = 1.0 - w.kv_blocks_free / w.kv_blocks_total
+        return (w.active_requests, used, w.worker_id)
+
+    return min(candidates, key=load)

@@ -1,0 +1,260 @@
+"""The router's links to its workers: one ZeroMQ DEALER socket each, on the router's event loop.
+
+A link knows whether its worker is up: a worker is up from its `Ready` until the connection
+drops. A process killed with SIGKILL closes its sockets, so the drop is seen at once (a socket
+monitor event); a process that hangs stops answering ZeroMQ's heartbeats and is dropped after
+`heartbeat_timeout`. Everything waiting on a dropped worker is told (`WorkerDown`) straight away,
+so no stream hangs on a dead process.
+
+Messages from a worker are routed by request id to the `Leg` (one request on one worker) that
+waits for them. No torch here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from pdserve import wire
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerDown:
+    worker_id: str
+    reason: str
+
+
+LegEvent = wire.Tokens | wire.KVPulled | WorkerDown
+
+
+@dataclass(eq=False)
+class Leg:
+    """One request (under one leg id) on one worker: the events that worker sends for it."""
+
+    leg_id: str
+    link: WorkerLink
+    events: asyncio.Queue[LegEvent] = field(default_factory=asyncio.Queue)
+    prompt_tokens: int = 0  # counted in the link's queued prompt tokens until the first token
+    done: bool = False  # the worker holds nothing for it any more (finished, released, aborted)
+
+    def close(self, abort: bool) -> None:
+        """Stop listening; with `abort`, tell the worker to drop the request and free its blocks."""
+        if abort and not self.done and self.link.up:
+            self.link.send(wire.Abort(self.leg_id))
+        self.done = True
+        self.link.forget(self)
+
+
+class WorkerLink:
+    def __init__(
+        self,
+        worker_id: str,
+        address: str,
+        context: zmq.asyncio.Context,
+        *,
+        heartbeat_interval: float = 0.5,
+        heartbeat_timeout: float = 3.0,
+        on_load: Callable[[WorkerLink], None] | None = None,
+        on_state: Callable[[WorkerLink], None] | None = None,
+    ) -> None:
+        self.worker_id = worker_id
+        self.address = address
+        self.ready: wire.Ready | None = None
+        self.load: wire.Load | None = None
+        self.up = False
+        self.down_reason = "not connected yet"
+        self.legs: dict[str, Leg] = {}
+        self.queued_prompt_tokens = 0  # prompt tokens sent here that have not produced a token yet
+        self._on_load = on_load
+        self._on_state = on_state
+        self._sock = context.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # Queue nothing for a worker that is not connected: a send fails at once instead of
+        # waiting for a process that may never come back.
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
+        self._sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout * 1000))
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 200)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def role(self) -> str | None:
+        return self.ready.role if self.ready else None
+
+    def start(self) -> None:
+        self._sock.connect(self.address)
+        self._tasks = [
+            asyncio.create_task(self._read_loop(), name=f"read-{self.worker_id}"),
+            asyncio.create_task(self._monitor_loop(), name=f"monitor-{self.worker_id}"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._mark_down("the router is shutting down")
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+
+    # -- sending --------------------------------------------------------------------------------------
+    def send(self, message: wire.Message) -> bool:
+        """Send without waiting. False if the worker is not connected (nothing is queued for it)."""
+        return self._send_now(wire.encode(message))
+
+    def _send_now(self, data: bytes) -> bool:
+        # zmq.asyncio reports a NOBLOCK send's outcome through an already-finished future.
+        sent = self._sock.send(data, zmq.NOBLOCK)
+        error = sent.exception() if sent.done() else None
+        if isinstance(error, zmq.Again):
+            return False
+        if error is not None:
+            raise error
+        return True
+
+    def open_leg(self, leg_id: str, prompt_tokens: int = 0) -> Leg:
+        leg = Leg(leg_id, self, prompt_tokens=prompt_tokens)
+        self.legs[leg_id] = leg
+        self.queued_prompt_tokens += prompt_tokens
+        return leg
+
+    def forget(self, leg: Leg) -> None:
+        if self.legs.pop(leg.leg_id, None) is not None:
+            self._settle_prompt(leg)
+
+    def _settle_prompt(self, leg: Leg) -> None:
+        self.queued_prompt_tokens -= leg.prompt_tokens
+        leg.prompt_tokens = 0
+
+    # -- receiving ------------------------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        while True:
+            data = await self._sock.recv()
+            try:
+                message = wire.decode(data)
+            except wire.WireError as exc:
+                logger.error("worker %s sent a bad frame: %s", self.worker_id, exc)
+                continue
+            if isinstance(message, wire.Ready):
+                self.ready = message
+                if not self.up:
+                    self.up = True
+                    logger.info("worker %s is up (%s, %s)", self.worker_id, message.role, self.address)
+                    self._notify_state()
+            elif isinstance(message, wire.Load):
+                self.load = message
+                if self._on_load is not None:
+                    self._on_load(self)
+            elif isinstance(message, wire.Tokens | wire.KVPulled):
+                leg = self.legs.get(message.request_id)
+                if leg is None:
+                    continue  # a leg the router already closed (aborted, timed out): nothing waits
+                if isinstance(message, wire.Tokens) and (message.token_ids or message.finish_reason):
+                    self._settle_prompt(leg)
+                leg.events.put_nowait(message)
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self.send_hello()
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._mark_down("its connection dropped (process gone or not answering heartbeats)")
+
+    def send_hello(self) -> None:
+        # An empty frame: the worker answers with Ready (also after a reconnect to a new process).
+        self._send_now(b"")
+
+    def _mark_down(self, reason: str) -> None:
+        was_up = self.up
+        self.up = False
+        self.down_reason = reason
+        self.load = None
+        if was_up:
+            logger.error("worker %s is down: %s", self.worker_id, reason)
+        # Everything waiting on this worker hears it now; the legs are dropped: a restarted
+        # process at the same address knows nothing of them.
+        legs, self.legs = list(self.legs.values()), {}
+        self.queued_prompt_tokens = 0
+        for leg in legs:
+            leg.done = True
+            leg.events.put_nowait(WorkerDown(self.worker_id, reason))
+        if was_up:
+            self._notify_state()
+
+    def _notify_state(self) -> None:
+        if self._on_state is not None:
+            self._on_state(self)
+
+
+class WorkerSet:
+    """Every worker the router knows, by id. Workers can be added and removed while serving."""
+
+    def __init__(self, heartbeat_interval: float = 0.5, heartbeat_timeout: float = 3.0) -> None:
+        self.context = zmq.asyncio.Context()
+        self.links: dict[str, WorkerLink] = {}
+        self._heartbeat = (heartbeat_interval, heartbeat_timeout)
+        self.on_load: Callable[[WorkerLink], None] | None = None
+        self.on_state: Callable[[WorkerLink], None] | None = None
+
+    def add(self, worker_id: str, address: str) -> WorkerLink:
+        if worker_id in self.links:
+            raise ValueError(f"worker id {worker_id!r} is already known")
+        link = WorkerLink(
+            worker_id,
+            address,
+            self.context,
+            heartbeat_interval=self._heartbeat[0],
+            heartbeat_timeout=self._heartbeat[1],
+            on_load=self.on_load,
+            on_state=self.on_state,
+        )
+        self.links[worker_id] = link
+        link.start()
+        return link
+
+    async def remove(self, worker_id: str) -> None:
+        link = self.links.pop(worker_id, None)
+        if link is not None:
+            await link.close()
+
+    def up(self, *roles: str) -> list[WorkerLink]:
+        return [w for w in self.links.values() if w.up and w.role in roles]
+
+    async def wait_ready(self, timeout: float, abort: Callable[[], str | None] | None = None) -> None:
+        """Until every known worker has said Ready; TimeoutError naming the missing ones, or
+        RuntimeError when `abort` returns a reason to give up."""
+        deadline = time.monotonic() + timeout
+        while True:
+            reason = abort() if abort is not None else None
+            if reason:
+                raise RuntimeError(f"workers failed to start: {reason}")
+            missing = [w.worker_id for w in self.links.values() if not w.up]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers not ready after {timeout:.0f} s: {', '.join(missing)}")
+            for w in self.links.values():
+                if not w.up:
+                    w.send_hello()
+            await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        for worker_id in list(self.links):
+            await self.remove(worker_id)
+        self.context.term()

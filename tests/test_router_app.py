@@ -1,0 +1,202 @@
+"""The router's HTTP API end to end: a real `pdserve serve` (router + a prefill and a decode worker
+as processes, KV over shared memory), the official `openai` client, real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pdserve import LLM, SamplingParams
+from serving import Server
+
+# Long enough to take the remote-prefill path (the default local threshold is 16 tokens).
+LONG_PROMPTS = ["The quick brown fox jumps over the lazy dog. " * k for k in (1, 3, 6)]
+SHORT_PROMPTS = ["Hi", "abc"]  # 3 and 4 tokens with BOS: prefilled on the decode worker
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path) -> Iterator[Server]:
+    srv = Server(tiny_llama, "--prefill", "1", "--decode", "1")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama: Path) -> LLM:
+    return LLM(str(tiny_llama), dtype="float32")
+
+
+def greedy_text(llm: LLM, prompt: str, max_tokens: int) -> str:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return llm.generate(prompt, params)[0].outputs[0].text
+
+
+def test_greedy_output_matches_the_offline_engine_on_both_paths(server: Server, offline: LLM) -> None:
+    remote_before = server.metric("pdserve_requests_total", path="remote_prefill", outcome="ok")
+    local_before = server.metric("pdserve_requests_total", path="local_prefill", outcome="ok")
+    for prompt in LONG_PROMPTS + SHORT_PROMPTS:
+        answer = server.client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True}
+        )
+        assert answer.choices[0].text == greedy_text(offline, prompt, 12), prompt
+        assert answer.choices[0].finish_reason == "length"
+        assert answer.usage is not None and answer.usage.completion_tokens == 12
+    assert server.metric("pdserve_requests_total", path="remote_prefill", outcome="ok") - remote_before == 3
+    assert server.metric("pdserve_requests_total", path="local_prefill", outcome="ok") - local_before == 2
+    # The KV crossed from the prefill worker to the decode worker, and every block came back.
+    assert server.metric("pdserve_kv_transfer_bytes_sum") > 0
+    server.wait_kv_free()
+
+
+def test_streamed_chat_and_completion_with_usage(server: Server, offline: LLM) -> None:
+    stream = server.client.chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "Tell me about the sea, at length please."}],
+        max_tokens=10,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-2].choices[0].finish_reason == "length"
+    usage = chunks[-1].usage
+    assert usage is not None and not chunks[-1].choices
+    assert usage.completion_tokens == 10 and usage.prompt_tokens > 16
+    chat_prompt = offline.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "Tell me about the sea, at length please."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    expected = (
+        offline.generate(
+            offline.get_tokenizer().encode(chat_prompt, add_special_tokens=False),
+            SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+        )[0]
+        .outputs[0]
+        .text
+    )
+    assert text == expected
+
+    pieces = [
+        c.choices[0].text
+        for c in server.client.completions.create(
+            model=server.model, prompt=LONG_PROMPTS[1], max_tokens=8, temperature=0.0, stream=True
+        )
+    ]
+    assert len(pieces) > 1 and "".join(pieces)
+
+
+def test_stop_string_ends_the_text_and_the_request(server: Server, offline: LLM) -> None:
+    full = greedy_text(offline, LONG_PROMPTS[0], 16)
+    stop = full[4:6]
+    answer = server.client.completions.create(
+        model=server.model, prompt=LONG_PROMPTS[0], max_tokens=16, temperature=0.0, stop=[stop]
+    )
+    assert answer.choices[0].text == full[: full.index(stop)]
+    assert answer.choices[0].finish_reason == "stop"
+    server.wait_kv_free()
+
+
+def test_sampling_with_a_seed_is_repeatable(server: Server) -> None:
+    def sample() -> str:
+        answer = server.client.completions.create(
+            model=server.model, prompt=LONG_PROMPTS[0], max_tokens=10, temperature=1.0, top_p=0.9, seed=7
+        )
+        return answer.choices[0].text
+
+    assert sample() == sample()
+
+
+def test_thirty_two_concurrent_requests_of_mixed_lengths_all_complete(server: Server) -> None:
+    async def one(i: int) -> int:
+        prompt = "word " * (1 + (i * 7) % 60)
+        answer = await server.async_client.completions.create(
+            model=server.model,
+            prompt=prompt,
+            max_tokens=4 + i % 9,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+        assert answer.usage is not None
+        return answer.usage.completion_tokens
+
+    async def all_of_them() -> list[int]:
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    assert asyncio.run(all_of_them()) == [4 + i % 9 for i in range(32)]
+    server.wait_kv_free()
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"", "empty"),
+        (b'{"model": "smollm2", "prompt": "hi"}', "is not served here"),
+        (b'{"model": "M", "prompt": "hi", "max_tokens": 0}', "max_tokens"),
+        (b'{"model": "M", "prompt": "hi", "max_tokens": "ten"}', "$.max_tokens"),
+        (b'{"model": "M", "prompt": "hi", "temperature": -1}', "temperature"),
+        (b'{"model": "M", "prompt": "hi", "n": 2}', "n=1"),
+        (b'{"model": "M", "prompt": "' + b"x" * 2000 + b'"}', "context"),
+        (b'{"model": "M", "prompt": [1, 99999]}', "token ids"),
+        (b'{"model": "M"}', "prompt"),
+    ],
+)
+def test_bad_requests_get_a_400_with_an_openai_error_body(server: Server, body: bytes, fragment: str) -> None:
+    body = body.replace(b'"M"', f'"{server.model}"'.encode())
+    response = server.http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert fragment in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_the_openai_client_raises_bad_request_for_a_bad_chat(server: Server) -> None:
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        server.client.chat.completions.create(model=server.model, messages=[])
+
+
+def test_models_health_and_metrics(server: Server) -> None:
+    assert [m.id for m in server.client.models.list().data] == [server.model]
+    health = server.http.get("/health").json()
+    assert health["status"] == "ok" and set(health["workers"]) == {"prefill-0", "decode-0"}
+    metrics = server.metrics()
+    for name in (
+        "pdserve_time_to_first_token_seconds",
+        "pdserve_inter_token_latency_seconds",
+        "pdserve_worker_up",
+    ):
+        assert name in metrics
+    assert server.metric("pdserve_worker_up", pool="prefill") == 1
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_its_request(server: Server) -> None:
+    aborted_before = server.metric("pdserve_requests_total", outcome="aborted")
+    body = {
+        "model": server.model,
+        "prompt": LONG_PROMPTS[2],
+        "max_tokens": 500,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with (
+        httpx.Client(base_url=server.url, timeout=30) as http,
+        http.stream("POST", "/v1/completions", json=body) as r,
+    ):
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    # The connection is closed: the router aborts the request on its worker and frees its blocks.
+    server.wait_for(
+        lambda: server.metric("pdserve_requests_total", outcome="aborted") > aborted_before,
+        what="abort counted",
+    )
+    server.wait_kv_free()
