@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from serving import Server
 
 from pdserve import LLM, SamplingParams
-from serving import Server
 
 # Long enough to take the remote-prefill path (the default local threshold is 16 tokens).
 LONG_PROMPTS = ["The quick brown fox jumps over the lazy dog. " * k for k in (1, 3, 6)]

@@ -120,6 +120,7 @@ class WorkerLink:
     def _send_now(self, data: bytes) -> bool:
         # zmq.asyncio reports a NOBLOCK send's outcome through an already-finished future.
         sent = self._sock.send(data, zmq.NOBLOCK)
+        assert isinstance(sent, asyncio.Future)
         error = sent.exception() if sent.done() else None
         if isinstance(error, zmq.Again):
             return False
