@@ -298,7 +298,20 @@ class Router:
         m.worker_step.labels(*labels).set(load.last_step_ms / 1000)
 
     def _record_state(self, link: WorkerLink) -> None:
-        self.metrics.worker_up.labels(link.role or "unknown", link.worker_id).set(1 if link.up else 0)
+        labels = (link.role or "unknown", link.worker_id)
+        m = self.metrics
+        m.worker_up.labels(*labels).set(1 if link.up else 0)
+        if not link.up:  # a dead worker's last load report says nothing about now
+            for gauge in (
+                m.worker_running,
+                m.worker_waiting,
+                m.worker_kv_used,
+                m.worker_kv_free,
+                m.worker_queued_prompt,
+                m.worker_step,
+            ):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*labels)
 
 
 async def _client_gone(request: Request) -> None:

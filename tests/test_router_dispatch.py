@@ -1,0 +1,139 @@
+"""Faults across the disaggregated path, end to end: workers killed with SIGKILL under load, KV
+transfers dropped on purpose, an empty pool. Afterwards every live worker holds no KV block and
+every request either completed or got a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from serving import Server
+
+from pdserve import LLM, SamplingParams
+
+PROMPTS = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * (2 + i) for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama: Path) -> LLM:
+    return LLM(str(tiny_llama), dtype="float32")
+
+
+def expected_texts(llm: LLM, max_tokens: int) -> list[str]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
+
+
+async def complete_all(server: Server, max_tokens: int) -> list[str]:
+    async def one(prompt: str) -> str:
+        answer = await server.async_client.completions.create(
+            model=server.model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+        return answer.choices[0].text
+
+    return list(await asyncio.gather(*(one(p) for p in PROMPTS)))
+
+
+def test_requests_on_a_killed_prefill_worker_are_prefilled_again(tiny_llama: Path, offline: LLM) -> None:
+    server = Server(tiny_llama, "--prefill", "1", "--decode", "1")
+    try:
+        # Freeze the prefill worker so that every request is stuck on it, then kill it.
+        os.kill(server.worker_pids["prefill-0"], signal.SIGSTOP)
+
+        async def scenario() -> list[str]:
+            requests = asyncio.ensure_future(complete_all(server, 10))
+            await asyncio.sleep(1.0)  # all sent and queued on the frozen worker (heartbeat: 3 s)
+            assert not requests.done()
+            server.kill_worker("prefill-0")
+            return await requests
+
+        started = time.monotonic()
+        assert asyncio.run(scenario()) == expected_texts(offline, 10)
+        assert time.monotonic() - started < 30
+        # Each was prefilled again, locally on the decode worker: counted as retries.
+        assert server.metric("pdserve_request_retries_total", reason="prefill_worker_down") == len(PROMPTS)
+        assert server.metric("pdserve_requests_total", path="local_prefill", outcome="ok") == len(PROMPTS)
+        assert server.metric("pdserve_worker_up", worker="prefill-0") == 0
+        server.wait_kv_free()
+    finally:
+        server.stop()
+
+
+def test_dropped_kv_transfers_are_counted_and_retried_not_recomputed_silently(
+    tiny_llama: Path, offline: LLM
+) -> None:
+    server = Server(
+        tiny_llama, "--prefill", "1", "--decode", "1", "--kv-fault-rate", "0.5", "--max-retries", "20"
+    )
+    try:
+        assert asyncio.run(complete_all(server, 10)) == expected_texts(offline, 10)
+        failures = server.metric("pdserve_kv_transfer_failures_total")
+        assert failures > 0
+        assert server.metric("pdserve_request_retries_total", reason="kv_transfer_failed") == failures
+        assert server.metric("pdserve_requests_total", outcome="ok") == len(PROMPTS)
+        server.wait_kv_free()
+    finally:
+        server.stop()
+
+
+def test_a_killed_decode_worker_ends_its_streams_with_an_error_and_is_avoided(tiny_llama: Path) -> None:
+    server = Server(tiny_llama, "--prefill", "1", "--decode", "2")
+    try:
+
+        async def stream(prompt: str, started: asyncio.Event) -> str:
+            chunks = await server.async_client.completions.create(
+                model=server.model,
+                prompt=prompt,
+                max_tokens=690,
+                temperature=0.0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            try:
+                async for _ in chunks:
+                    started.set()
+            except openai.APIError as exc:
+                return f"error: {exc.message}"
+            return "ok"
+
+        async def scenario() -> tuple[list[str], float]:
+            events = [asyncio.Event() for _ in range(6)]
+            tasks = [asyncio.ensure_future(stream(p, e)) for p, e in zip(PROMPTS, events, strict=False)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 30)
+            os.kill(server.worker_pids["decode-0"], signal.SIGSTOP)  # frozen mid-stream, then gone
+            server.kill_worker("decode-0")
+            killed_at = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            return list(results), time.monotonic() - killed_at
+
+        results, seconds = asyncio.run(scenario())
+        errors = [r for r in results if r.startswith("error")]
+        assert errors and all("went down mid-stream" in e for e in errors), results
+        assert len(errors) < len(results)  # the streams on decode-1 carried on
+        # New requests avoid the dead worker and complete.
+        for prompt in PROMPTS[:3]:
+            answer = server.client.completions.create(model=server.model, prompt=prompt, max_tokens=5)
+            assert answer.choices[0].finish_reason in ("length", "stop")
+        assert seconds < 30
+        server.wait_kv_free()
+
+        # With the whole decode pool gone, requests get a 503 at once, not a hang.
+        server.kill_worker("decode-1")
+        server.wait_for(
+            lambda: server.metric("pdserve_worker_up", pool="decode") == 0, what="decode pool down"
+        )
+        with pytest.raises(openai.InternalServerError) as failure:
+            server.client.completions.create(model=server.model, prompt="hello", max_tokens=5)
+        assert failure.value.status_code == 503 and "decode pool is empty" in failure.value.message
+        assert server.http.get("/health").status_code == 503
+    finally:
+        server.stop()
