@@ -61,7 +61,12 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:  # logits 
     vocab = logits.shape[0]
     if params.repetition_penalty != 1.0:
         # As in CTRL / HF: every token seen in prompt or output is made less likely.
-        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+        # Built on the logits' device: on CUDA a CPU index would be copied over at each use.
+        seen = torch.tensor(
+            sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
+            dtype=torch.long,
+            device=logits.device,
+        )
         seen = seen[seen < vocab]
         picked = logits[seen]
         logits[seen] = torch.where(
@@ -69,7 +74,9 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:  # logits 
         )
     if row.output_token_ids and (params.presence_penalty or params.frequency_penalty):
         # As in OpenAI's API: over the generated tokens only.
-        counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
+        # On the logits' device: a CPU count vector subtracted from CUDA logits is a device error.
+        output_ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(output_ids, minlength=vocab)[:vocab]
         logits -= params.frequency_penalty * counts.to(logits.dtype)
         logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
 
