@@ -179,11 +179,35 @@ def run(o: dict[str, Any]) -> int:
             access_log=False,
             timeout_graceful_shutdown=5,
         )
-        server = uvicorn.Server(config)
+        server = _server_class()(config)
         asyncio.run(_serve(server, cluster))
         return 0 if server.started else 1
     finally:
         cluster.stop()
+
+
+def _server_class() -> type:
+    import contextlib
+    import signal
+    from collections.abc import Iterator
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, which would kill this
+        process before it stops its workers. Here the signal only starts the shutdown; `run`
+        then stops the workers and returns 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
 
 
 def _startup_failure(cluster: Any) -> str | None:

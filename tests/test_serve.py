@@ -1,0 +1,133 @@
+"""`pdserve serve` as a user runs it: flags and config file, colocated and disaggregated, and what
+it leaves behind when stopped (nothing: no process, no shared-memory segment)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from serving import Server, alive, children
+
+from pdserve import serve
+from pdserve.errors import PdserveError
+from pdserve.transfer.shm import leftover_segments
+
+
+def options(*argv: str, config: Path | None = None) -> dict[str, object]:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args([*argv, *(["--config", str(config)] if config else [])])
+    return serve.resolve_options(args)
+
+
+def test_the_command_line_wins_over_the_config_file_which_wins_over_defaults(tmp_path: Path) -> None:
+    config = tmp_path / "pdserve.toml"
+    config.write_text(
+        'model = "m"\nprefill = 2\ndecode = 1\nport = 9000\nkv-pull-timeout = 3\npin_cpus = false\n'
+    )
+    o = options("--port", "9100", config=config)
+    assert (o["model"], o["prefill"], o["decode"], o["port"]) == ("m", 2, 1, 9100)
+    assert o["kv_pull_timeout"] == 3.0 and o["pin_cpus"] is False and o["transport"] == "shm"
+    assert [s.role for s in serve.worker_specs(o)] == ["prefill", "prefill", "decode"]
+
+
+@pytest.mark.parametrize(
+    ("text", "argv", "fragment"),
+    [
+        ('model = "m"\nprefil = 1\n', (), "unknown option 'prefil'"),
+        ('model = "m"\nprefill = "one"\n', (), "prefill must be a int"),
+        ("model = [", (), "not valid TOML"),
+        ('model = "m"\n', ("--prefill", "1"), "needs --prefill >= 1 and --decode >= 1"),
+        ('model = "m"\n', ("--colocated", "2", "--prefill", "1"), "either --colocated"),
+        ('model = "m"\n', ("--colocated", "1", "--transport", "udp"), "--transport must be"),
+    ],
+)
+def test_bad_options_are_refused_before_anything_starts(
+    tmp_path: Path, text: str, argv: tuple[str, ...], fragment: str
+) -> None:
+    config = tmp_path / "pdserve.toml"
+    config.write_text(text)
+    with pytest.raises(PdserveError) as failure:
+        options(*argv, config=config)
+    assert fragment in str(failure.value)
+
+
+def test_a_bad_model_exits_with_a_clear_error_and_starts_no_worker() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "serve", "--model", "no-such-model", "--colocated", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "not found" in done.stderr
+
+
+def test_a_worker_that_fails_to_start_stops_the_server(tiny_llama: Path) -> None:
+    started = time.monotonic()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "--model",
+            str(tiny_llama),
+            "--colocated",
+            "1",
+            "--block-size",
+            "0",
+            "--port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "exited with code" in done.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_colocated_from_a_config_file_serves_and_sigterm_leaves_nothing(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "pdserve.toml"
+    config.write_text(f'model = "{tiny_llama}"\ncolocated = 2\nmax-num-seqs = 8\n')
+    server = Server(tiny_llama, "--config", str(config))
+    try:
+        assert sorted(server.worker_pids) == ["mixed-0", "mixed-1"]
+        answer = server.client.chat.completions.create(
+            model=server.model,
+            messages=[{"role": "user", "content": "hello there, how are you?"}],
+            max_tokens=6,
+        )
+        assert answer.choices[0].message.content is not None
+        assert server.metric("pdserve_requests_total", path="colocated", outcome="ok") == 1
+        assert server.metric("pdserve_worker_up", pool="mixed") == 2
+    finally:
+        assert server.stop(signal.SIGTERM) == 0
+
+
+def test_sigint_stops_a_disaggregated_server_and_its_segments(tiny_llama: Path) -> None:
+    server = Server(tiny_llama, "--prefill", "1", "--decode", "1")
+    prefill_pid = server.worker_pids["prefill-0"]
+    assert leftover_segments(prefill_pid)  # the prefill worker's KV cache lives in /dev/shm
+    assert server.stop(signal.SIGINT) == 0  # stop() checks: no worker left, no segment left
+
+
+def test_a_server_killed_with_sigkill_takes_its_workers_with_it(tiny_llama: Path) -> None:
+    server = Server(tiny_llama, "--prefill", "1", "--decode", "1")
+    workers = list(server.worker_pids.values())
+    os.kill(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(timeout=10)
+    deadline = time.monotonic() + 20
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in workers if alive(p)], "workers outlived a SIGKILLed server"
+    assert not children(server.proc.pid)
+    assert server.stop() == -signal.SIGKILL  # and no segment is left
