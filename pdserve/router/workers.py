@@ -106,7 +106,7 @@ class WorkerLink:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._mark_down("the router is shutting down")
+        self._mark_down("the router is shutting down", expected=True)
         with contextlib.suppress(zmq.ZMQError):
             self._sock.disable_monitor()
         self._monitor.close(linger=0)
@@ -181,13 +181,15 @@ class WorkerLink:
         # An empty frame: the worker answers with Ready (also after a reconnect to a new process).
         self._send_now(b"")
 
-    def _mark_down(self, reason: str) -> None:
+    def _mark_down(self, reason: str, expected: bool = False) -> None:
         was_up = self.up
         self.up = False
         self.down_reason = reason
         self.load = None
         if was_up:
-            logger.error("worker %s is down: %s", self.worker_id, reason)
+            logger.log(
+                logging.INFO if expected else logging.ERROR, "worker %s is down: %s", self.worker_id, reason
+            )
         # Everything waiting on this worker hears it now; the legs are dropped: a restarted
         # process at the same address knows nothing of them.
         legs, self.legs = list(self.legs.values()), {}

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Starts `pdserve serve` with the real model (SmolLM2-135M-Instruct) disaggregated into one prefill
+# and one decode worker, sends it one chat request through the OpenAI API, prints the answer and
+# stops the server (which stops its workers and removes its shared-memory segments).
+# Usage: scripts/demo.sh ["your question"]   (PORT=8000 by default)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PORT="${PORT:-8000}"
+QUESTION="${1:-What is the capital of France? Answer in one sentence.}"
+
+.venv/bin/pdserve serve --model smollm2-135m --prefill 1 --decode 1 --port "$PORT" &
+SERVER=$!
+trap 'kill -INT $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
+
+.venv/bin/python - "$PORT" "$QUESTION" <<'PY'
+import sys, time, httpx, openai
+
+port, question = sys.argv[1], sys.argv[2]
+deadline = time.monotonic() + 300  # the first start builds the tokenizer cache and the CPU kernel
+while True:
+    try:
+        if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+            break
+    except httpx.TransportError:
+        pass
+    if time.monotonic() > deadline:
+        sys.exit("pdserve serve did not become ready within 300 s")
+    time.sleep(0.5)
+
+client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+print(f"\n>>> {question}\n", flush=True)
+stream = client.chat.completions.create(
+    model="smollm2-135m", messages=[{"role": "user", "content": question}],
+    max_tokens=64, temperature=0, stream=True,
+)
+for chunk in stream:
+    if chunk.choices and chunk.choices[0].delta.content:
+        print(chunk.choices[0].delta.content, end="", flush=True)
+print("\n")
+PY
