@@ -44,7 +44,7 @@ _POLL_SECONDS = 20e-6  # between check_xfer_state calls: short, transfers of a f
 @functools.cache
 def unavailable_reason() -> str | None:
     """None if NIXL imports here, else why not (for skips and the worker's error)."""
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARNING")  # NIXL logs every agent at INFO on stdout
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent at INFO on stdout
     try:
         import nixl._api  # noqa: F401
     except ImportError as exc:
