@@ -200,3 +200,37 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(server: Server)
         what="abort counted",
     )
     server.wait_kv_free()
+
+
+def nixl_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("nixl") is not None
+
+
+@pytest.mark.parametrize(
+    "transport",
+    [
+        "tcp",
+        pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")),
+    ],
+)
+def test_greedy_output_is_identical_over_the_other_transports(
+    tiny_llama: Path, offline: LLM, transport: str
+) -> None:
+    srv = Server(tiny_llama, "--prefill", "1", "--decode", "1", "--transport", transport)
+    try:
+        for prompt in LONG_PROMPTS:
+            answer = srv.client.completions.create(
+                model=srv.model,
+                prompt=prompt,
+                max_tokens=12,
+                temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )
+            assert answer.choices[0].text == greedy_text(offline, prompt, 12), prompt
+        assert srv.metric("pdserve_kv_transfer_bytes_count", transport=transport) == len(LONG_PROMPTS)
+        assert srv.metric("pdserve_kv_transfer_bytes_sum", transport=transport) > 0
+        srv.wait_kv_free()
+    finally:
+        srv.stop()

@@ -253,8 +253,11 @@ class Dispatcher:
 
     @staticmethod
     async def _next(leg: Leg, timeout: float, what: str) -> LegEvent:
+        if not leg.events.empty():  # the common case while streaming: no timer, no task
+            return leg.events.get_nowait()
         try:
-            return await asyncio.wait_for(leg.events.get(), timeout)
+            async with asyncio.timeout(timeout):  # unlike wait_for (3.11), creates no task
+                return await leg.events.get()
         except TimeoutError:
             raise RequestFailed(f"timed out after {timeout:.0f} s waiting for {what}") from None
 
