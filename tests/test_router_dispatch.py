@@ -10,6 +10,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from serving import Server
@@ -136,4 +137,39 @@ def test_a_killed_decode_worker_ends_its_streams_with_an_error_and_is_avoided(ti
         assert failure.value.status_code == 503 and "decode pool is empty" in failure.value.message
         assert server.http.get("/health").status_code == 503
     finally:
+        server.stop()
+
+
+def test_a_silent_worker_hits_the_token_timeout_and_a_departed_client_aborts(tiny_llama: Path) -> None:
+    # Heartbeats would take the frozen worker out after 30 s; the 1.5 s token timeout comes first.
+    server = Server(
+        tiny_llama, "--prefill", "1", "--decode", "1", "--token-timeout", "1.5", "--heartbeat-timeout", "30"
+    )
+    decode = server.worker_pids["decode-0"]
+    try:
+        os.kill(decode, signal.SIGSTOP)
+        started = time.monotonic()
+        stream = server.client.completions.create(
+            model=server.model, prompt=PROMPTS[3], max_tokens=50, temperature=0.0, stream=True
+        )
+        with pytest.raises(openai.APIError, match="timed out after 1.5 s waiting for the next token"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - started < 10
+        assert server.metric("pdserve_requests_total", outcome="error") == 1
+
+        # A non-streaming client that gives up: the router notices and aborts the request.
+        with pytest.raises(httpx.ReadTimeout):
+            server.http.post(
+                "/v1/completions",
+                json={"model": server.model, "prompt": PROMPTS[4], "max_tokens": 50},
+                timeout=0.5,
+            )
+        server.wait_for(lambda: server.metric("pdserve_requests_total", outcome="aborted") == 1, what="abort")
+        os.kill(decode, signal.SIGCONT)  # it finds the aborts queued and frees what it holds
+        server.wait_kv_free()
+        answer = server.client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=5)
+        assert answer.choices[0].finish_reason == "length"
+    finally:
+        os.kill(decode, signal.SIGCONT)
         server.stop()

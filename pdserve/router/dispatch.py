@@ -259,7 +259,7 @@ class Dispatcher:
             async with asyncio.timeout(timeout):  # unlike wait_for (3.11), creates no task
                 return await leg.events.get()
         except TimeoutError:
-            raise RequestFailed(f"timed out after {timeout:.0f} s waiting for {what}") from None
+            raise RequestFailed(f"timed out after {timeout:g} s waiting for {what}") from None
 
     def _pick_prefill(self, prompt_tokens: int) -> WorkerLink | None:
         links = {w.worker_id: w for w in self.workers.up("prefill")}
