@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Prompts of at most this many tokens are prefilled on the decode worker itself. A transfer costs
-# a round trip and a copy; a local prefill of a handful of tokens costs the decode batch about one
-# step. Above one KV block's worth the remote path wins on this hardware (see docs/serving.md).
+# Prompts of at most this many tokens are prefilled on the decode worker itself. A remote prefill
+# costs two RPC hops and a KV copy (about a millisecond on one host); a local prefill of a few
+# tokens costs the decode batch little more than one of its own steps, while a longer one stalls
+# every stream on that worker for as long as it runs. One KV block's worth is where we put the
+# line; it has not been tuned by measurement yet.
 DEFAULT_LOCAL_PREFILL_THRESHOLD = 16
 
 
