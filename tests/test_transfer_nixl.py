@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -50,7 +51,7 @@ def test_blocks_arrive_byte_exact_from_another_process() -> None:
         "torch.manual_seed(7); cache = torch.randn(4, 2, 16, 4, 2, 8).to(torch.bfloat16);"
         "exp = NixlExporter(cache); exp.register('r', [2, 3, 9, 11]);"
         "print('ADDRESS', exp.address, flush=True); sys.stdin.readline();"
-        "print('SERVED', exp.stats.pulls, exp.stats.bytes, flush=True); exp.close()"
+        "exp.close(); print('SERVED', exp.stats.pulls, exp.stats.bytes, flush=True)"
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -106,10 +107,52 @@ def test_a_lease_ended_during_the_read_fails_the_pull(
     """The read is one-sided: the exporter cannot stop it, so the hold around it decides."""
     exporter.register("r", [3])
     side = importer._side
-    side.call(exporter.address, nixl_backend.OP_HOLD, "r", [3], timeout=5.0)  # a read begins...
+    _, sock = side.call(exporter.address, nixl_backend.OP_HOLD, "r", [3], timeout=5.0)  # a read begins
     assert exporter.leases.unregister("r", grace=0.1) is False  # ...the lease ends under it
     with pytest.raises(TransferError, match="ended during the read"):
-        side.call(exporter.address, nixl_backend.OP_DONE, "r", [3], timeout=5.0)
+        side.call(exporter.address, nixl_backend.OP_DONE, "r", [3], timeout=5.0, sock=sock)
+    assert exporter._holds == {}
+
+
+def test_a_hold_ends_with_its_connection(
+    exporter: nixl_backend.NixlExporter, importer: nixl_backend.NixlImporter
+) -> None:
+    """An importer that dies between HOLD and DONE does not pin the blocks until the grace ends."""
+    exporter.register("r", [3])
+    _, sock = importer._side.call(exporter.address, nixl_backend.OP_HOLD, "r", [3], timeout=5.0)
+    assert len(exporter._holds) == 1
+    sock.close()
+    started = time.monotonic()
+    while exporter._holds and time.monotonic() - started < 5.0:
+        time.sleep(0.01)
+    assert exporter._holds == {} and exporter.leases.unregister("r", grace=0.0) is True
+
+
+def test_concurrent_pulls_of_two_requests(
+    exporter: nixl_backend.NixlExporter, importer: nixl_backend.NixlImporter
+) -> None:
+    """The worker pulls on two threads through one importer: each hold stays on its connection."""
+    exporter.register("a", [0, 1, 2])
+    exporter.register("b", [4, 5, 6])
+    errors: list[BaseException] = []
+
+    def pull(rid: str, src: list[int], dst: list[int]) -> None:
+        try:
+            for _ in range(20):
+                importer.pull(exporter.address, src, dst, timeout=5.0, request_id=rid)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=pull, args=("a", [0, 1, 2], [0, 1, 2])),
+        threading.Thread(target=pull, args=("b", [4, 5], [3, 4])),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert errors == []
+    assert torch.equal(importer.kv_cache[:, :, 3:5], exporter.kv_cache[:, :, 4:6])
     assert exporter._holds == {}
 
 

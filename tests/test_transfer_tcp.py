@@ -45,12 +45,14 @@ def importer() -> Iterator[TcpImporter]:
 
 
 def test_blocks_arrive_byte_exact_from_another_process() -> None:
+    # The child closes its exporter before printing its counts: the serving thread counts a pull
+    # just after the last byte left, and close() joins it.
     code = (
         "import sys, torch; from pdserve.transfer.tcp import TcpExporter;"
         "torch.manual_seed(7); cache = torch.randn(4, 2, 16, 4, 2, 8).to(torch.bfloat16);"
         "exp = TcpExporter(cache); exp.register('r', [2, 3, 9, 11]);"
         "print(exp.address, flush=True); sys.stdin.readline();"
-        "print(exp.stats.pulls, exp.stats.bytes, flush=True); exp.close()"
+        "exp.close(); print(exp.stats.pulls, exp.stats.bytes, flush=True)"
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -97,6 +99,10 @@ def test_only_leased_blocks_of_the_named_request_are_served(
         importer.pull(exporter.address, [1, 2], [0, 1], timeout=5.0, request_id="r1")
     assert importer.pull(exporter.address, [5], [4], timeout=5.0, request_id="r2") == BLOCK_BYTES
     assert (importer.stats.pulls, importer.stats.failures) == (6, 4)
+    # The exporter counts a pull just after its last byte left: give its thread a moment.
+    deadline = time.monotonic() + 2.0
+    while exporter.stats.pulls < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert (exporter.stats.pulls, exporter.stats.failures) == (6, 4)
     assert exporter.stats.bytes == importer.stats.bytes == 3 * BLOCK_BYTES
 
@@ -183,9 +189,10 @@ def test_ending_a_lease_cuts_a_read_in_flight() -> None:
         reader.connect(("127.0.0.1", int(exp.address.rsplit(":", 1)[1])))
         reader.sendall(request)
         assert len(reader.recv(REPLY.size, socket.MSG_WAITALL)) == REPLY.size  # sending has begun
-        time.sleep(0.2)
+        time.sleep(0.2)  # the exporter fills the socket buffers and blocks
+        assert exp.leases._leases["r"].readers == 1, exp.stats
         started = time.monotonic()
-        assert exp.leases.unregister("r", grace=0.3) is False  # had to abort the read
+        assert exp.leases.unregister("r", grace=0.3) is False, exp.stats  # had to abort the read
         assert time.monotonic() - started < 2.0
         deadline = time.monotonic() + 2.0
         while exp.stats.failures == 0 and time.monotonic() < deadline:

@@ -207,18 +207,18 @@ class NixlImporter(KVImporter):
             raise TransferError(
                 f"block {max(src_blocks)} is outside {address}'s cache ({remote.num_blocks} blocks)"
             )
-        self._side.call(address, OP_HOLD, request_id, src_blocks, _left(deadline, timeout))
-        read_ok = False
+        # HOLD and DONE on one connection: the exporter binds the hold to it, and drops it if the
+        # connection ends (this process died) before DONE.
+        _, sock = self._side.call(address, OP_HOLD, request_id, src_blocks, _left(deadline, timeout))
         try:
             self._read(remote, src_blocks, dst_blocks, deadline, timeout)
-            read_ok = True
-        finally:
-            # Always end the hold; if the read failed, a DONE error must not hide that failure.
-            try:
-                self._side.call(address, OP_DONE, request_id, src_blocks, max(_left(deadline, timeout), 1.0))
-            except TransferError:
-                if read_ok:
-                    raise
+        except BaseException:
+            sock.close()  # ends the hold at the exporter; this read failed anyway
+            raise
+        # The data is here: DONE only says whether it is valid, so it gets at least a second.
+        done_timeout = max(deadline - time.monotonic(), 1.0)
+        _, sock = self._side.call(address, OP_DONE, request_id, src_blocks, done_timeout, sock)
+        self._side.put_back(address, sock)
         return len(src_blocks) * pieces * piece
 
     def _read(self, remote: _Remote, src: list[int], dst: list[int], deadline: float, timeout: float) -> None:
@@ -248,7 +248,8 @@ class NixlImporter(KVImporter):
             remote = self._remotes.get(address)
         if remote is not None:
             return remote
-        body = self._side.call(address, OP_META, "", [], timeout)
+        body, sock = self._side.call(address, OP_META, "", [], timeout)
+        self._side.put_back(address, sock)
         base, num_blocks, pieces, piece = _META.unpack_from(body)
         if (pieces, piece) != self._layout[1:3]:  # the side channel checked it already: a bug guard
             raise TransferError(f"{address}: layout mismatch ({pieces} x {piece} bytes per block)")

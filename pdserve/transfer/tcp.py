@@ -20,13 +20,14 @@ Reply:    REPLY header, then `payload_bytes` of blocks (status OK) or an error t
 from __future__ import annotations
 
 import contextlib
+import itertools
 import socket
 import struct
 import sys
 import threading
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -76,21 +77,23 @@ def layout_of(kv_cache: torch.Tensor) -> tuple[int, int, int, bytes]:
 
 def block_views(
     flat: memoryview, num_blocks: int, pieces: int, piece: int, blocks: Sequence[int]
-) -> list[memoryview]:
-    """Views of `blocks` in stream order, one per run of consecutive block ids in each plane."""
+) -> Iterator[memoryview]:
+    """Views of `blocks` in stream order, one per run of consecutive block ids in each plane.
+
+    A generator: 256 MiB of scattered blocks are ~22k views, and holding them all at once makes
+    the garbage collector run full collections (~100 ms each in a process with torch loaded);
+    made and dropped a batch at a time, they never trigger one."""
     runs: list[tuple[int, int]] = []  # (first block, count)
     for b in blocks:
         if runs and b == runs[-1][0] + runs[-1][1]:
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
             runs.append((b, 1))
-    views = []
     for p in range(pieces):
         plane = p * num_blocks
         for first, count in runs:
             start = (plane + first) * piece
-            views.append(flat[start : start + count * piece])
-    return views
+            yield flat[start : start + count * piece]
 
 
 def pack_ids(ids: Sequence[int]) -> bytes:
@@ -116,42 +119,45 @@ def _deadline_timeout(sock: socket.socket, deadline: float) -> None:
     sock.settimeout(left)
 
 
-def send_views(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
+def _refill(batch: list[memoryview], views: Iterator[memoryview]) -> list[memoryview]:
+    """Up to _IOV_MAX views: what is left of `batch`, then the next ones of `views`."""
+    batch.extend(itertools.islice(views, _IOV_MAX - len(batch)))
+    return batch
+
+
+def _advance(batch: list[memoryview], nbytes: int) -> list[memoryview]:
+    """`batch` without its first `nbytes` bytes."""
+    i = 0
+    while nbytes and nbytes >= len(batch[i]):
+        nbytes -= len(batch[i])
+        i += 1
+    rest = batch[i:]
+    if nbytes:
+        rest[0] = rest[0][nbytes:]
+    return rest
+
+
+def send_views(sock: socket.socket, views: Iterable[memoryview], deadline: float) -> None:
     """sendmsg every byte of `views`, handling partial sends, within `deadline`."""
-    views = list(views)
-    i = 0
-    while i < len(views):
+    source = iter(views)
+    batch = _refill([], source)
+    while batch:
         _deadline_timeout(sock, deadline)
-        sent = sock.sendmsg(views[i : i + _IOV_MAX])
-        while sent:
-            n = len(views[i])
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                views[i] = views[i][sent:]
-                sent = 0
+        batch = _refill(_advance(batch, sock.sendmsg(batch)), source)
 
 
-def recv_views(sock: socket.socket, views: list[memoryview], deadline: float) -> int:
+def recv_views(sock: socket.socket, views: Iterable[memoryview], deadline: float) -> int:
     """recvmsg_into until every view is full; returns the bytes received (short on EOF)."""
-    views = list(views)
+    source = iter(views)
+    batch = _refill([], source)
     total = 0
-    i = 0
-    while i < len(views):
+    while batch:
         _deadline_timeout(sock, deadline)
-        got = sock.recvmsg_into(views[i : i + _IOV_MAX])[0]
+        got = sock.recvmsg_into(batch)[0]
         if got == 0:
-            return total
+            break
         total += got
-        while got:
-            n = len(views[i])
-            if got >= n:
-                got -= n
-                i += 1
-            else:
-                views[i] = views[i][got:]
-                got = 0
+        batch = _refill(_advance(batch, got), source)
     return total
 
 
@@ -306,8 +312,8 @@ class TcpExporter(KVExporter):
         ok = False
         try:
             header = REPLY.pack(MAGIC, VERSION, OK, 0, nbytes)
-            views = [memoryview(header), *block_views(self._flat, num_blocks, pieces, piece, blocks)]
-            send_views(conn, views, deadline)
+            views = block_views(self._flat, num_blocks, pieces, piece, blocks)
+            send_views(conn, itertools.chain([memoryview(header)], views), deadline)
             ok = True
         except OSError:
             pass  # the importer's side reports it (a short read or its own timeout)
@@ -341,11 +347,11 @@ class TcpExporter(KVExporter):
 
     def _reply_error(self, conn: socket.socket, status: int, message: str, deadline: float) -> bool:
         text = message.encode()[:4096]
+        self.stats.record(0, 0.0, ok=False)  # before the reply: the importer may look at once
         try:
             send_views(conn, [memoryview(REPLY.pack(MAGIC, VERSION, status, len(text), 0) + text)], deadline)
         except OSError:
             return False
-        self.stats.record(0, 0.0, ok=False)
         return True
 
 
@@ -409,11 +415,21 @@ class TcpImporter(KVImporter):
         head = REQUEST.pack(MAGIC, VERSION, op, len(rid), len(blocks), pieces, piece, dtype)
         return head + rid + pack_ids(blocks)
 
-    def call(self, address: str, op: int, request_id: str, blocks: Sequence[int], timeout: float) -> bytes:
-        """One request with a small reply (side-channel operations); returns the reply's payload."""
+    def call(
+        self,
+        address: str,
+        op: int,
+        request_id: str,
+        blocks: Sequence[int],
+        timeout: float,
+        sock: socket.socket | None = None,
+    ) -> tuple[bytes, socket.socket]:
+        """One request with a small reply (side-channel operations). Returns the reply's payload
+        and the connection, which the caller owns: `put_back` it, or pass it as `sock` to go on
+        on the same connection. On any error the connection is closed or back in the pool."""
         deadline = time.monotonic() + timeout
         sock, (_, _, status, msg_len, payload) = self.exchange(
-            address, self.request(op, request_id, blocks), deadline, timeout
+            address, self.request(op, request_id, blocks), deadline, timeout, sock
         )
         try:
             error = self._refused(address, sock, status, msg_len, deadline) if status != OK else None
@@ -424,10 +440,10 @@ class TcpImporter(KVImporter):
         except BaseException:
             sock.close()
             raise
-        self.put_back(address, sock)  # a complete reply, error or not, leaves the stream in step
         if error is not None:
+            self.put_back(address, sock)  # a complete error reply leaves the stream in step
             raise error
-        return body
+        return body, sock
 
     def _refused(
         self, address: str, sock: socket.socket, status: int, msg_len: int, deadline: float
@@ -436,12 +452,21 @@ class TcpImporter(KVImporter):
         return TransferError(f"{address} refused the request ({_STATUS.get(status, status)}): {message}")
 
     def exchange(
-        self, address: str, request: bytes, deadline: float, timeout: float
+        self,
+        address: str,
+        request: bytes,
+        deadline: float,
+        timeout: float,
+        given: socket.socket | None = None,
     ) -> tuple[socket.socket, tuple[bytes, int, int, int, int]]:
-        """Sends `request`, reads the reply header. A pooled connection the exporter had closed
-        is retried once on a fresh one (the exporter drops idle connections)."""
+        """Sends `request` (on `given`, or a pooled or new connection), reads the reply header.
+        A pooled connection the exporter had closed is retried once on a fresh one (the exporter
+        drops idle connections)."""
         for attempt in range(2):
-            sock, pooled = self._connection(address, deadline, timeout, fresh=attempt > 0)
+            if given is not None:
+                sock, pooled = given, False
+            else:
+                sock, pooled = self._connection(address, deadline, timeout, fresh=attempt > 0)
             try:
                 try:
                     send_views(sock, [memoryview(request)], deadline)
