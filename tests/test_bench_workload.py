@@ -1,0 +1,339 @@
+"""The workload model of `pdserve bench`: arrival processes, length mixes, trace replay, the spec."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pdserve.bench.workload import (
+    NAMED_MIXES,
+    Concurrency,
+    Constant,
+    Fixed,
+    Gamma,
+    Lognormal,
+    Poisson,
+    SyntheticLengths,
+    Uniform,
+    WorkloadClass,
+    WorkloadError,
+    build_workload,
+    load_lengths,
+    load_trace,
+    parse_workload,
+)
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+AZURE, SHAREGPT = TRACES / "azure_conv_2023.csv", TRACES / "sharegpt_lengths.csv"
+needs_traces = pytest.mark.skipif(not AZURE.exists(), reason=f"no traces in {TRACES}")
+
+
+def _gaps(times: np.ndarray) -> np.ndarray:
+    return np.diff(times, prepend=0.0)
+
+
+def _csv_rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize(
+    ("process", "cv"),
+    [(Poisson(2.0), 1.0), (Gamma(2.0, 1.0), 1.0), (Gamma(2.0, 0.25), 2.0), (Gamma(2.0, 4.0), 0.5)],
+)
+def test_random_arrivals_have_the_mean_gap_and_the_spread_asked_for(
+    process: Poisson | Gamma, cv: float
+) -> None:
+    gaps = _gaps(process.times(np.random.default_rng(1), 40_000, None))
+    assert gaps.size == 40_000 and (gaps >= 0).all()
+    assert gaps.mean() == pytest.approx(0.5, rel=0.04)
+    # Gamma's coefficient of variation is 1/sqrt(burstiness): burstiness < 1 is burstier.
+    assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.06)
+
+
+def test_constant_arrivals_are_evenly_spaced_from_one_gap_after_the_start() -> None:
+    times = Constant(4.0).times(np.random.default_rng(0), 8, None)
+    np.testing.assert_allclose(times, np.arange(1, 9) / 4.0)
+    # A duration cap keeps only what arrives before it.
+    np.testing.assert_allclose(Constant(4.0).times(np.random.default_rng(0), None, 1.0), [0.25, 0.5, 0.75])
+
+
+def test_the_same_seed_gives_the_same_requests_and_another_seed_others() -> None:
+    spec = "chat: poisson(rate=3) prompt=lognormal(200, 0.6) output=uniform(50, 150); doc: gamma(0.5, 0.5) prompt=fixed(900) output=fixed(9)"
+    a, b = parse_workload(spec, 7, 200), parse_workload(spec, 7, 200)
+    assert a.requests == b.requests and len(a.requests) == 200
+    assert parse_workload(spec, 8, 200).requests != a.requests
+    assert [r.index for r in a.requests] == list(range(200))
+    times = [r.arrival_s for r in a.requests]
+    assert times == sorted(times)  # type: ignore[type-var]
+
+
+def test_adding_or_reordering_classes_leaves_another_class_draws_alone() -> None:
+    chat = "chat: poisson(rate=2) prompt=lognormal(100, 0.5) output=uniform(32, 96)"
+    docs = "docs: constant(rate=0.2) prompt=fixed(1500) output=fixed(16)"
+    bursty = "burst: gamma(rate=5, burstiness=0.3) prompt=uniform(1, 9) output=fixed(3)"
+
+    def chat_requests(spec: str) -> list[tuple[float | None, int, int]]:
+        w = parse_workload(spec, 3, duration_s=120)
+        return [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in w.requests if r.cls == "chat"]
+
+    alone = chat_requests(chat)
+    assert len(alone) > 150
+    assert chat_requests(f"{chat}; {docs}") == alone
+    assert chat_requests(f"{docs}; {bursty}; {chat}") == alone
+
+
+def test_generation_stops_at_max_requests_or_duration_whichever_comes_first() -> None:
+    spec = "a: poisson(rate=4) prompt=fixed(8) output=fixed(8); b: constant(rate=1) prompt=fixed(9) output=fixed(9)"
+    by_count = parse_workload(spec, 0, max_requests=50)
+    assert len(by_count.requests) == 50
+    by_time = parse_workload(spec, 0, duration_s=100.0)
+    assert all(r.arrival_s is not None and r.arrival_s < 100.0 for r in by_time.requests)
+    assert sum(r.cls == "b" for r in by_time.requests) == 99  # at 1, 2, ..., 99 s
+    assert 340 < sum(r.cls == "a" for r in by_time.requests) < 460  # 400 +- 3 sd
+    # The first 50 by time are the ones the count cap keeps; a long duration changes nothing.
+    assert by_time.requests[:50] == by_count.requests
+    assert parse_workload(spec, 0, 50, 10_000.0).requests == by_count.requests
+    assert len(parse_workload(spec, 0, 10_000, 10.0).requests) == len(
+        parse_workload(spec, 0, None, 10.0).requests
+    )
+    with pytest.raises(WorkloadError, match="max_requests and/or duration_s"):
+        parse_workload(spec, 0)
+
+
+def test_lengths_are_whole_numbers_within_their_bounds() -> None:
+    rng = np.random.default_rng(0)
+    uniform = Uniform(3, 5).sample(rng, 2000)
+    assert set(uniform.tolist()) == {3, 4, 5}  # both ends included
+    tiny = Lognormal(0.2, 2.0).sample(rng, 2000)
+    assert tiny.min() >= 1
+    clipped = Lognormal(100, 1.5, min=16, max=400).sample(rng, 5000)
+    assert clipped.min() == 16 and clipped.max() == 400
+    assert np.median(Lognormal(100, 0.5).sample(rng, 20_000)) == pytest.approx(100, rel=0.03)
+    assert (Fixed(7).sample(rng, 3) == 7).all()
+
+
+def test_closed_loop_concurrency_has_no_arrival_times() -> None:
+    w = parse_workload("concurrency(8) prompt=fixed(128) output=fixed(64)", 0, 40, 30.0)
+    assert w.concurrency == 8 and len(w.requests) == 40
+    assert all(r.arrival_s is None and (r.prompt_tokens, r.output_tokens) == (128, 64) for r in w.requests)
+    assert parse_workload("poisson(1) prompt=fixed(1) output=fixed(1)", 0, 5).concurrency is None
+    with pytest.raises(WorkloadError, match="needs max_requests"):
+        parse_workload("concurrency(8) prompt=fixed(128) output=fixed(64)", 0, duration_s=30.0)
+    with pytest.raises(WorkloadError, match="only class"):
+        parse_workload(
+            "a: concurrency(2) prompt=fixed(1) output=fixed(1); b: poisson(1) prompt=fixed(1) output=fixed(1)",
+            0,
+            9,
+        )
+    assert Concurrency(8).scaled(1.5) == Concurrency(12)
+
+
+@needs_traces
+def test_trace_replay_follows_the_azure_file_scaled_in_time_and_length() -> None:
+    rows = _csv_rows(AZURE)
+    arrived = [float(r["arrived_at"]) for r in rows]
+    replay, lengths = load_trace(AZURE)
+    assert len(replay.arrivals_s) == len(rows) == len(lengths.prompts)
+    assert replay.arrivals_s[:5] == tuple(arrived[:5])
+    assert lengths.prompts[:5] == tuple(int(r["num_prefill_tokens"]) for r in rows[:5])
+    assert lengths.outputs[:5] == tuple(int(r["num_decode_tokens"]) for r in rows[:5])
+
+    fast, _ = load_trace(AZURE, time_scale=0.5)  # twice as fast
+    assert fast.arrivals_s[1] == pytest.approx(arrived[1] / 2)
+    target, _ = load_trace(AZURE, rate=11.0)
+    assert len(target.arrivals_s) / target.arrivals_s[-1] == pytest.approx(11.0)
+
+    _, small = load_trace(AZURE, length_scale=0.1, max_prompt_tokens=200)
+    expected = [min(200, max(1, round(int(r["num_prefill_tokens"]) * 0.1))) for r in rows[:50]]
+    assert list(small.prompts[:50]) == expected
+    assert max(small.prompts) == 200 and min(small.outputs) >= 1
+
+    later, later_lengths = load_trace(AZURE, start_s=600.0)
+    first = next(i for i, t in enumerate(arrived) if t >= 600.0)
+    assert later.arrivals_s[0] == pytest.approx(arrived[first] - 600.0)
+    assert later_lengths.prompts[0] == int(rows[first]["num_prefill_tokens"])
+    assert len(later.arrivals_s) == len(rows) - first
+
+
+@needs_traces
+def test_a_parsed_trace_keeps_each_row_arrival_with_its_lengths() -> None:
+    rows = _csv_rows(AZURE)
+    w = parse_workload(f"trace(path={AZURE}, time_scale=2, length_scale=0.1)", 0, 100, 60.0)
+    assert len(w.requests) == sum(float(r["arrived_at"]) * 2 < 60.0 for r in rows[:100])
+    for req, row in zip(w.requests, rows, strict=False):
+        assert req.arrival_s == pytest.approx(float(row["arrived_at"]) * 2)
+        assert req.prompt_tokens == max(1, round(int(row["num_prefill_tokens"]) * 0.1))
+    faster = parse_workload(f"trace(path={AZURE})", 0, 100, rate_scale=4.0)
+    assert faster.requests[10].arrival_s == pytest.approx(float(rows[10]["arrived_at"]) / 4)
+
+
+@needs_traces
+def test_a_lengths_only_csv_gets_drawn_arrivals_and_paired_rows() -> None:
+    rows = _csv_rows(SHAREGPT)
+    pairs = {(int(r["num_prefill_tokens"]), int(r["num_decode_tokens"])) for r in rows}
+    w = parse_workload(f"lengths(path={SHAREGPT}) gamma(rate=1, burstiness=0.5)", 5, 300)
+    assert len(w.requests) == 300 and all(r.arrival_s is not None for r in w.requests)
+    assert all((r.prompt_tokens, r.output_tokens) in pairs for r in w.requests)  # rows stay paired
+    assert len({r.prompt_tokens for r in w.requests}) > 100  # drawn, not the first rows
+    in_order = parse_workload(f"lengths({SHAREGPT}, order=file, max_output_tokens=500) poisson(2)", 5, 20)
+    assert [r.prompt_tokens for r in in_order.requests] == [int(r["num_prefill_tokens"]) for r in rows[:20]]
+    assert [r.output_tokens for r in in_order.requests] == [
+        min(500, int(r["num_decode_tokens"])) for r in rows[:20]
+    ]
+    assert load_lengths(SHAREGPT, length_scale=0.01).prompts[0] == max(
+        1, round(int(rows[0]["num_prefill_tokens"]) * 0.01)
+    )
+
+
+def test_csv_errors_name_the_file_the_line_and_the_column(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.csv"
+    missing.write_text("arrived_at,num_prefill_tokens\n0,5\n")
+    with pytest.raises(
+        WorkloadError,
+        match=r"missing\.csv: missing column\(s\) num_decode_tokens; found: arrived_at, num_prefill_tokens",
+    ):
+        load_trace(missing)
+    bad = tmp_path / "bad.csv"
+    bad.write_text("num_prefill_tokens,num_decode_tokens\n5,6\n7,lots\n")
+    with pytest.raises(WorkloadError, match=r"bad\.csv:3: bad number 'lots' in column num_decode_tokens"):
+        load_lengths(bad)
+    with pytest.raises(WorkloadError, match="cannot read"):
+        load_lengths(tmp_path / "nowhere.csv")
+    assert issubclass(WorkloadError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            "poisson(rate=2) prompt=lognorm(200,0.6) output=fixed(5)",
+            "unknown distribution 'lognorm' in 'prompt=lognorm(200,0.6)'; known: fixed, uniform, lognormal, empirical",
+        ),
+        (
+            "poison(2) prompt=fixed(1) output=fixed(1)",
+            "unknown arrival process 'poison' in 'poison(2)'; known: poisson, gamma, constant, concurrency, trace, lengths (did you mean 'poisson'?)",
+        ),
+        (
+            "poisson(rate=fast) prompt=fixed(1) output=fixed(1)",
+            "bad value 'fast' for rate in 'poisson(rate=fast)': expected a number",
+        ),
+        (
+            "poisson(1) prompt=fixed(1.5) output=fixed(1)",
+            "bad value '1.5' for n in 'prompt=fixed(1.5)': expected a whole number",
+        ),
+        (
+            "poisson(1, 2) prompt=fixed(1) output=fixed(1)",
+            "too many positional arguments in 'poisson(1, 2)'; poisson takes rate",
+        ),
+        (
+            "gamma(rate=1) prompt=fixed(1) output=fixed(1)",
+            "missing a required argument: 'burstiness' in 'gamma(rate=1)'",
+        ),
+        (
+            "poisson(rate=1, rate=2) prompt=fixed(1) output=fixed(1)",
+            "an argument is given twice in 'poisson(rate=1, rate=2)'",
+        ),
+        (
+            "poisson(-1) prompt=fixed(1) output=fixed(1)",
+            "rate must be a finite number > 0, got -1.0 (in 'poisson(-1)')",
+        ),
+        (
+            "poisson(1) prompt=uniform(9, 3) output=fixed(1)",
+            "uniform needs 1 <= lo <= hi, got lo=9, hi=3 (in 'prompt=uniform(9, 3)')",
+        ),
+        ("poisson(1) prompt=fixed(1)", "missing output= in 'poisson(1) prompt=fixed(1)'"),
+        ("prompt=fixed(1) output=fixed(1)", "no arrival process in 'prompt=fixed(1) output=fixed(1)'"),
+        (
+            "poisson(1) constant(1) prompt=fixed(1) output=fixed(1)",
+            "two arrival processes in 'poisson(1) constant(1) prompt=fixed(1) output=fixed(1)': 'poisson(1)' and 'constant(1)'",
+        ),
+        (
+            "poisson(1) promt=fixed(1) output=fixed(1)",
+            "unknown key 'promt' in 'promt=fixed(1)'; known: prompt, output",
+        ),
+        (
+            "poisson(1 prompt=fixed(1) output=fixed(1)",
+            "missing ')' in 'poisson(1 prompt=fixed(1) output=fixed(1)'",
+        ),
+        ("poisson(1)) prompt=fixed(1) output=fixed(1)", "unmatched ')' in 'poisson(1))'"),
+        ("poisson(1) prompt=fixed(1) output=fixed(1) extra", "at 'extra'"),
+        (
+            "a: poisson(1) prompt=fixed(1) output=fixed(1); poisson(2) prompt=fixed(1) output=fixed(1)",
+            "with several classes, each needs a name",
+        ),
+        (
+            "a: poisson(1) prompt=fixed(1) output=fixed(1); a: poisson(2) prompt=fixed(1) output=fixed(1)",
+            "class names must be unique; repeated: a",
+        ),
+        ("chat+doc", "unknown preset 'chat+doc'; known: chat, "),
+        ("  ", "empty workload spec"),
+    ],
+)
+def test_parse_errors_say_what_is_wrong_and_where(spec: str, message: str) -> None:
+    with pytest.raises(WorkloadError) as error:
+        parse_workload(spec, 0, 10)
+    assert message in str(error.value)
+
+
+@needs_traces
+def test_parse_errors_about_sources() -> None:
+    with pytest.raises(WorkloadError, match="missing column\\(s\\) arrived_at"):
+        parse_workload(f"trace({SHAREGPT})", 0, 10)
+    with pytest.raises(WorkloadError, match="two arrival processes"):
+        parse_workload(f"poisson(1) trace({AZURE})", 0, 10)
+    with pytest.raises(WorkloadError, match="gives both lengths; drop output="):
+        parse_workload(f"poisson(1) lengths({SHAREGPT}) output=fixed(3)", 0, 10)
+    with pytest.raises(WorkloadError, match="time_scale or rate, not both"):
+        parse_workload(f"trace({AZURE}, time_scale=1, rate=2)", 0, 10)
+
+
+def test_presets_parse_and_scale() -> None:
+    assert {"chat", "chat+docs"} <= NAMED_MIXES.keys()
+    for name in NAMED_MIXES:
+        assert parse_workload(name, 0, duration_s=60.0).requests
+    mix = parse_workload("chat+docs", 0, duration_s=60.0)
+    assert [c.name for c in mix.classes] == ["chat", "docs"]
+    docs = [r for r in mix.requests if r.cls == "docs"]
+    assert [r.arrival_s for r in docs] == pytest.approx([5.0 * k for k in range(1, 12)])
+    assert {(r.prompt_tokens, r.output_tokens) for r in docs} == {(1500, 16)}
+    chat = [r for r in mix.requests if r.cls == "chat"]
+    assert 40 < len(chat) < 85 and all(
+        16 <= r.prompt_tokens <= 400 and 32 <= r.output_tokens <= 96 for r in chat
+    )
+    doubled = parse_workload("chat+docs", 0, duration_s=60.0, rate_scale=2.0)
+    assert [r.arrival_s for r in doubled.requests if r.cls == "docs"][:2] == pytest.approx([2.5, 5.0])
+    assert "constant(rate=0.4)" in doubled.describe() and "poisson(rate=2)" in doubled.describe()
+
+
+def test_describe_has_a_line_per_class() -> None:
+    w = parse_workload("chat+docs", 0, 30)
+    lines = w.describe().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith(
+        "chat: poisson(rate=1) prompt=lognormal(median=100, sigma=0.5, min=16, max=400)"
+    )
+    assert lines[1].startswith("docs: constant(rate=0.2) prompt=fixed(n=1500) output=fixed(n=16)")
+    assert f"[{sum(r.cls == 'docs' for r in w.requests)} requests]" in lines[1]
+
+
+def test_classes_can_be_built_without_the_spec() -> None:
+    chat = WorkloadClass("chat", Poisson(2.0), SyntheticLengths(Fixed(10), Uniform(1, 4)))
+    w = build_workload([chat], seed=1, max_requests=30)
+    assert (
+        len(w.requests) == 30
+        and w.requests
+        == parse_workload("chat: poisson(2) prompt=fixed(10) output=uniform(1, 4)", 1, 30).requests
+    )
+    with pytest.raises(WorkloadError, match="bad class name"):
+        WorkloadClass("two words", Poisson(1.0), SyntheticLengths(Fixed(1), Fixed(1)))
+
+
+def test_importing_the_workload_module_does_not_load_torch() -> None:
+    code = "import sys, pdserve.bench.workload; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
