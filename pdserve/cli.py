@@ -46,7 +46,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.add_arguments(srv)
 
+    from pdserve.bench import run as bench
+
+    bench_parser = sub.add_parser(
+        "bench",
+        help="benchmark an OpenAI-compatible server (TTFT, ITL, TPOT, goodput)",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_arguments(bench_parser)
+
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        try:
+            return bench.run(args)
+        except PdserveError as exc:
+            print(f"pdserve: error: {exc}", file=sys.stderr)
+            return 2
     if args.command == "serve":
         try:
             return serve.run(serve.resolve_options(args))

@@ -1,0 +1,202 @@
+"""The load generator: sends a workload to an OpenAI-compatible server and times every chunk. No torch.
+
+Open loop (arrival times given): each request is sent at its time whatever the server is doing,
+so a slow server builds a queue, as real traffic would. Closed loop (`concurrency`): a fixed
+number of requests in flight. Bounded by the workload's requests, by `duration_s` (no request is
+sent after it; those in flight get `drain_timeout_s` to finish, then are cancelled and recorded as
+errors), and by Ctrl-C, which stops sending and keeps what was measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from pdserve.bench.summary import RequestRecord
+
+
+@dataclass(frozen=True)
+class Target:
+    base_url: str  # e.g. http://127.0.0.1:8000
+    model: str
+    endpoint: str = "completions"  # or "chat"
+    temperature: float = 0.0
+    request_timeout_s: float = 600.0
+    extra_body: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    index: int
+    cls: str
+    arrival_s: float | None
+    prompt: str | list[int]
+    prompt_tokens: int
+    output_tokens: int
+
+
+def request_body(target: Target, req: PreparedRequest) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": target.model,
+        "max_tokens": req.output_tokens,
+        "temperature": target.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        # Output lengths as asked: the model's EOS must not end a request early.
+        "ignore_eos": True,
+    }
+    if target.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        body["prompt"] = req.prompt
+    return body | (target.extra_body or {})
+
+
+async def send_one(
+    client: httpx.AsyncClient, target: Target, req: PreparedRequest, start: float
+) -> RequestRecord:
+    path = "/v1/chat/completions" if target.endpoint == "chat" else "/v1/completions"
+    record = RequestRecord(req.index, req.cls, req.arrival_s, time.perf_counter() - start, req.prompt_tokens)
+    chunks = 0
+    try:
+        async with client.stream("POST", path, json=request_body(target, req)) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                record.error = f"HTTP {response.status_code}: {text[:300]}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter() - start
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    record.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
+                    break
+                if chunk.get("usage"):
+                    record.output_tokens = int(chunk["usage"].get("completion_tokens", 0))
+                    record.prompt_tokens = int(chunk["usage"].get("prompt_tokens", record.prompt_tokens))
+                for choice in chunk.get("choices") or []:
+                    piece = (
+                        choice.get("text")
+                        if target.endpoint != "chat"
+                        else (choice.get("delta") or {}).get("content")
+                    )
+                    if piece:
+                        record.chunk_times_s.append(now)
+                        chunks += 1
+    except httpx.HTTPError as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    except asyncio.CancelledError:
+        record.error = "cancelled: the benchmark ended first"
+        raise
+    finally:
+        if not record.output_tokens:
+            record.output_tokens = chunks  # the server sent no usage: one token per chunk
+    return record
+
+
+async def run_load(
+    target: Target,
+    requests: Sequence[PreparedRequest],
+    *,
+    concurrency: int | None = None,
+    duration_s: float | None = None,
+    drain_timeout_s: float = 120.0,
+    on_done: Callable[[RequestRecord], None] | None = None,
+    records: list[RequestRecord] | None = None,
+) -> tuple[list[RequestRecord], float]:
+    """Records of every request sent (in send order) and the run's duration in seconds.
+
+    `records`, if given, is filled as requests finish: after a Ctrl-C it holds what was measured."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    timeout = httpx.Timeout(target.request_timeout_s, connect=30.0)
+    records = records if records is not None else []
+    tasks: list[asyncio.Task[RequestRecord]] = []
+    slots = asyncio.Semaphore(concurrency) if concurrency else None
+    async with httpx.AsyncClient(base_url=target.base_url, limits=limits, timeout=timeout) as client:
+        start = time.perf_counter()
+
+        async def fire(req: PreparedRequest) -> RequestRecord:
+            try:
+                record = await send_one(client, target, req, start)
+            finally:
+                if slots is not None:
+                    slots.release()
+            records.append(record)
+            if on_done is not None:
+                on_done(record)
+            return record
+
+        try:
+            for req in requests:
+                if duration_s is not None and time.perf_counter() - start >= duration_s:
+                    break
+                if slots is not None:
+                    await slots.acquire()
+                elif req.arrival_s is not None:
+                    delay = req.arrival_s - (time.perf_counter() - start)
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    if duration_s is not None and req.arrival_s >= duration_s:
+                        break
+                tasks.append(asyncio.create_task(fire(req)))
+            if tasks:
+                _, pending = await asyncio.wait(tasks, timeout=drain_timeout_s)
+                for task in pending:
+                    task.cancel()
+        finally:
+            # Ctrl-C or the drain timeout: what is still running is cancelled and recorded.
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        elapsed = time.perf_counter() - start
+    recorded = {r.index for r in records}
+    for req, task in zip(requests, tasks, strict=False):
+        if req.index not in recorded and task.cancelled():
+            records.append(
+                RequestRecord(
+                    req.index,
+                    req.cls,
+                    req.arrival_s,
+                    elapsed,
+                    req.prompt_tokens,
+                    error="cancelled: the benchmark ended first",
+                )
+            )
+    records.sort(key=lambda r: r.sent_s)
+    return records, elapsed
+
+
+class Progress:
+    """One self-rewriting line on stderr (no dependency)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done = 0
+        self.errors = 0
+        self._last = 0.0
+
+    def __call__(self, record: RequestRecord) -> None:
+        self.done += 1
+        self.errors += record.error is not None
+        now = time.monotonic()
+        if now - self._last > 0.2 or self.done == self.total:
+            self._last = now
+            sys.stderr.write(f"\r{self.done}/{self.total} requests done, {self.errors} errors")
+            sys.stderr.flush()
+            if self.done == self.total:
+                sys.stderr.write("\n")

@@ -1,0 +1,141 @@
+"""`pdserve bench`: drive any OpenAI-compatible server with a workload and summarize. No torch.
+
+    pdserve bench --url http://127.0.0.1:8000 --model smollm2-135m --workload chat+docs \\
+        --duration 120 --slo ttft=1000,itl=200 --out runs/dpd
+
+Writes `records.jsonl` (one line per request: class, send time, every chunk's arrival time,
+prompt and output tokens, error), `summary.json` and the printed summary into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench.client import PreparedRequest, Progress, Target, run_load
+from pdserve.bench.summary import RequestRecord, format_summary, parse_slos, summarize, write_records
+from pdserve.bench.workload import NAMED_MIXES, Workload, parse_workload
+from pdserve.errors import PdserveError
+
+logger = logging.getLogger("pdserve.bench")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    p.add_argument("--model", required=True, help="the model name the server expects")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="where the server's tokenizer is (built-in name, .gguf file or Hugging Face folder); "
+        "default: --model. Prompt token counts are exact for this tokenizer.",
+    )
+    p.add_argument(
+        "--workload",
+        default="chat",
+        help=f"a workload spec or a preset ({', '.join(NAMED_MIXES)}); see pdserve/bench/workload.py",
+    )
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--duration", type=float, default=None, help="seconds; no request is sent after it")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply every class's rate by this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument(
+        "--prompt-format",
+        choices=["ids", "text"],
+        default="ids",
+        help="completions only: send token ids (exact counts) or text (chat always sends text)",
+    )
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--slo", default=None, help="e.g. ttft=1000,itl=200 or tpot=100 (milliseconds)")
+    p.add_argument(
+        "--drain-timeout", type=float, default=120.0, help="seconds for requests in flight at the end"
+    )
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--out", type=Path, default=None, help="folder for records.jsonl and summary.json")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def prepare(
+    workload: Workload, tokenizer_name: str, endpoint: str, prompt_format: str, seed: int
+) -> list[PreparedRequest]:
+    from pdserve.bench.prompts import PromptBuilder
+    from pdserve.router.tokenizer import load_router_tokenizer
+
+    builder = PromptBuilder(load_router_tokenizer(tokenizer_name), seed)
+    prepared = []
+    for spec in workload.requests:
+        prompt: str | list[int]
+        if endpoint == "completions" and prompt_format == "ids":
+            prompt, count = builder.token_ids(spec.prompt_tokens), spec.prompt_tokens
+        else:
+            prompt, count = builder.text(spec.prompt_tokens)
+        prepared.append(
+            PreparedRequest(spec.index, spec.cls, spec.arrival_s, prompt, count, spec.output_tokens)
+        )
+    return prepared
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_requests is None and args.duration is None:
+        raise PdserveError("give --max-requests or --duration (or both): a benchmark must end by itself")
+    slos = parse_slos(args.slo)
+    workload = parse_workload(args.workload, args.seed, args.max_requests, args.duration, args.rate_scale)
+    requests = prepare(workload, args.tokenizer or args.model, args.endpoint, args.prompt_format, args.seed)
+    target = Target(args.url.rstrip("/"), args.model, args.endpoint, args.temperature, args.request_timeout)
+    print(f"workload ({len(requests)} requests):\n{workload.describe()}", file=sys.stderr)
+
+    records: list[RequestRecord] = []
+    progress = None if args.no_progress else Progress(len(requests))
+    elapsed = 0.0
+    interrupted = False
+    try:
+        _, elapsed = asyncio.run(
+            run_load(
+                target,
+                requests,
+                concurrency=workload.concurrency,
+                duration_s=args.duration,
+                drain_timeout_s=args.drain_timeout,
+                on_done=progress,
+                records=records,
+            )
+        )
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted: summarizing what was measured", file=sys.stderr)
+        elapsed = max((r.chunk_times_s[-1] for r in records if r.chunk_times_s), default=0.0)
+    summary = summarize(records, elapsed, slos)
+    print(format_summary(summary))
+    if args.out is not None:
+        write_outputs(args.out, records, summary, args, workload, interrupted)
+    return 130 if interrupted else 0
+
+
+def write_outputs(
+    out: Path,
+    records: list[RequestRecord],
+    summary: dict[str, Any],
+    args: argparse.Namespace,
+    workload: Workload,
+    interrupted: bool,
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_records(out / "records.jsonl", records)
+    meta = {
+        "url": args.url,
+        "model": args.model,
+        "workload": args.workload,
+        "workload_classes": workload.describe(),
+        "seed": args.seed,
+        "rate_scale": args.rate_scale,
+        "endpoint": args.endpoint,
+        "interrupted": interrupted,
+        "command": " ".join(sys.argv),
+    }
+    (out / "summary.json").write_text(json.dumps({"run": meta, **summary}, indent=2))
+    print(f"wrote {out / 'records.jsonl'} and {out / 'summary.json'}", file=sys.stderr)

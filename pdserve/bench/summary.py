@@ -1,0 +1,204 @@
+"""What a benchmark run measured: per-request records and their summary. No torch.
+
+Definitions are those of `vllm bench serve`, so numbers can be compared:
+- TTFT: request sent -> first streamed chunk with text.
+- ITL: every gap between consecutive chunks of a stream (all streams' gaps pooled).
+- TPOT: (E2E - TTFT) / (output tokens - 1), per request with at least two output tokens.
+- E2E: request sent -> last chunk.
+- goodput: completed requests per second that meet every SLO given. A request meets `ttft`,
+  `tpot` and `e2e` SLOs by its own value; it meets an `itl` SLO when the 99th percentile of its
+  own gaps is within it (with fewer than 100 gaps that is about its largest gap).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdserve.errors import PdserveError
+
+SLO_KEYS = ("ttft", "itl", "tpot", "e2e")
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    cls: str
+    scheduled_s: float | None  # planned send time after the start (None: closed loop)
+    sent_s: float  # actual send time after the start
+    prompt_tokens: int
+    output_tokens: int = 0  # from the server's usage when it sent one, else chunks counted
+    chunk_times_s: list[float] = field(default_factory=list)  # arrival of each chunk with text
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Completed without error (as vLLM counts it), whether or not any chunk carried text."""
+        return self.error is None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times_s[0] - self.sent_s if self.chunk_times_s else None
+
+    @property
+    def e2e(self) -> float | None:
+        return self.chunk_times_s[-1] - self.sent_s if self.chunk_times_s else None
+
+    @property
+    def itls(self) -> list[float]:
+        times = self.chunk_times_s
+        return [b - a for a, b in itertools.pairwise(times)]
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.ok or self.output_tokens < 2 or self.e2e is None or self.ttft is None:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, line: str) -> RequestRecord:
+        return cls(**json.loads(line))
+
+
+def parse_slos(text: str | None) -> dict[str, float]:
+    """`ttft=500,itl=100` (milliseconds) -> {"ttft": 0.5, "itl": 0.1} in seconds."""
+    if not text:
+        return {}
+    slos: dict[str, float] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in SLO_KEYS:
+            raise PdserveError(
+                f"bad SLO {part!r}: expected key=milliseconds with key in {', '.join(SLO_KEYS)}"
+            )
+        try:
+            slos[key] = float(value) / 1000
+        except ValueError:
+            raise PdserveError(f"bad SLO {part!r}: {value!r} is not a number of milliseconds") from None
+    return slos
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), without numpy."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def distribution(values: Sequence[float]) -> dict[str, float]:
+    """mean, p50, p90, p99 in milliseconds."""
+    if not values:
+        return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
+    ms = [v * 1000 for v in values]
+    return {
+        "mean": sum(ms) / len(ms),
+        "p50": percentile(ms, 50),
+        "p90": percentile(ms, 90),
+        "p99": percentile(ms, 99),
+    }
+
+
+def meets(record: RequestRecord, slos: dict[str, float]) -> bool:
+    if not record.ok or not record.chunk_times_s:
+        return False  # nothing streamed: no latency to hold against the SLOs
+    checks = {
+        "ttft": record.ttft,
+        "tpot": record.tpot,
+        "e2e": record.e2e,
+        "itl": percentile(record.itls, 99) if record.itls else 0.0,
+    }
+    for key, limit in slos.items():
+        value = checks[key]
+        if value is not None and value > limit:
+            return False
+    return True
+
+
+def summarize(
+    records: Iterable[RequestRecord], duration_s: float, slos: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """The summary of one run, overall and per class."""
+    records = list(records)
+    slos = slos or {}
+
+    def one(group: list[RequestRecord]) -> dict[str, Any]:
+        done = [r for r in group if r.ok]
+        output = sum(r.output_tokens for r in done)
+        prompt = sum(r.prompt_tokens for r in done)
+        result: dict[str, Any] = {
+            "requests": len(group),
+            "completed": len(done),
+            "errors": len(group) - len(done),
+            "duration_s": duration_s,
+            "request_throughput": len(done) / duration_s if duration_s > 0 else math.nan,
+            "output_token_throughput": output / duration_s if duration_s > 0 else math.nan,
+            "total_token_throughput": (output + prompt) / duration_s if duration_s > 0 else math.nan,
+            "prompt_tokens": prompt,
+            "output_tokens": output,
+            "ttft_ms": distribution([r.ttft for r in done if r.ttft is not None]),
+            "itl_ms": distribution([gap for r in done for gap in r.itls]),
+            "tpot_ms": distribution([t for r in done if (t := r.tpot) is not None]),
+            "e2e_ms": distribution([r.e2e for r in done if r.e2e is not None]),
+        }
+        if slos:
+            good = sum(1 for r in done if meets(r, slos))
+            result["slos_ms"] = {k: v * 1000 for k, v in slos.items()}
+            result["good_requests"] = good
+            result["goodput"] = good / duration_s if duration_s > 0 else math.nan
+        errors = sorted({r.error for r in group if r.error})
+        if errors:
+            result["error_kinds"] = errors[:10]
+        return result
+
+    summary = {"overall": one(records)}
+    classes = sorted({r.cls for r in records})
+    if len(classes) > 1:
+        summary["classes"] = {c: one([r for r in records if r.cls == c]) for c in classes}
+    return summary
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A plain-text table like `vllm bench serve` prints."""
+    lines = []
+    groups = [("overall", summary["overall"]), *list(summary.get("classes", {}).items())]
+    for name, s in groups:
+        lines.append(f"==== {name} ====")
+        lines.append(
+            f"requests: {s['completed']} completed, {s['errors']} errors, in {s['duration_s']:.1f} s"
+        )
+        lines.append(
+            f"throughput: {s['request_throughput']:.2f} req/s, {s['output_token_throughput']:.1f} output tok/s, "
+            f"{s['total_token_throughput']:.1f} total tok/s"
+        )
+        for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+            d = s[key]
+            lines.append(
+                f"{key[:-3].upper():>5} ms: mean {d['mean']:8.1f}  p50 {d['p50']:8.1f}  p90 {d['p90']:8.1f}  p99 {d['p99']:8.1f}"
+            )
+        if "goodput" in s:
+            slo = ", ".join(f"{k}<={v:g}ms" for k, v in s["slos_ms"].items())
+            lines.append(f"goodput ({slo}): {s['goodput']:.2f} req/s ({s['good_requests']} requests)")
+    return "\n".join(lines)
+
+
+def write_records(path: Path, records: Iterable[RequestRecord]) -> None:
+    with path.open("w") as fh:
+        for record in records:
+            fh.write(record.to_json() + "\n")
+
+
+def read_records(path: Path) -> list[RequestRecord]:
+    return [RequestRecord.from_json(line) for line in path.read_text().splitlines() if line.strip()]
