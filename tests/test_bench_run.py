@@ -24,11 +24,24 @@ def server(tiny_llama: Path) -> Iterator[Server]:
 
 
 def bench(url: str, model: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "--url", url, "--model", str(model), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "bench",
+        "--url",
+        url,
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+    ]
     return subprocess.run([*cmd, "--no-progress", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_a_run_records_every_request_with_exact_lengths(server: Server, tiny_llama: Path, tmp_path: Path) -> None:
+def test_a_run_records_every_request_with_exact_lengths(
+    server: Server, tiny_llama: Path, tmp_path: Path
+) -> None:
     done = bench(
         server.url,
         tiny_llama,
@@ -57,7 +70,9 @@ def test_a_run_records_every_request_with_exact_lengths(server: Server, tiny_lla
     assert "TTFT ms" in done.stdout
 
 
-def test_chat_with_text_prompts_and_a_duration_bound(server: Server, tiny_llama: Path, tmp_path: Path) -> None:
+def test_chat_with_text_prompts_and_a_duration_bound(
+    server: Server, tiny_llama: Path, tmp_path: Path
+) -> None:
     done = bench(
         server.url,
         tiny_llama,
@@ -76,7 +91,9 @@ def test_chat_with_text_prompts_and_a_duration_bound(server: Server, tiny_llama:
 
 
 def test_an_unreachable_server_gives_error_records_not_a_crash(tiny_llama: Path, tmp_path: Path) -> None:
-    done = bench(f"http://127.0.0.1:{free_port()}", tiny_llama, tmp_path, "--workload", "chat", "--max-requests", "3")
+    done = bench(
+        f"http://127.0.0.1:{free_port()}", tiny_llama, tmp_path, "--workload", "chat", "--max-requests", "3"
+    )
     assert done.returncode == 0, done.stderr
     records = read_records(tmp_path / "records.jsonl")
     assert len(records) == 3 and all(r.error and "Connect" in r.error for r in records)
