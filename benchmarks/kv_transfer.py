@@ -7,7 +7,8 @@ importer in another, the median of `--repeats` timed pulls (after one warm-up) o
 - `tcp`  against a raw loopback socket (one `sendall` / `recv_into` of the same bytes, same
   socket options: TCP_NODELAY, 4 MiB buffers);
 - `nixl` (if it imports) against NIXL's own two-agent READ of the same bytes as one contiguous
-  descriptor.
+  descriptor, and against NIXL reading exactly the transport's descriptors (one per block piece)
+  without the lease round trips. Both exporters' agents are progressed the same way.
 Blocks are `scattered` (random block ids on both sides, as a busy cache hands them out: every
 block is 60 separate 12 KiB pieces) or `contiguous` (consecutive ids: each plane is one run).
 Each path is timed in turn with its baselines, `--repeats` times for the largest size and more
@@ -109,18 +110,32 @@ def raw_socket_server(nbytes: int) -> tuple[str, Callable[[], None]]:
 
 
 def raw_nixl_exporter(nbytes: int) -> tuple[str, Callable[[], None]]:
-    from pdserve.transfer.nixl_backend import _agent
+    """A registered buffer, its agent progressed every 50 us by a thread: the same arrangement as
+    NixlExporter's while it holds a read (NIXL's own progress thread busy-polls a core)."""
+    import threading
+
+    from pdserve.transfer.nixl_backend import _TARGET_POLL_SECONDS, _agent
 
     agent = _agent("bench-raw-src")
     buf = torch.ones(nbytes // 4, dtype=DTYPE)
     registered = agent.register_memory(buf)
-    meta = agent.get_agent_metadata()
+    stop = threading.Event()
+
+    def progress() -> None:
+        while not stop.is_set():
+            agent.get_new_notifs()
+            time.sleep(_TARGET_POLL_SECONDS)
+
+    thread = threading.Thread(target=progress, daemon=True)
+    thread.start()
 
     def cleanup() -> None:
+        stop.set()
+        thread.join(timeout=5)
         agent.deregister_memory(registered)
         buf.zero_()  # refers to `buf`, so it stays allocated (and registered) until now
 
-    return f"{buf.data_ptr()}/{meta.hex()}", cleanup
+    return f"{buf.data_ptr()}/{agent.get_agent_metadata().hex()}", cleanup
 
 
 class Child:

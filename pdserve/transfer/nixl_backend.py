@@ -39,6 +39,7 @@ OP_META, OP_HOLD, OP_DONE = 2, 3, 4
 # base address, blocks, pieces per block, piece bytes, then the agent metadata
 _META = struct.Struct("<QIIQ")
 _POLL_SECONDS = 20e-6  # between check_xfer_state calls: short, transfers of a few MiB take ~1 ms
+_TARGET_POLL_SECONDS = 1e-3  # between the exporter's progress calls while a read is held
 
 
 @functools.cache
@@ -60,8 +61,15 @@ def _agent(name: str) -> Any:
         raise TransferError(reason)
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-    # STRICT: the worker pulls on a small thread pool, all through one agent.
-    config = nixl_agent_config(backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    # STRICT: the worker pulls on a small thread pool, all through one agent. No progress thread:
+    # NIXL's busy-polls a whole core even when idle (1.5.1 sets its delay to 0), which a 2-core
+    # worker cannot spare; the importer progresses while it waits for its read, the exporter
+    # only while a read is held (NixlExporter._progress_loop).
+    config = nixl_agent_config(
+        enable_prog_thread=False,
+        backends=["UCX"],
+        sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+    )
     agent = nixl_agent(f"{name}-{os.getpid()}-{secrets.token_hex(3)}", config)
     if "UCX" not in agent.backends:
         raise TransferError(f"NIXL has no UCX backend here (plugins: {agent.get_plugin_list()})")
@@ -101,12 +109,24 @@ class NixlExporter(TcpExporter):
         self._meta = (
             _META.pack(kv_cache.data_ptr(), num_blocks, pieces, piece) + self.agent.get_agent_metadata()
         )
+        self._reading = threading.Event()  # set while any hold is open: progress the agent
+        self._progress = threading.Thread(target=self._progress_loop, name="kv-nixl-progress", daemon=True)
         super().__init__(kv_cache, host, port)  # starts serving: everything it needs is ready
+        self._progress.start()
+
+    def _progress_loop(self) -> None:
+        """A READ of this cache completes only once this side's UCX worker answers (wireup, the
+        read's acknowledgement), so it is progressed while a read is held, and idles otherwise."""
+        while not self._closed.is_set():
+            if self._reading.wait(timeout=0.2):
+                self.agent.get_new_notifs()  # progresses the UCX worker
+                time.sleep(_TARGET_POLL_SECONDS)
 
     def close(self) -> None:
         if self._closed.is_set():
             return
         super().close()
+        self._progress.join(timeout=5.0)
         with contextlib.suppress(Exception):  # best effort: the process is usually ending
             self.agent.deregister_memory(self._registered)
 
@@ -138,6 +158,7 @@ class NixlExporter(TcpExporter):
                 try:
                     lease = self.leases.acquire(request_id, blocks, abort)
                     self._holds[key] = (lease, abort, time.perf_counter())
+                    self._reading.set()
                 except LeaseError as exc:
                     return self._reply_error(conn, NO_LEASE, str(exc), deadline)
             return self._reply_ok(conn, b"", deadline)
@@ -155,6 +176,8 @@ class NixlExporter(TcpExporter):
         long it was held, or None if it was not held or the lease ended during it."""
         with self._holds_lock:
             entry = self._holds.pop(key, None)
+            if not self._holds:
+                self._reading.clear()
         if entry is None:
             return None
         lease, abort, started = entry
