@@ -50,11 +50,28 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_parser = sub.add_parser(
         "bench",
-        help="benchmark an OpenAI-compatible server (TTFT, ITL, TPOT, goodput)",
+        help="benchmark an OpenAI-compatible server (TTFT, ITL, TPOT, goodput); "
+        "`pdserve bench compare --help`: configurations side by side",
         description=bench.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_arguments(bench_parser)
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "compare"]:
+        from pdserve.bench import compare
+
+        compare_parser = argparse.ArgumentParser(
+            prog="pdserve bench compare",
+            description=compare.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        compare.add_arguments(compare_parser)
+        try:
+            return compare.run(compare_parser.parse_args(argv[2:]))
+        except PdserveError as exc:
+            print(f"pdserve: error: {exc}", file=sys.stderr)
+            return 2
 
     args = parser.parse_args(argv)
     if args.command == "bench":

@@ -68,6 +68,8 @@ def test_a_run_records_every_request_with_exact_lengths(
     assert summary["overall"]["good_requests"] == sum(bool(r.chunk_times_s) for r in records)
     assert set(summary["classes"]) == {"short", "long"}
     assert "TTFT ms" in done.stdout
+    for plot in ("ttft_cdf.png", "itl_cdf.png", "itl_timeline.png"):
+        assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_chat_with_text_prompts_and_a_duration_bound(

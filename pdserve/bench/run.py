@@ -4,7 +4,8 @@
         --duration 120 --slo ttft=1000,itl=200 --out runs/dpd
 
 Writes `records.jsonl` (one line per request: class, send time, every chunk's arrival time,
-prompt and output tokens, error), `summary.json` and the printed summary into `--out`.
+prompt and output tokens, error), `summary.json` and the plots (CDFs of TTFT and ITL, the ITL
+timeline with long-prompt arrivals marked) into `--out`.
 """
 
 from __future__ import annotations
@@ -138,4 +139,7 @@ def write_outputs(
         "command": " ".join(sys.argv),
     }
     (out / "summary.json").write_text(json.dumps({"run": meta, **summary}, indent=2))
-    print(f"wrote {out / 'records.jsonl'} and {out / 'summary.json'}", file=sys.stderr)
+    from pdserve.bench.plots import plot_run
+
+    plots = plot_run(records, out)
+    print(f"wrote records.jsonl, summary.json, {', '.join(p.name for p in plots)} in {out}", file=sys.stderr)

@@ -1,0 +1,245 @@
+"""`pdserve bench compare`: the same workload against several configurations, side by side. No torch.
+
+    pdserve bench compare --model smollm2-135m --workload chat+docs --duration 120 \\
+        --config "colocated=--colocated 2" --config "disaggregated=--prefill 1 --decode 1" \\
+        --url "vllm=http://127.0.0.1:8100" --slo ttft=1000,itl=200 --out runs/compare
+
+Each `--config LABEL=SERVE_ARGS` is started here (`pdserve serve --model M SERVE_ARGS` on a free
+port), benchmarked, and stopped before the next starts, so configurations never share the
+machine. Each `--url LABEL=URL` is an endpoint already running (vLLM's CPU build, say). Every
+column gets the identical requests (same seed: same arrival times, lengths and prompts).
+Writes `report.md` (a table per class), each run's records and summary, and the plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pdserve.bench.client import PreparedRequest, Target, run_load
+from pdserve.bench.run import prepare
+from pdserve.bench.summary import RequestRecord, parse_slos, summarize, write_records
+from pdserve.bench.workload import NAMED_MIXES, parse_workload
+from pdserve.errors import PdserveError
+
+DEFAULT_CONFIGS = ["colocated=--colocated 2", "disaggregated=--prefill 1 --decode 1"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="served by every configuration started here")
+    p.add_argument("--tokenizer", default=None, help="default: --model")
+    p.add_argument(
+        "--config",
+        action="append",
+        default=None,
+        metavar="LABEL=SERVE_ARGS",
+        help=f"a configuration to start (repeatable); default: {' and '.join(repr(c) for c in DEFAULT_CONFIGS)}",
+    )
+    p.add_argument(
+        "--url", action="append", default=[], metavar="LABEL=URL", help="an endpoint already running"
+    )
+    p.add_argument("--served-model-name", default=None, help="the model name the --url endpoints expect")
+    p.add_argument("--serve-args", default="", help="flags added to every configuration started here")
+    p.add_argument("--workload", default="chat+docs", help=f"spec or preset ({', '.join(NAMED_MIXES)})")
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--duration", type=float, default=None)
+    p.add_argument("--rate-scale", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo", default=None, help="e.g. ttft=1000,itl=200 (milliseconds)")
+    p.add_argument("--drain-timeout", type=float, default=120.0)
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for a configuration to start")
+    p.add_argument("--out", type=Path, required=True)
+
+
+def _labelled(items: list[str], what: str) -> list[tuple[str, str]]:
+    result = []
+    for item in items:
+        label, sep, value = item.partition("=")
+        if not sep or not label.strip() or not label.replace("-", "").replace("_", "").isalnum():
+            raise PdserveError(f"bad {what} {item!r}: expected LABEL=VALUE with a plain label")
+        result.append((label.strip(), value.strip()))
+    labels = [label for label, _ in result]
+    if len(set(labels)) != len(labels):
+        raise PdserveError(f"{what} labels must be unique, got {labels}")
+    return result
+
+
+class StartedServer:
+    """`pdserve serve` in a child process on a free port; `stop()` stops it and all it started."""
+
+    def __init__(self, model: str, args: list[str], ready_timeout: float) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(self.port),
+            *args,
+        ]
+        self.proc = subprocess.Popen([*cmd, "--log-level", "WARNING"])
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise PdserveError(f"`{shlex.join(cmd)}` exited with code {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise PdserveError(f"`{shlex.join(cmd)}` not ready within {ready_timeout:.0f} s")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def run_one(
+    label: str, url: str, model: str, requests: list[PreparedRequest], args: argparse.Namespace
+) -> tuple[list[RequestRecord], float]:
+    print(f"[{label}] {len(requests)} requests against {url}", file=sys.stderr, flush=True)
+    records: list[RequestRecord] = []
+    target = Target(url, model)
+    _, elapsed = asyncio.run(
+        run_load(
+            target, requests, duration_s=args.duration, drain_timeout_s=args.drain_timeout, records=records
+        )
+    )
+    return records, elapsed
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_requests is None and args.duration is None:
+        raise PdserveError("give --max-requests or --duration (or both): a benchmark must end by itself")
+    configs = _labelled(args.config or DEFAULT_CONFIGS, "--config")
+    urls = _labelled(args.url, "--url")
+    slos = parse_slos(args.slo)
+    workload = parse_workload(args.workload, args.seed, args.max_requests, args.duration, args.rate_scale)
+    if workload.concurrency is not None:
+        raise PdserveError("compare needs an open-loop workload (arrival times), not concurrency(n)")
+    requests = prepare(workload, args.tokenizer or args.model, "completions", "ids", args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    runs: dict[str, list[RequestRecord]] = {}
+    summaries: dict[str, dict[str, Any]] = {}
+    for label, serve_args in configs:
+        server = StartedServer(
+            args.model, shlex.split(serve_args) + shlex.split(args.serve_args), args.ready_timeout
+        )
+        try:
+            records, elapsed = run_one(label, server.url, args.model, requests, args)
+        finally:
+            server.stop()
+        runs[label], summaries[label] = records, summarize(records, elapsed, slos)
+    for label, url in urls:
+        records, elapsed = run_one(
+            label, url.rstrip("/"), args.served_model_name or args.model, requests, args
+        )
+        runs[label], summaries[label] = records, summarize(records, elapsed, slos)
+
+    for label, records in runs.items():
+        write_records(args.out / f"records_{label}.jsonl", records)
+    (args.out / "summaries.json").write_text(json.dumps(summaries, indent=2))
+    plots = _plots(runs, args.out)
+    described = dict(configs) | dict(urls)
+    report = render_report(summaries, described, workload.describe(), " ".join(sys.argv), plots)
+    (args.out / "report.md").write_text(report)
+    print(report)
+    return 0
+
+
+def _plots(runs: dict[str, list[RequestRecord]], out: Path) -> list[Path]:
+    try:
+        from pdserve.bench.plots import plot_comparison
+    except ImportError:  # the plots need matplotlib
+        return []
+    paths: list[Path] = plot_comparison(runs, out)
+    return paths
+
+
+ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    ("completed / errors", lambda s: f"{s['completed']} / {s['errors']}"),
+    ("requests/s", lambda s: f"{s['request_throughput']:.2f}"),
+    ("output tokens/s", lambda s: f"{s['output_token_throughput']:.1f}"),
+    ("TTFT p50 / p90 / p99 (ms)", lambda s: "{p50:.0f} / {p90:.0f} / {p99:.0f}".format(**s["ttft_ms"])),
+    ("ITL p50 / p90 / p99 (ms)", lambda s: "{p50:.0f} / {p90:.0f} / {p99:.0f}".format(**s["itl_ms"])),
+    ("TPOT p50 / p99 (ms)", lambda s: "{p50:.1f} / {p99:.1f}".format(**s["tpot_ms"])),
+    ("E2E p50 / p99 (ms)", lambda s: "{p50:.0f} / {p99:.0f}".format(**s["e2e_ms"])),
+    (
+        "goodput (req/s)",
+        lambda s: f"{s['goodput']:.2f} ({s['good_requests']} req)" if "goodput" in s else "-",
+    ),
+]
+
+
+def render_report(
+    summaries: dict[str, dict[str, Any]],
+    described: dict[str, str],
+    workload: str,
+    command: str,
+    plots: list[Path],
+) -> str:
+    labels = list(summaries)
+    lines = [
+        "# pdserve bench compare",
+        "",
+        f"Command: `{command}`",
+        "",
+        "Workload:",
+        "",
+        "```",
+        workload,
+        "```",
+        "",
+    ]
+    lines += ["| column | configuration |", "| --- | --- |"]
+    lines += [f"| {label} | `{described.get(label, '')}` |" for label in labels]
+    first = summaries[labels[0]]
+    groups = ["overall", *first.get("classes", {})]
+    for group in groups:
+        lines += [
+            "",
+            f"## {group}",
+            "",
+            "| | " + " | ".join(labels) + " |",
+            "| --- " * (len(labels) + 1) + "|",
+        ]
+        for name, cell in ROWS:
+            row = []
+            for label in labels:
+                s = summaries[label]
+                part = s["overall"] if group == "overall" else s.get("classes", {}).get(group)
+                row.append(cell(part) if part else "-")
+            lines.append(f"| {name} | " + " | ".join(row) + " |")
+    slos = first["overall"].get("slos_ms")
+    if slos:
+        lines += ["", "SLOs: " + ", ".join(f"{k} ≤ {v:g} ms" for k, v in slos.items())]
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    return "\n".join(lines) + "\n"

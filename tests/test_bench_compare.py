@@ -1,0 +1,58 @@
+"""`pdserve bench compare`: configurations started, benchmarked with identical requests, stopped,
+and reported side by side."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from serving import Server
+
+from pdserve.bench.compare import _labelled
+from pdserve.bench.summary import read_records
+from pdserve.errors import PdserveError
+from pdserve.transfer.shm import leftover_segments
+
+
+def test_two_started_configurations_and_a_running_endpoint_side_by_side(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    running = Server(tiny_llama, "--colocated", "1")
+    try:
+        cmd = [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--model", str(tiny_llama)]
+        cmd += ["--config", "colocated=--colocated 1", "--config", "dpd=--prefill 1 --decode 1"]
+        cmd += ["--serve-args", "--dtype float32 --num-kv-blocks 128", "--url", f"endpoint={running.url}"]
+        cmd += [
+            "--workload",
+            "chat: poisson(rate=10) prompt=uniform(8,80) output=fixed(6); doc: constant(rate=3) prompt=fixed(400) output=fixed(3)",
+        ]
+        cmd += ["--max-requests", "12", "--slo", "ttft=5000,itl=5000", "--out", str(tmp_path)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    finally:
+        running.stop()
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = (tmp_path / "report.md").read_text()
+    assert "| | colocated | dpd | endpoint |" in report and "## chat" in report and "## doc" in report
+    runs = {
+        label: read_records(tmp_path / f"records_{label}.jsonl") for label in ("colocated", "dpd", "endpoint")
+    }
+    shapes = {
+        label: sorted((r.index, r.cls, r.scheduled_s, r.prompt_tokens) for r in records)
+        for label, records in runs.items()
+    }
+    assert shapes["colocated"] == shapes["dpd"] == shapes["endpoint"]  # the same requests everywhere
+    assert all(r.ok for records in runs.values() for r in records)
+    summaries = json.loads((tmp_path / "summaries.json").read_text())
+    assert summaries["dpd"]["overall"]["completed"] == 12
+    assert not leftover_segments()  # the started configurations were stopped
+
+
+def test_labels_must_be_plain_and_unique() -> None:
+    assert _labelled(["a=--colocated 2"], "--config") == [("a", "--colocated 2")]
+    with pytest.raises(PdserveError, match="LABEL=VALUE"):
+        _labelled(["--colocated 2"], "--config")
+    with pytest.raises(PdserveError, match="unique"):
+        _labelled(["a=x", "a=y"], "--url")
