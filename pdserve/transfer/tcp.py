@@ -276,11 +276,11 @@ class TcpExporter(KVExporter):
             self._reply_error(conn, BAD_REQUEST, f"not a pdserve KV request (version {version})", deadline)
             return False
         try:
-            request_id = recv_exact(conn, id_len, deadline).decode()
-            raw = recv_exact(conn, 4 * num_blocks, deadline)
+            body = recv_exact(conn, id_len + 4 * num_blocks, deadline)  # one call: it came in one
+            request_id = body[:id_len].decode()
         except (OSError, UnicodeDecodeError):
             return False
-        return self._handle(conn, op, request_id, unpack_ids(raw), (pieces, piece, dtype), deadline)
+        return self._handle(conn, op, request_id, unpack_ids(body[id_len:]), (pieces, piece, dtype), deadline)
 
     def _handle(
         self,
