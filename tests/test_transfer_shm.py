@@ -87,3 +87,10 @@ def test_importer_copies_blocks_into_its_own_block_ids_and_counts() -> None:
         importer.close()
         owner.close()
     assert owner.name not in leftover_segments()
+
+
+def test_blocks_are_copied_in_runs_consecutive_on_both_sides() -> None:
+    from pdserve.transfer.shm import _runs
+
+    assert _runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 7]) == [(4, 0, 3), (9, 3, 1), (10, 7, 1)]
+    assert _runs([], []) == []

@@ -142,10 +142,11 @@ class ShmImporter(KVImporter):
             raise TransferError(
                 f"block {max(src_blocks)} is outside segment {address} ({source.shape[2]} blocks)"
             )
-        src = torch.tensor(src_blocks, dtype=torch.long)
-        dst = torch.tensor(dst_blocks, dtype=torch.long)
-        # [L, 2, n, BS, KVH, D] gathered from the source, scattered into our blocks.
-        self.kv_cache[:, :, dst] = source[:, :, src]
+        # One strided copy per run of blocks consecutive on both sides, straight from the mapping
+        # into our cache: [L, 2, n, BS, KVH, D]. (An indexed gather then scatter went through a
+        # temporary and ran at a fraction of memcpy speed.)
+        for src_start, dst_start, n in _runs(src_blocks, dst_blocks):
+            self.kv_cache[:, :, dst_start : dst_start + n].copy_(source[:, :, src_start : src_start + n])
         return len(src_blocks) * block_nbytes(self.kv_cache)
 
     def forget(self, address: str) -> None:
@@ -160,3 +161,16 @@ class ShmImporter(KVImporter):
             segments, self._segments = list(self._segments.values()), {}
         for segment in segments:
             segment.close()
+
+
+def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of the maximal runs where both lists count up by one."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs

@@ -74,6 +74,11 @@ class WorkerServer:
         self._stop = threading.Event()
         self._leases: dict[str, float] = {}  # prefill role: request id -> monotonic expiry
         self._pending_kv: dict[str, wire.KVHandle] = {}  # decode role: request id -> its source
+        # Decode role: pulls submitted and not yet reported back. An Abort for one of them waits
+        # for the pull to end: freeing its blocks while the pull still writes into them could
+        # corrupt the KV of whichever request gets those blocks next.
+        self._pulls_in_flight: set[str] = set()
+        self._abort_after_pull: set[str] = set()
         self._pulls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pull") if importer else None
         self.lease_expiries = 0
         self.kv_failures = 0
@@ -181,6 +186,11 @@ class WorkerServer:
     def _apply(self, item: wire.Message | _KVDone) -> None:
         engine = self.engine
         if isinstance(item, _KVDone):
+            self._pulls_in_flight.discard(item.request_id)
+            if item.request_id in self._abort_after_pull:
+                self._abort_after_pull.discard(item.request_id)
+                engine.abort(item.request_id)  # the pull is over: now its blocks can go
+                return
             if self._pending_kv.pop(item.request_id, None) is not None:  # else aborted meanwhile
                 self._send(wire.KVPulled(item.request_id, item.ok, item.nbytes, item.seconds, item.error))
             failed = engine.kv_received(item.request_id, item.ok)
@@ -196,6 +206,9 @@ class WorkerServer:
             self._add(item)
         elif isinstance(item, wire.Abort):
             self._pending_kv.pop(item.request_id, None)
+            if item.request_id in self._pulls_in_flight:
+                self._abort_after_pull.add(item.request_id)
+                return
             self._leases.pop(item.request_id, None)
             self._lease_ended(item.request_id)
             engine.abort(item.request_id)
@@ -230,6 +243,7 @@ class WorkerServer:
             if handle is None or self._pulls is None:
                 self._inbox.put(_KVDone(request_id, False, "no KV source for this request"))
                 continue
+            self._pulls_in_flight.add(request_id)
             self._pulls.submit(self._pull, request_id, handle, dst_blocks)
 
     def _pull(self, request_id: str, handle: wire.KVHandle, dst_blocks: list[int]) -> None:
