@@ -51,7 +51,16 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     "kv_pull_timeout": (float, 10.0, "seconds for one KV transfer"),
     "kv_fault_rate": (float, 0.0, "fault tests only: share of KV transfers to drop on purpose"),
     "ready_timeout": (float, 600.0, "seconds to wait for every worker to load its model"),
-    "heartbeat_timeout": (float, 3.0, "a worker silent this long is taken out of service"),
+    "heartbeat_timeout": (
+        float,
+        3.0,
+        "a worker whose connection is silent this long is taken out of service",
+    ),
+    "stall_timeout": (
+        float,
+        60.0,
+        "a worker that sends no load report this long (a hung engine) is taken out",
+    ),
     "log_level": (str, "INFO", "DEBUG, INFO, WARNING, ERROR"),
 }
 
@@ -169,8 +178,16 @@ def run(o: dict[str, Any]) -> int:
             ),
             ready_timeout=o["ready_timeout"],
             heartbeat_timeout=o["heartbeat_timeout"],
+            stall_timeout=o["stall_timeout"],
         )
-        router = Router(settings, tokenizer, eos, startup_abort=lambda: _startup_failure(cluster))
+        holder: list[Any] = []  # the uvicorn server, made after the router
+
+        def startup_abort() -> str | None:
+            if holder and holder[0].should_exit:  # Ctrl-C while the workers load their model
+                return "interrupted"
+            return _startup_failure(cluster)
+
+        router = Router(settings, tokenizer, eos, startup_abort=startup_abort)
         config = uvicorn.Config(
             router.app,
             host=o["host"],
@@ -180,6 +197,7 @@ def run(o: dict[str, Any]) -> int:
             timeout_graceful_shutdown=5,
         )
         server = _server_class()(config)
+        holder.append(server)
         asyncio.run(_serve(server, cluster))
         return 0 if server.started else 1
     finally:

@@ -150,6 +150,7 @@ def test_thirty_two_concurrent_requests_of_mixed_lengths_all_complete(server: Se
         (b'{"model": "M", "prompt": "' + b"x" * 2000 + b'"}', "context"),
         (b'{"model": "M", "prompt": [1, 99999]}', "token ids"),
         (b'{"model": "M"}', "prompt"),
+        (b'{"model": "M", "prompt": "hi", "seed": 100000000000000000000000}', "$.seed"),
     ],
 )
 def test_bad_requests_get_a_400_with_an_openai_error_body(server: Server, body: bytes, fragment: str) -> None:

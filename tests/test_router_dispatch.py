@@ -173,3 +173,27 @@ def test_a_silent_worker_hits_the_token_timeout_and_a_departed_client_aborts(tin
     finally:
         os.kill(decode, signal.SIGCONT)
         server.stop()
+
+
+def test_a_burst_over_the_in_flight_limit_gets_429s_never_500s(tiny_llama: Path) -> None:
+    server = Server(tiny_llama, "--prefill", "1", "--decode", "1", "--max-in-flight", "2")
+    try:
+
+        async def burst() -> list[int]:
+            async def one(i: int) -> int:
+                response = await server.async_client.completions.with_raw_response.create(
+                    model=server.model,
+                    prompt=PROMPTS[i % len(PROMPTS)],
+                    max_tokens=30,
+                    extra_body={"ignore_eos": True},
+                )
+                return response.status_code
+
+            results = await asyncio.gather(*(one(i) for i in range(8)), return_exceptions=True)
+            return [r.status_code if isinstance(r, openai.APIStatusError) else r for r in results]  # type: ignore[misc]
+
+        statuses = asyncio.run(burst())
+        assert set(statuses) <= {200, 429} and 429 in statuses and 200 in statuses, statuses
+        server.wait_kv_free()
+    finally:
+        server.stop()

@@ -79,9 +79,18 @@ async def send_one(
                 if data == "[DONE]":
                     break
                 now = time.perf_counter() - start
-                chunk = json.loads(data)
+                try:
+                    chunk = json.loads(data)
+                except json.JSONDecodeError:
+                    record.error = f"not JSON in the stream: {data[:200]!r}"
+                    break
+                if not isinstance(chunk, dict):
+                    record.error = f"unexpected stream event: {data[:200]!r}"
+                    break
                 if "error" in chunk:
-                    record.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
+                    error = chunk["error"]
+                    message = error.get("message", error) if isinstance(error, dict) else error
+                    record.error = f"stream error: {message}"
                     break
                 if chunk.get("usage"):
                     record.output_tokens = int(chunk["usage"].get("completion_tokens", 0))

@@ -50,6 +50,7 @@ class RouterSettings:
     config: RouterConfig = field(default_factory=RouterConfig)
     ready_timeout: float = 600.0  # startup waits this long for every worker's Ready
     heartbeat_timeout: float = 3.0
+    stall_timeout: float = 60.0  # no load report from a worker this long: taken out of service
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -75,7 +76,9 @@ class Router:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.metrics = RouterMetrics()
-        self.workers = WorkerSet(heartbeat_timeout=settings.heartbeat_timeout)
+        self.workers = WorkerSet(
+            heartbeat_timeout=settings.heartbeat_timeout, stall_timeout=settings.stall_timeout
+        )
         self.workers.on_load = self._record_load
         self.workers.on_state = self._record_state
         self.dispatcher = Dispatcher(self.workers, settings.config, self.metrics)
@@ -246,7 +249,7 @@ class Router:
                 yield _sse(b.usage_chunk(oa.usage(len(run.prompt_ids), len(run.output_ids))))
         except (RequestFailed, Unavailable, Overloaded) as exc:
             logger.error("request %s failed mid-stream: %s", run.state.request_id, exc)
-            yield _sse(oa.error_body(str(exc), "server_error", 503 if isinstance(exc, Unavailable) else 500))
+            yield _sse(oa.error_body(str(exc), *_error_kind(exc)))
         yield b"data: [DONE]\n\n"
 
     async def _whole(self, request: Request, run: _Run) -> Response:
@@ -273,11 +276,10 @@ class Router:
             return Response(status_code=499)  # nobody reads this: the client is gone
         try:
             return work.result()
-        except Unavailable as exc:
-            return _json(oa.error_body(str(exc), "service_unavailable", 503), 503)
-        except (RequestFailed, Overloaded) as exc:
+        except (RequestFailed, Unavailable, Overloaded) as exc:
             logger.error("request %s failed: %s", run.state.request_id, exc)
-            return _json(oa.error_body(str(exc), "server_error", 500), 500)
+            kind, status = _error_kind(exc)
+            return _json(oa.error_body(str(exc), kind, status), status)
 
     # -- worker state into metrics --------------------------------------------------------------------------
     def _max_model_len(self) -> int | None:
@@ -312,6 +314,15 @@ class Router:
             ):
                 with contextlib.suppress(KeyError):
                     gauge.remove(*labels)
+
+
+def _error_kind(exc: Exception) -> tuple[str, int]:
+    """OpenAI error type and HTTP status of a failure after admission."""
+    if isinstance(exc, Unavailable):
+        return "service_unavailable", 503
+    if isinstance(exc, Overloaded):  # admitted in a burst that overtook the in-flight limit
+        return "rate_limit_exceeded", 429
+    return "server_error", 500
 
 
 async def _client_gone(request: Request) -> None:

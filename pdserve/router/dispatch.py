@@ -111,6 +111,8 @@ class Dispatcher:
                     state.outcome = "ok"
                     return
                 except _Retry as retry:
+                    for leg in state.legs:  # the failed attempt's blocks go now, not at the end
+                        leg.close(abort=True)
                     state.retries += 1
                     self.metrics.retries.labels(retry.reason).inc()
                     if state.retries > self.config.max_retries:
@@ -202,7 +204,10 @@ class Dispatcher:
         streamed = 0
         kv_failed = False
         while True:
-            event = await self._next(leg, self.config.token_timeout, f"the next token from worker {worker}")
+            # Locally prefilled, the first token waits for the queue and the whole prompt too.
+            first_local = streamed == 0 and not kv_pending
+            timeout = self.config.prefill_timeout if first_local else self.config.token_timeout
+            event = await self._next(leg, timeout, f"the next token from worker {worker}")
             if isinstance(event, wire.KVPulled):
                 self._kv_pulled(state, event, prefill_leg, transport)
                 kv_failed = not event.ok

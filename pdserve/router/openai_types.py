@@ -9,12 +9,16 @@ silently ignored.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from pdserve.errors import InvalidRequestError
 from pdserve.sampling_params import SamplingParams
+
+# Integers that travel to the workers as 64-bit msgpack ints: bounded here, so a huge one is a
+# 400 naming the field rather than an encoding error later.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(msgspec.Struct):
@@ -25,31 +29,31 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     user: str | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: str | list[Any]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None
+    max_tokens: Int64 | None = 16  # OpenAI's default for completions
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
 
 class ContentPart(msgspec.Struct):
@@ -65,10 +69,10 @@ class ChatMessage(msgspec.Struct):
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True

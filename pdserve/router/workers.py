@@ -86,7 +86,13 @@ class WorkerLink:
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
         self._sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout * 1000))
         self._sock.setsockopt(zmq.RECONNECT_IVL, 200)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        # The hello must follow the ZeroMQ handshake: at EVENT_CONNECTED there is no pipe yet and,
+        # with IMMEDIATE, a send is refused and the hello lost.
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self.last_message_at = time.monotonic()
+        # Legs dropped when the link went down: aborted on the worker once it answers again, in
+        # case the process is the same one and still holds them.
+        self.abandoned: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -147,39 +153,62 @@ class WorkerLink:
         while True:
             data = await self._sock.recv()
             try:
-                message = wire.decode(data)
+                self._handle(wire.decode(data))
             except wire.WireError as exc:
                 logger.error("worker %s sent a bad frame: %s", self.worker_id, exc)
-                continue
-            if isinstance(message, wire.Ready):
-                self.ready = message
-                if not self.up:
-                    self.up = True
-                    logger.info("worker %s is up (%s, %s)", self.worker_id, message.role, self.address)
-                    self._notify_state()
-            elif isinstance(message, wire.Load):
-                self.load = message
-                if self._on_load is not None:
-                    self._on_load(self)
-            elif isinstance(message, wire.Tokens | wire.KVPulled):
-                leg = self.legs.get(message.request_id)
-                if leg is None:
-                    continue  # a leg the router already closed (aborted, timed out): nothing waits
-                if isinstance(message, wire.Tokens) and (message.token_ids or message.finish_reason):
-                    self._settle_prompt(leg)
-                leg.events.put_nowait(message)
+            except Exception:  # one bad message must not end this link's reading for good
+                logger.exception("worker %s: failed to handle a message", self.worker_id)
+
+    def _handle(self, message: wire.Message) -> None:
+        self.last_message_at = time.monotonic()
+        if isinstance(message, wire.Ready):
+            self.ready = message
+            self._come_back(message.role)
+        elif isinstance(message, wire.Load):
+            if not self.up and self.ready is not None and self.down_reason.startswith("stalled"):
+                self._come_back(self.ready.role)  # it was only slow: it reports again
+            self.load = message
+            if self._on_load is not None:
+                self._on_load(self)
+        elif isinstance(message, wire.Tokens | wire.KVPulled):
+            leg = self.legs.get(message.request_id)
+            if leg is None:
+                return  # a leg the router already closed (aborted, timed out): nothing waits
+            if isinstance(message, wire.Tokens) and (message.token_ids or message.finish_reason):
+                self._settle_prompt(leg)
+            leg.events.put_nowait(message)
+
+    def _come_back(self, role: str) -> None:
+        if self.up:
+            return
+        self.up = True
+        logger.info("worker %s is up (%s, %s)", self.worker_id, role, self.address)
+        for leg_id in self.abandoned:
+            self.send(wire.Abort(leg_id))
+        self.abandoned.clear()
+        self._notify_state()
 
     async def _monitor_loop(self) -> None:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_CONNECTED:
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.send_hello()
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self._mark_down("its connection dropped (process gone or not answering heartbeats)")
 
     def send_hello(self) -> None:
         # An empty frame: the worker answers with Ready (also after a reconnect to a new process).
-        self._send_now(b"")
+        try:
+            self._send_now(b"")
+        except zmq.ZMQError as exc:
+            logger.warning("worker %s: hello not sent: %s", self.worker_id, exc)
+
+    def check_stalled(self, stall_timeout: float) -> None:
+        """A worker's engine thread reports its load every 0.1 s; silence for `stall_timeout`
+        means a hung process (ZeroMQ's own heartbeats are answered by its I/O thread even then)."""
+        silent = time.monotonic() - self.last_message_at
+        if self.up and silent > stall_timeout:
+            self._mark_down(f"stalled: no report for {silent:.0f} s")
 
     def _mark_down(self, reason: str, expected: bool = False) -> None:
         was_up = self.up
@@ -195,6 +224,8 @@ class WorkerLink:
         legs, self.legs = list(self.legs.values()), {}
         self.queued_prompt_tokens = 0
         for leg in legs:
+            if not leg.done:
+                self.abandoned.add(leg.leg_id)
             leg.done = True
             leg.events.put_nowait(WorkerDown(self.worker_id, reason))
         if was_up:
@@ -208,10 +239,14 @@ class WorkerLink:
 class WorkerSet:
     """Every worker the router knows, by id. Workers can be added and removed while serving."""
 
-    def __init__(self, heartbeat_interval: float = 0.5, heartbeat_timeout: float = 3.0) -> None:
+    def __init__(
+        self, heartbeat_interval: float = 0.5, heartbeat_timeout: float = 3.0, stall_timeout: float = 60.0
+    ) -> None:
         self.context = zmq.asyncio.Context()
         self.links: dict[str, WorkerLink] = {}
         self._heartbeat = (heartbeat_interval, heartbeat_timeout)
+        self.stall_timeout = stall_timeout
+        self._keeper: asyncio.Task[None] | None = None
         self.on_load: Callable[[WorkerLink], None] | None = None
         self.on_state: Callable[[WorkerLink], None] | None = None
 
@@ -229,7 +264,20 @@ class WorkerSet:
         )
         self.links[worker_id] = link
         link.start()
+        if self._keeper is None:
+            self._keeper = asyncio.create_task(self._keep(), name="worker-keeper")
         return link
+
+    async def _keep(self) -> None:
+        """Every 0.5 s: greet the workers that are down (a hello lost in a reconnect would leave
+        one out of service for good) and take out those that stopped reporting."""
+        while True:
+            await asyncio.sleep(0.5)
+            for link in list(self.links.values()):
+                if link.up:
+                    link.check_stalled(self.stall_timeout)
+                else:
+                    link.send_hello()
 
     async def remove(self, worker_id: str) -> None:
         link = self.links.pop(worker_id, None)
@@ -258,6 +306,10 @@ class WorkerSet:
             await asyncio.sleep(0.1)
 
     async def close(self) -> None:
+        if self._keeper is not None:
+            self._keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keeper
         for worker_id in list(self.links):
             await self.remove(worker_id)
         self.context.term()

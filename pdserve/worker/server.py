@@ -135,7 +135,13 @@ class WorkerServer:
             while not self._stop.is_set():
                 events = dict(poller.poll(timeout=100))  # the timeout only bounds the stop check
                 if sock in events:
-                    identity, payload = sock.recv_multipart()
+                    frames = sock.recv_multipart()
+                    if len(frames) != 2:  # not our protocol: one identity frame and one payload
+                        logger.error(
+                            "worker %s: dropped a %d-part message", self.options.worker_id, len(frames)
+                        )
+                        continue
+                    identity, payload = frames
                     if identity != peer:
                         peer = identity  # a (re)connected router: greet it first
                         sock.send_multipart([peer, ready])
@@ -248,8 +254,10 @@ class WorkerServer:
 
     def _pull(self, request_id: str, handle: wire.KVHandle, dst_blocks: list[int]) -> None:
         assert self.importer is not None
-        if time.time() > handle.lease_expires_at:
-            self._inbox.put(_KVDone(request_id, False, "the prefill worker's lease had expired"))
+        # The shm copy reads the prefill cache without a lease check of its own: start it only
+        # with time to finish well before the blocks may be freed and reused over there.
+        if handle.lease_expires_at - time.time() < min(self.options.kv_pull_timeout, 5.0):
+            self._inbox.put(_KVDone(request_id, False, "the prefill worker's lease expires too soon"))
             return
         started = time.perf_counter()
         try:
