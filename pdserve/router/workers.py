@@ -1,10 +1,12 @@
 """The router's links to its workers: one ZeroMQ DEALER socket each, on the router's event loop.
 
 A link knows whether its worker is up: a worker is up from its `Ready` until the connection
-drops. A process killed with SIGKILL closes its sockets, so the drop is seen at once (a socket
-monitor event); a process that hangs stops answering ZeroMQ's heartbeats and is dropped after
-`heartbeat_timeout`. Everything waiting on a dropped worker is told (`WorkerDown`) straight away,
-so no stream hangs on a dead process.
+drops or it goes silent. A process killed with SIGKILL closes its sockets, so the drop is seen at
+once (a socket monitor event); a frozen process stops answering ZeroMQ's heartbeats and is dropped
+after `heartbeat_timeout`; a process whose engine thread hangs (its ZeroMQ I/O thread still
+answers heartbeats) stops sending load reports and is taken out after `stall_timeout`. Everything
+waiting on a dropped worker is told (`WorkerDown`) straight away, so no stream hangs on a dead
+process; the legs it held are aborted there if it answers again.
 
 Messages from a worker are routed by request id to the `Leg` (one request on one worker) that
 waits for them. No torch here.
