@@ -42,6 +42,12 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     "max_num_seqs": (int, 64, "requests running at once per worker"),
     "max_num_batched_tokens": (int, 2048, "tokens per engine step"),
     "chunk_size": (int, 512, "prompt tokens of one request per step (chunked prefill)"),
+    "prefill_chunk_size": (
+        int,
+        None,
+        "the prefill pool's chunk size (default: --chunk-size); smaller lets a short prompt "
+        "overtake a long one sooner",
+    ),
     "local_prefill_threshold": (int, 16, "prompts up to this many tokens are prefilled on the decode worker"),
     "max_retries": (int, 2, "re-prefills of a request (dead prefill worker, failed KV transfer)"),
     "prefill_timeout": (float, 300.0, "seconds from sending a prompt to its first token"),
@@ -131,7 +137,9 @@ def worker_specs(o: dict[str, Any]) -> list[Any]:
 
     if o["colocated"]:
         return [WorkerSpec(f"mixed-{i}", "mixed") for i in range(o["colocated"])]
-    return [WorkerSpec(f"prefill-{i}", "prefill") for i in range(o["prefill"])] + [
+    # The prefill pool's own chunk size: later flags win, so this overrides --chunk-size there.
+    prefill_args = () if o["prefill_chunk_size"] is None else ("--chunk-size", str(o["prefill_chunk_size"]))
+    return [WorkerSpec(f"prefill-{i}", "prefill", prefill_args) for i in range(o["prefill"])] + [
         WorkerSpec(f"decode-{i}", "decode") for i in range(o["decode"])
     ]
 
