@@ -56,3 +56,21 @@ def test_labels_must_be_plain_and_unique() -> None:
         _labelled(["--colocated 2"], "--config")
     with pytest.raises(PdserveError, match="unique"):
         _labelled(["a=x", "a=y"], "--url")
+
+
+def test_a_rate_sweep_runs_every_rate_against_one_started_server(tiny_llama: Path, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--model", str(tiny_llama)]
+    cmd += ["--config", "c=--colocated 1", "--serve-args", "--dtype float32 --num-kv-blocks 128"]
+    cmd += ["--workload", "constant(rate=5) prompt=fixed(30) output=fixed(4)", "--max-requests", "6"]
+    cmd += ["--rate-scales", "1,2", "--slo", "ttft=5000", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = (tmp_path / "report.md").read_text()
+    assert "## Rate sweep (overall)" in report and "| 1 |" in report and "| 2 |" in report
+    first, second = (read_records(tmp_path / f"records_c@{s}.jsonl") for s in (1, 2))
+    assert len(first) == len(second) == 6
+    # Twice the rate: the same requests sent in half the time.
+    assert max(r.scheduled_s or 0 for r in second) == pytest.approx(
+        max(r.scheduled_s or 0 for r in first) / 2
+    )
+    assert (tmp_path / "rate_2" / "ttft_cdf.png").is_file()

@@ -56,6 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--duration", type=float, default=None)
     p.add_argument("--rate-scale", type=float, default=1.0)
+    p.add_argument(
+        "--rate-scales",
+        default=None,
+        help="a sweep, e.g. 0.5,1,2: every configuration runs the workload at each rate scale",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo", default=None, help="e.g. ttft=1000,itl=200 (milliseconds)")
     p.add_argument("--drain-timeout", type=float, default=120.0)
@@ -140,12 +145,23 @@ def run(args: argparse.Namespace) -> int:
     configs = _labelled(args.config or DEFAULT_CONFIGS, "--config")
     urls = _labelled(args.url, "--url")
     slos = parse_slos(args.slo)
-    workload = parse_workload(args.workload, args.seed, args.max_requests, args.duration, args.rate_scale)
-    if workload.concurrency is not None:
+    scales = _scales(args.rate_scales) if args.rate_scales else [args.rate_scale]
+    workloads = {
+        scale: parse_workload(args.workload, args.seed, args.max_requests, args.duration, scale)
+        for scale in scales
+    }
+    if any(w.concurrency is not None for w in workloads.values()):
         raise PdserveError("compare needs an open-loop workload (arrival times), not concurrency(n)")
-    requests = prepare(workload, args.tokenizer or args.model, "completions", "ids", args.seed)
+    tokenizer = args.tokenizer or args.model
+    requests = {
+        scale: prepare(w, tokenizer, "completions", "ids", args.seed) for scale, w in workloads.items()
+    }
     args.out.mkdir(parents=True, exist_ok=True)
 
+    def name(label: str, scale: float) -> str:
+        return label if len(scales) == 1 else f"{label}@{scale:g}"
+
+    # (run name) -> records / summary; each configuration is started once for all its rates.
     runs: dict[str, list[RequestRecord]] = {}
     summaries: dict[str, dict[str, Any]] = {}
     for label, serve_args in configs:
@@ -153,25 +169,89 @@ def run(args: argparse.Namespace) -> int:
             args.model, shlex.split(serve_args) + shlex.split(args.serve_args), args.ready_timeout
         )
         try:
-            records, elapsed = run_one(label, server.url, args.model, requests, args)
+            for scale in scales:
+                records, elapsed = run_one(name(label, scale), server.url, args.model, requests[scale], args)
+                runs[name(label, scale)], summaries[name(label, scale)] = (
+                    records,
+                    summarize(records, elapsed, slos),
+                )
         finally:
             server.stop()
-        runs[label], summaries[label] = records, summarize(records, elapsed, slos)
     for label, url in urls:
-        records, elapsed = run_one(
-            label, url.rstrip("/"), args.served_model_name or args.model, requests, args
-        )
-        runs[label], summaries[label] = records, summarize(records, elapsed, slos)
+        for scale in scales:
+            model = args.served_model_name or args.model
+            records, elapsed = run_one(name(label, scale), url.rstrip("/"), model, requests[scale], args)
+            runs[name(label, scale)], summaries[name(label, scale)] = (
+                records,
+                summarize(records, elapsed, slos),
+            )
 
-    for label, records in runs.items():
-        write_records(args.out / f"records_{label}.jsonl", records)
+    for run_name, records in runs.items():
+        write_records(args.out / f"records_{run_name}.jsonl", records)
     (args.out / "summaries.json").write_text(json.dumps(summaries, indent=2))
-    plots = _plots(runs, args.out)
+    labels = [label for label, _ in configs + urls]
     described = dict(configs) | dict(urls)
-    report = render_report(summaries, described, workload.describe(), " ".join(sys.argv), plots)
+    plots: list[Path] = []
+    for scale in scales:
+        folder = args.out if len(scales) == 1 else args.out / f"rate_{scale:g}"
+        folder.mkdir(exist_ok=True)
+        at_scale = {label: runs[name(label, scale)] for label in labels}
+        plots += [p.relative_to(args.out) for p in _plots(at_scale, folder)]
+    first = workloads[scales[0]]
+    report = render_report(
+        {label: summaries[name(label, scales[0])] for label in labels},
+        described,
+        first.describe(),
+        " ".join(sys.argv),
+        plots,
+    )
+    if len(scales) > 1:
+        report += render_sweep(summaries, labels, scales, name)
     (args.out / "report.md").write_text(report)
     print(report)
     return 0
+
+
+def _scales(text: str) -> list[float]:
+    try:
+        scales = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise PdserveError(f"--rate-scales must be numbers separated by commas, got {text!r}") from None
+    if not scales or any(x <= 0 for x in scales):
+        raise PdserveError(f"--rate-scales must be positive numbers, got {text!r}")
+    return scales
+
+
+def render_sweep(
+    summaries: dict[str, dict[str, Any]],
+    labels: list[str],
+    scales: list[float],
+    name: Callable[[str, float], str],
+) -> str:
+    """One row per rate: where each configuration stops meeting its SLOs."""
+    lines = [
+        "",
+        "## Rate sweep (overall)",
+        "",
+        "The tables above are for rate scale " + f"{scales[0]:g}.",
+        "",
+    ]
+    header = (
+        "| rate scale | "
+        + " | ".join(f"{label}: goodput / done per s / TTFT p50 / ITL p99" for label in labels)
+        + " |"
+    )
+    lines += [header, "| --- " * (len(labels) + 1) + "|"]
+    for scale in scales:
+        cells = []
+        for label in labels:
+            s = summaries[name(label, scale)]["overall"]
+            goodput = f"{s['goodput']:.2f}" if "goodput" in s else "-"
+            cells.append(
+                f"{goodput} / {s['request_throughput']:.2f} / {s['ttft_ms']['p50']:.0f} ms / {s['itl_ms']['p99']:.0f} ms"
+            )
+        lines.append(f"| {scale:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _plots(runs: dict[str, list[RequestRecord]], out: Path) -> list[Path]:
@@ -241,5 +321,5 @@ def render_report(
     if slos:
         lines += ["", "SLOs: " + ", ".join(f"{k} ≤ {v:g} ms" for k, v in slos.items())]
     if plots:
-        lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+        lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.as_posix()})" for p in plots]
     return "\n".join(lines) + "\n"
