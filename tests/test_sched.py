@@ -248,3 +248,39 @@ def test_queue_time_is_measured_from_arrival_to_first_schedule() -> None:
     drain(s)
     assert second.queue_seconds is not None and second.queue_seconds >= first.queue_seconds
     assert_no_leak(s)
+
+
+def test_prefill_role_lets_a_short_prompt_overtake_a_long_prompts_next_chunk() -> None:
+    s = make(Role.PREFILL, blocks=256, chunk_size=8, max_num_batched_tokens=100)
+    s.add_request(req("long", 40))
+    out, _ = run_step(s)
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("long", 8)]
+    s.add_request(req("short", 5))
+    out, done = run_step(s)
+    # A step of the short prompt alone: its first token does not wait for the long chunk.
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("short", 5)]
+    assert [r.request_id for r in done] == ["short"]
+    out, _ = run_step(s)
+    assert [(c.request.request_id, c.start) for c in out.chunks] == [("long", 8)]  # then it goes on
+    for _ in range(10):
+        run_step(s)
+    for rid in ("long", "short"):
+        s.release(rid)
+    assert_no_leak(s)
+
+
+def test_prefill_role_does_not_stall_when_a_short_prompt_cannot_start() -> None:
+    s = make(Role.PREFILL, blocks=256, chunk_size=8, max_num_batched_tokens=100, max_num_seqs=1)
+    s.add_request(req("long", 24))
+    run_step(s)
+    s.add_request(req("short", 5))  # max_num_seqs=1: it must wait for the long one
+    out, _ = run_step(s)
+    assert [c.request.request_id for c in out.chunks] == ["long"]
+    drain_prefill = 0
+    while s.has_unfinished and drain_prefill < 20:
+        run_step(s)
+        drain_prefill += 1
+    assert not s.has_unfinished
+    for rid in ("long", "short"):
+        s.release(rid)
+    assert_no_leak(s)

@@ -3,8 +3,10 @@
 One step at a time under a token budget. Three roles:
 - `mixed`: colocated serving with chunked prefill. Requests ready to decode go first (one token
   each), then prompt chunks fill what is left of the budget (Sarathi-Serve / vLLM style).
-- `prefill`: prompts only, long prompts chunked. A request ends after its first sampled token and
-  keeps its KV blocks (status PREFILLED) until `release()` says the decode side has them.
+- `prefill`: prompts only, long prompts chunked; a prompt that fits in one chunk goes before the
+  next chunk of a longer one (see `_schedule_short_prompts`). A request ends after its first
+  sampled token and keeps its KV blocks (status PREFILLED) until `release()` says the decode side
+  has them.
 - `decode`: decodes the running batch. A request whose prompt KV comes from another worker gets
   blocks first (`SchedulerOutput.kv_to_receive`); once the caller reports the KV arrived, those
   tokens simply count as computed. Short prompts may still be prefilled locally.
@@ -166,6 +168,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.config.role is Role.PREFILL and self._short_prompt_waiting():
+            self._schedule_short_prompts(out)
+            if out.chunks:
+                return out
+            # None could start (no blocks, or max_num_seqs): the running prompts go on instead.
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
         decodes: list[ScheduledChunk] = []
@@ -254,6 +261,33 @@ class Scheduler:
         )
 
     # -- internals ----------------------------------------------------------------------------------
+    def _short_prompt_waiting(self) -> bool:
+        return any(r.num_tokens_to_compute <= self.config.chunk_size for r in self.waiting)
+
+    def _schedule_short_prompts(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Prefill role: a step of waiting prompts that fit in one chunk, and nothing else.
+
+        A short prompt that arrives while a long one is being prefilled would otherwise ride in
+        the same step as the long prompt's next chunk and wait for all of it: its TTFT would be
+        the long chunk's time. Here it goes first, in a step of its own size; the long prompt
+        continues in the next step without short prompts waiting (shortest-first between
+        chunks; under a steady stream of short prompts the long one still gets every step in
+        which none is waiting)."""
+        budget = self.config.max_num_batched_tokens
+        for request in [r for r in self.waiting if r.num_tokens_to_compute <= self.config.chunk_size]:
+            num_new = request.num_tokens_to_compute
+            if num_new > budget or len(self.running) + len(self.receiving) >= self.config.max_num_seqs:
+                break
+            if self.kv.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
+                break  # no room: wait for blocks to free up rather than preempt running work
+            self.waiting.remove(request)
+            request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+        return out
+
     def _chunk_limit(self, request: Request) -> int:
         return 1 if request.num_tokens_to_compute == 1 else self.config.chunk_size
 
