@@ -177,12 +177,14 @@ def test_fault_injection(exporter: TcpExporter) -> None:
 def test_ending_a_lease_cuts_a_read_in_flight() -> None:
     """A reader that stops reading holds the send; ending the lease must not wait for it forever,
     and the exporter must stop sending before the blocks are freed."""
-    cache = torch.randn((2, 2, 64, 16, 8, 64))  # 16 MiB: more than the socket buffers hold
+    # A 32 MiB pull: well over what the socket buffers hold (the exporter asks for 4 MiB of send
+    # buffer, which Linux doubles; an 8 MiB pull sometimes fit whole and the send never blocked).
+    cache = torch.randn((2, 2, 256, 16, 8, 64))
     exp = TcpExporter(cache)
-    exp.register("r", list(range(64)))
+    exp.register("r", list(range(256)))
     rid = b"r"
-    request = REQUEST.pack(b"PDKV", 1, 1, len(rid), 64, 4, 16 * 8 * 64 * 4, b"float32") + rid
-    request += b"".join(i.to_bytes(4, "little") for i in range(64))
+    request = REQUEST.pack(b"PDKV", 1, 1, len(rid), 256, 4, 16 * 8 * 64 * 4, b"float32") + rid
+    request += b"".join(i.to_bytes(4, "little") for i in range(256))
     reader = socket.socket()
     try:
         reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
