@@ -79,6 +79,8 @@ def test_importer_copies_blocks_into_its_own_block_ids_and_counts() -> None:
             importer.pull(owner.name, [8], [0], timeout=5.0)
         with pytest.raises(TransferError, match="gone"):
             importer.pull("pdserve-kv-0-nothere", [0], [0], timeout=5.0)
+        with pytest.raises(TransferError, match="destination block 5 is outside this cache"):
+            importer.pull(owner.name, [0], [5], timeout=5.0)  # every transport checks this, in the base
         importer.faults = FaultInjector(rate=1.0)
         with pytest.raises(TransferError, match="injected"):
             importer.pull(owner.name, [1], [1], timeout=5.0)

@@ -176,6 +176,24 @@ def test_failed_kv_pull_is_reported_not_recomputed(tiny_llama: Path) -> None:
         assert prefill.stop() == 0 and decode.stop() == 0
 
 
+def test_a_pull_is_not_started_on_a_lease_about_to_expire(tiny_llama: Path) -> None:
+    # The shm copy has no lease check of its own: with 3 s of lease left (under the 5 s margin)
+    # the decode worker refuses to start it rather than race the prefill worker's free.
+    prefill = Worker(tiny_llama, "prefill", "p0", "--lease-seconds", "3")
+    decode = Worker(tiny_llama, "decode", "d0")
+    try:
+        params = wire.WireSamplingParams.from_params(GREEDY)
+        prefill.send(wire.AddRequest("r", PROMPTS[1], params))
+        first = prefill.recv_tokens()
+        decode.send(wire.AddRequest("r", PROMPTS[1], params, first_token_id=first.token_ids[0], kv=first.kv))
+        answer = decode.recv_tokens()
+        assert answer.finish_reason == "error" and answer.error and "expires too soon" in answer.error
+        assert decode.last_load().kv_blocks_used == 0
+        assert prefill.last_load(timeout=10).kv_blocks_used == 0  # its lease ran out
+    finally:
+        assert prefill.stop() == 0 and decode.stop() == 0
+
+
 def test_lease_expiry_frees_prefilled_blocks(tiny_llama: Path) -> None:
     prefill = Worker(tiny_llama, "prefill", "p0", "--lease-seconds", "0.5")
     try:

@@ -122,12 +122,6 @@ class LocalCluster:
                 )
         return gone
 
-    def stop_worker(self, worker_id: str, timeout: float = 15.0) -> int | None:
-        worker = self.workers.pop(worker_id, None)
-        if worker is None:
-            return None
-        return _stop(worker.process, timeout)
-
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM to every worker, then SIGKILL to any still running after `timeout` seconds."""
         for worker in self.workers.values():

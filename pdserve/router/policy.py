@@ -28,7 +28,6 @@ class DecodeView:
     active_requests: int  # streams this router has on the worker
     kv_blocks_free: int | None  # from the worker's last Load; None before the first one
     kv_blocks_total: int | None
-    max_num_seqs: int | None = None
 
 
 def choose_path(prompt_tokens: int, local_prefill_threshold: int, prefill_available: bool) -> str:

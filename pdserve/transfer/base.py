@@ -86,6 +86,11 @@ class KVImporter(abc.ABC):
             raise TransferError(
                 f"{len(src_blocks)} source blocks but only {len(dst_blocks)} destination blocks"
             )
+        num_blocks = self.kv_cache.shape[2]
+        if dst_blocks and max(dst_blocks) >= num_blocks:
+            raise TransferError(
+                f"destination block {max(dst_blocks)} is outside this cache ({num_blocks} blocks)"
+            )
         started = time.perf_counter()
         nbytes = 0
         try:

@@ -220,11 +220,7 @@ class NixlImporter(KVImporter):
         self, request_id: str, address: str, src_blocks: list[int], dst_blocks: list[int], timeout: float
     ) -> int:
         deadline = time.monotonic() + timeout
-        num_blocks, pieces, piece, _ = self._layout
-        if dst_blocks and max(dst_blocks) >= num_blocks:
-            raise TransferError(
-                f"destination block {max(dst_blocks)} is outside this cache ({num_blocks} blocks)"
-            )
+        _, pieces, piece, _ = self._layout
         remote = self._remote(address, timeout)
         if src_blocks and max(src_blocks) >= remote.num_blocks:
             raise TransferError(

@@ -376,10 +376,6 @@ class TcpImporter(KVImporter):
     ) -> int:
         deadline = time.monotonic() + timeout
         num_blocks, pieces, piece, _ = self._layout
-        if dst_blocks and max(dst_blocks) >= num_blocks:
-            raise TransferError(
-                f"destination block {max(dst_blocks)} is outside this cache ({num_blocks} blocks)"
-            )
         request = self.request(OP_PULL, request_id, src_blocks)
         sock: socket.socket | None
         sock, reply = self.exchange(address, request, deadline, timeout)
