@@ -1,4 +1,4 @@
-"""The workload model of `pdserve bench`: arrival processes, length mixes, trace replay, the spec."""
+"""The workload model of `pdserve bench`: classes, merged streams, parsed traces, the spec and presets."""
 
 from __future__ import annotations
 
@@ -7,24 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
+from pdserve.bench.distributions import Concurrency, Fixed, Poisson, SyntheticLengths, Uniform
+from pdserve.bench.traces import load_lengths
 from pdserve.bench.workload import (
     NAMED_MIXES,
-    Concurrency,
-    Constant,
-    Fixed,
-    Gamma,
-    Lognormal,
-    Poisson,
-    SyntheticLengths,
-    Uniform,
     WorkloadClass,
     WorkloadError,
     build_workload,
-    load_lengths,
-    load_trace,
     parse_workload,
 )
 
@@ -33,34 +24,9 @@ AZURE, SHAREGPT = TRACES / "azure_conv_2023.csv", TRACES / "sharegpt_lengths.csv
 needs_traces = pytest.mark.skipif(not AZURE.exists(), reason=f"no traces in {TRACES}")
 
 
-def _gaps(times: np.ndarray) -> np.ndarray:
-    return np.diff(times, prepend=0.0)
-
-
 def _csv_rows(path: Path) -> list[dict[str, str]]:
     with path.open(newline="") as f:
         return list(csv.DictReader(f))
-
-
-@pytest.mark.parametrize(
-    ("process", "cv"),
-    [(Poisson(2.0), 1.0), (Gamma(2.0, 1.0), 1.0), (Gamma(2.0, 0.25), 2.0), (Gamma(2.0, 4.0), 0.5)],
-)
-def test_random_arrivals_have_the_mean_gap_and_the_spread_asked_for(
-    process: Poisson | Gamma, cv: float
-) -> None:
-    gaps = _gaps(process.times(np.random.default_rng(1), 40_000, None))
-    assert gaps.size == 40_000 and (gaps >= 0).all()
-    assert gaps.mean() == pytest.approx(0.5, rel=0.04)
-    # Gamma's coefficient of variation is 1/sqrt(burstiness): burstiness < 1 is burstier.
-    assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.06)
-
-
-def test_constant_arrivals_are_evenly_spaced_from_one_gap_after_the_start() -> None:
-    times = Constant(4.0).times(np.random.default_rng(0), 8, None)
-    np.testing.assert_allclose(times, np.arange(1, 9) / 4.0)
-    # A duration cap keeps only what arrives before it.
-    np.testing.assert_allclose(Constant(4.0).times(np.random.default_rng(0), None, 1.0), [0.25, 0.5, 0.75])
 
 
 def test_the_same_seed_gives_the_same_requests_and_another_seed_others() -> None:
@@ -106,18 +72,6 @@ def test_generation_stops_at_max_requests_or_duration_whichever_comes_first() ->
         parse_workload(spec, 0)
 
 
-def test_lengths_are_whole_numbers_within_their_bounds() -> None:
-    rng = np.random.default_rng(0)
-    uniform = Uniform(3, 5).sample(rng, 2000)
-    assert set(uniform.tolist()) == {3, 4, 5}  # both ends included
-    tiny = Lognormal(0.2, 2.0).sample(rng, 2000)
-    assert tiny.min() >= 1
-    clipped = Lognormal(100, 1.5, min=16, max=400).sample(rng, 5000)
-    assert clipped.min() == 16 and clipped.max() == 400
-    assert np.median(Lognormal(100, 0.5).sample(rng, 20_000)) == pytest.approx(100, rel=0.03)
-    assert (Fixed(7).sample(rng, 3) == 7).all()
-
-
 def test_closed_loop_concurrency_has_no_arrival_times() -> None:
     w = parse_workload("concurrency(8) prompt=fixed(128) output=fixed(64)", 0, 40, 30.0)
     assert w.concurrency == 8 and len(w.requests) == 40
@@ -132,33 +86,6 @@ def test_closed_loop_concurrency_has_no_arrival_times() -> None:
             9,
         )
     assert Concurrency(8).scaled(1.5) == Concurrency(12)
-
-
-@needs_traces
-def test_trace_replay_follows_the_azure_file_scaled_in_time_and_length() -> None:
-    rows = _csv_rows(AZURE)
-    arrived = [float(r["arrived_at"]) for r in rows]
-    replay, lengths = load_trace(AZURE)
-    assert len(replay.arrivals_s) == len(rows) == len(lengths.prompts)
-    assert replay.arrivals_s[:5] == tuple(arrived[:5])
-    assert lengths.prompts[:5] == tuple(int(r["num_prefill_tokens"]) for r in rows[:5])
-    assert lengths.outputs[:5] == tuple(int(r["num_decode_tokens"]) for r in rows[:5])
-
-    fast, _ = load_trace(AZURE, time_scale=0.5)  # twice as fast
-    assert fast.arrivals_s[1] == pytest.approx(arrived[1] / 2)
-    target, _ = load_trace(AZURE, rate=11.0)
-    assert len(target.arrivals_s) / target.arrivals_s[-1] == pytest.approx(11.0)
-
-    _, small = load_trace(AZURE, length_scale=0.1, max_prompt_tokens=200)
-    expected = [min(200, max(1, round(int(r["num_prefill_tokens"]) * 0.1))) for r in rows[:50]]
-    assert list(small.prompts[:50]) == expected
-    assert max(small.prompts) == 200 and min(small.outputs) >= 1
-
-    later, later_lengths = load_trace(AZURE, start_s=600.0)
-    first = next(i for i, t in enumerate(arrived) if t >= 600.0)
-    assert later.arrivals_s[0] == pytest.approx(arrived[first] - 600.0)
-    assert later_lengths.prompts[0] == int(rows[first]["num_prefill_tokens"])
-    assert len(later.arrivals_s) == len(rows) - first
 
 
 @needs_traces
@@ -189,23 +116,6 @@ def test_a_lengths_only_csv_gets_drawn_arrivals_and_paired_rows() -> None:
     assert load_lengths(SHAREGPT, length_scale=0.01).prompts[0] == max(
         1, round(int(rows[0]["num_prefill_tokens"]) * 0.01)
     )
-
-
-def test_csv_errors_name_the_file_the_line_and_the_column(tmp_path: Path) -> None:
-    missing = tmp_path / "missing.csv"
-    missing.write_text("arrived_at,num_prefill_tokens\n0,5\n")
-    with pytest.raises(
-        WorkloadError,
-        match=r"missing\.csv: missing column\(s\) num_decode_tokens; found: arrived_at, num_prefill_tokens",
-    ):
-        load_trace(missing)
-    bad = tmp_path / "bad.csv"
-    bad.write_text("num_prefill_tokens,num_decode_tokens\n5,6\n7,lots\n")
-    with pytest.raises(WorkloadError, match=r"bad\.csv:3: bad number 'lots' in column num_decode_tokens"):
-        load_lengths(bad)
-    with pytest.raises(WorkloadError, match="cannot read"):
-        load_lengths(tmp_path / "nowhere.csv")
-    assert issubclass(WorkloadError, ValueError)
 
 
 @pytest.mark.parametrize(
