@@ -46,7 +46,7 @@ def test_two_started_configurations_and_a_running_endpoint_side_by_side(
     assert shapes["colocated"] == shapes["dpd"] == shapes["endpoint"]  # the same requests everywhere
     assert all(r.ok for records in runs.values() for r in records)
     summaries = json.loads((tmp_path / "summaries.json").read_text())
-    assert summaries["dpd"]["overall"]["completed"] == 12
+    assert summaries["median"]["dpd"]["overall"]["completed"] == 12
     assert not leftover_segments()  # the started configurations were stopped
 
 
@@ -74,3 +74,30 @@ def test_a_rate_sweep_runs_every_rate_against_one_started_server(tiny_llama: Pat
         max(r.scheduled_s or 0 for r in first) / 2
     )
     assert (tmp_path / "rate_2" / "ttft_cdf.png").is_file()
+
+
+def test_repeats_take_turns_with_a_new_draw_each_and_report_medians(tiny_llama: Path, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--model", str(tiny_llama)]
+    cmd += ["--config", "a=--colocated 1", "--config", "b=--colocated 1"]
+    cmd += ["--serve-args", "--dtype float32 --num-kv-blocks 128", "--repeats", "2"]
+    cmd += ["--workload", "poisson(rate=8) prompt=uniform(8,40) output=fixed(4)", "--max-requests", "5"]
+    cmd += ["--slo", "ttft=5000", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Turns: a, b, a, b -- each a fresh server.
+    order = [line.split("]")[0] for line in done.stderr.splitlines() if line.startswith("[")]
+    assert order == ["[a run 1/2", "[b run 1/2", "[a run 2/2", "[b run 2/2"]
+
+    def shape(path: Path) -> list[tuple[float | None, int]]:
+        return sorted((r.scheduled_s, r.prompt_tokens) for r in read_records(path))
+
+    # Within a repeat both columns get the same requests; the second repeat is another draw.
+    assert shape(tmp_path / "records_a_r1.jsonl") == shape(tmp_path / "records_b_r1.jsonl")
+    assert shape(tmp_path / "records_a_r2.jsonl") == shape(tmp_path / "records_b_r2.jsonl")
+    assert shape(tmp_path / "records_a_r1.jsonl") != shape(tmp_path / "records_a_r2.jsonl")
+    summaries = json.loads((tmp_path / "summaries.json").read_text())
+    runs = [s["overall"]["ttft_ms"]["p50"] for s in summaries["runs"]["a"]]
+    assert summaries["median"]["a"]["overall"]["ttft_ms"]["p50"] == pytest.approx(sum(runs) / 2)
+    assert summaries["median"]["a"]["repeats"] == 2
+    report = (tmp_path / "report.md").read_text()
+    assert "median over 2 runs" in report and "## Runs" in report and "| a |" in report

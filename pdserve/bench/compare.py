@@ -22,13 +22,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from pdserve.bench.client import PreparedRequest, Target, run_load
+from pdserve.bench.report import median_summary, render_repeats, render_report, render_sweep
 from pdserve.bench.run import prepare
 from pdserve.bench.summary import RequestRecord, parse_slos, summarize, write_records
 from pdserve.bench.workload import NAMED_MIXES, parse_workload
@@ -62,6 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a sweep, e.g. 0.5,1,2: every configuration runs the workload at each rate scale",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every column this many times (repeat r with seed + r) and report medians",
+    )
     p.add_argument("--slo", default=None, help="e.g. ttft=1000,itl=200 (milliseconds)")
     p.add_argument("--drain-timeout", type=float, default=120.0)
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for a configuration to start")
@@ -142,62 +148,76 @@ def run_one(
 def run(args: argparse.Namespace) -> int:
     if args.max_requests is None and args.duration is None:
         raise PdserveError("give --max-requests or --duration (or both): a benchmark must end by itself")
+    if args.repeats < 1:
+        raise PdserveError(f"--repeats must be >= 1, got {args.repeats}")
     configs = _labelled(args.config or DEFAULT_CONFIGS, "--config")
     urls = _labelled(args.url, "--url")
     slos = parse_slos(args.slo)
     scales = _scales(args.rate_scales) if args.rate_scales else [args.rate_scale]
+    repeats = range(args.repeats)
+    # Repeat r draws its workload from seed + r: every column gets the identical requests within a
+    # repeat, and the medians over repeats average over both machine noise and the luck of one draw.
     workloads = {
-        scale: parse_workload(args.workload, args.seed, args.max_requests, args.duration, scale)
+        (scale, r): parse_workload(args.workload, args.seed + r, args.max_requests, args.duration, scale)
         for scale in scales
+        for r in repeats
     }
     if any(w.concurrency is not None for w in workloads.values()):
         raise PdserveError("compare needs an open-loop workload (arrival times), not concurrency(n)")
     tokenizer = args.tokenizer or args.model
     requests = {
-        scale: prepare(w, tokenizer, "completions", "ids", args.seed) for scale, w in workloads.items()
+        key: prepare(w, tokenizer, "completions", "ids", args.seed + key[1]) for key, w in workloads.items()
     }
     args.out.mkdir(parents=True, exist_ok=True)
 
     def name(label: str, scale: float) -> str:
         return label if len(scales) == 1 else f"{label}@{scale:g}"
 
-    # (run name) -> records / summary; each configuration is started once for all its rates.
-    runs: dict[str, list[RequestRecord]] = {}
-    summaries: dict[str, dict[str, Any]] = {}
-    for label, serve_args in configs:
-        server = StartedServer(
-            args.model, shlex.split(serve_args) + shlex.split(args.serve_args), args.ready_timeout
-        )
-        try:
-            for scale in scales:
-                records, elapsed = run_one(name(label, scale), server.url, args.model, requests[scale], args)
-                runs[name(label, scale)], summaries[name(label, scale)] = (
-                    records,
-                    summarize(records, elapsed, slos),
-                )
-        finally:
-            server.stop()
-    for label, url in urls:
-        for scale in scales:
-            model = args.served_model_name or args.model
-            records, elapsed = run_one(name(label, scale), url.rstrip("/"), model, requests[scale], args)
-            runs[name(label, scale)], summaries[name(label, scale)] = (
-                records,
-                summarize(records, elapsed, slos),
-            )
+    # (run name) -> records / summary of each repeat.
+    runs: dict[str, list[list[RequestRecord]]] = {}
+    repeat_summaries: dict[str, list[dict[str, Any]]] = {}
 
-    for run_name, records in runs.items():
-        write_records(args.out / f"records_{run_name}.jsonl", records)
-    (args.out / "summaries.json").write_text(json.dumps(summaries, indent=2))
+    def measure(label: str, url: str, model: str, scale: float, r: int) -> None:
+        tag = name(label, scale) + (f" run {r + 1}/{args.repeats}" if args.repeats > 1 else "")
+        records, elapsed = run_one(tag, url, model, requests[scale, r], args)
+        runs.setdefault(name(label, scale), []).append(records)
+        repeat_summaries.setdefault(name(label, scale), []).append(summarize(records, elapsed, slos))
+
+    # Configurations take turns (A B A B ...) so that a slow stretch of this shared machine does not
+    # fall on one configuration's runs; each is started afresh for each repeat and once for all rates.
+    for r in repeats:
+        for label, serve_args in configs:
+            server = StartedServer(
+                args.model, shlex.split(serve_args) + shlex.split(args.serve_args), args.ready_timeout
+            )
+            try:
+                for scale in scales:
+                    measure(label, server.url, args.model, scale, r)
+            finally:
+                server.stop()
+        for label, url in urls:
+            for scale in scales:
+                measure(label, url.rstrip("/"), args.served_model_name or args.model, scale, r)
+
+    summaries: dict[str, dict[str, Any]] = {}
+    for run_name, per_repeat in runs.items():
+        for r, records in enumerate(per_repeat):
+            suffix = f"_r{r + 1}" if args.repeats > 1 else ""
+            write_records(args.out / f"records_{run_name}{suffix}.jsonl", records)
+        summaries[run_name] = median_summary(repeat_summaries[run_name])
+    (args.out / "summaries.json").write_text(
+        json.dumps({"median": summaries, "runs": repeat_summaries}, indent=2)
+    )
     labels = [label for label, _ in configs + urls]
     described = dict(configs) | dict(urls)
     plots: list[Path] = []
     for scale in scales:
         folder = args.out if len(scales) == 1 else args.out / f"rate_{scale:g}"
         folder.mkdir(exist_ok=True)
-        at_scale = {label: runs[name(label, scale)] for label in labels}
+        # The first repeat's runs: a timeline is one run's picture, not a mix of several.
+        at_scale = {label: runs[name(label, scale)][0] for label in labels}
         plots += [p.relative_to(args.out) for p in _plots(at_scale, folder)]
-    first = workloads[scales[0]]
+    first = workloads[scales[0], 0]
     report = render_report(
         {label: summaries[name(label, scales[0])] for label in labels},
         described,
@@ -205,6 +225,10 @@ def run(args: argparse.Namespace) -> int:
         " ".join(sys.argv),
         plots,
     )
+    if args.repeats > 1:
+        report += render_repeats(
+            {label: repeat_summaries[name(label, scales[0])] for label in labels}, args.seed
+        )
     if len(scales) > 1:
         report += render_sweep(summaries, labels, scales, name)
     (args.out / "report.md").write_text(report)
@@ -222,38 +246,6 @@ def _scales(text: str) -> list[float]:
     return scales
 
 
-def render_sweep(
-    summaries: dict[str, dict[str, Any]],
-    labels: list[str],
-    scales: list[float],
-    name: Callable[[str, float], str],
-) -> str:
-    """One row per rate: where each configuration stops meeting its SLOs."""
-    lines = [
-        "",
-        "## Rate sweep (overall)",
-        "",
-        "The tables above are for rate scale " + f"{scales[0]:g}.",
-        "",
-    ]
-    header = (
-        "| rate scale | "
-        + " | ".join(f"{label}: goodput / done per s / TTFT p50 / ITL p99" for label in labels)
-        + " |"
-    )
-    lines += [header, "| --- " * (len(labels) + 1) + "|"]
-    for scale in scales:
-        cells = []
-        for label in labels:
-            s = summaries[name(label, scale)]["overall"]
-            goodput = f"{s['goodput']:.2f}" if "goodput" in s else "-"
-            cells.append(
-                f"{goodput} / {s['request_throughput']:.2f} / {s['ttft_ms']['p50']:.0f} ms / {s['itl_ms']['p99']:.0f} ms"
-            )
-        lines.append(f"| {scale:g} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def _plots(runs: dict[str, list[RequestRecord]], out: Path) -> list[Path]:
     try:
         from pdserve.bench.plots import plot_comparison
@@ -261,65 +253,3 @@ def _plots(runs: dict[str, list[RequestRecord]], out: Path) -> list[Path]:
         return []
     paths: list[Path] = plot_comparison(runs, out)
     return paths
-
-
-ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
-    ("completed / errors", lambda s: f"{s['completed']} / {s['errors']}"),
-    ("requests/s", lambda s: f"{s['request_throughput']:.2f}"),
-    ("output tokens/s", lambda s: f"{s['output_token_throughput']:.1f}"),
-    ("TTFT p50 / p90 / p99 (ms)", lambda s: "{p50:.0f} / {p90:.0f} / {p99:.0f}".format(**s["ttft_ms"])),
-    ("ITL p50 / p90 / p99 (ms)", lambda s: "{p50:.0f} / {p90:.0f} / {p99:.0f}".format(**s["itl_ms"])),
-    ("TPOT p50 / p99 (ms)", lambda s: "{p50:.1f} / {p99:.1f}".format(**s["tpot_ms"])),
-    ("E2E p50 / p99 (ms)", lambda s: "{p50:.0f} / {p99:.0f}".format(**s["e2e_ms"])),
-    (
-        "goodput (req/s)",
-        lambda s: f"{s['goodput']:.2f} ({s['good_requests']} req)" if "goodput" in s else "-",
-    ),
-]
-
-
-def render_report(
-    summaries: dict[str, dict[str, Any]],
-    described: dict[str, str],
-    workload: str,
-    command: str,
-    plots: list[Path],
-) -> str:
-    labels = list(summaries)
-    lines = [
-        "# pdserve bench compare",
-        "",
-        f"Command: `{command}`",
-        "",
-        "Workload:",
-        "",
-        "```",
-        workload,
-        "```",
-        "",
-    ]
-    lines += ["| column | configuration |", "| --- | --- |"]
-    lines += [f"| {label} | `{described.get(label, '')}` |" for label in labels]
-    first = summaries[labels[0]]
-    groups = ["overall", *first.get("classes", {})]
-    for group in groups:
-        lines += [
-            "",
-            f"## {group}",
-            "",
-            "| | " + " | ".join(labels) + " |",
-            "| --- " * (len(labels) + 1) + "|",
-        ]
-        for name, cell in ROWS:
-            row = []
-            for label in labels:
-                s = summaries[label]
-                part = s["overall"] if group == "overall" else s.get("classes", {}).get(group)
-                row.append(cell(part) if part else "-")
-            lines.append(f"| {name} | " + " | ".join(row) + " |")
-    slos = first["overall"].get("slos_ms")
-    if slos:
-        lines += ["", "SLOs: " + ", ".join(f"{k} ≤ {v:g} ms" for k, v in slos.items())]
-    if plots:
-        lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.as_posix()})" for p in plots]
-    return "\n".join(lines) + "\n"
