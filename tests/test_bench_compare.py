@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from serving import Server
 
-from pdserve.bench.compare import _labelled
+from pdserve.bench.compare import DEFAULT_CONFIGS, _labelled, columns
 from pdserve.bench.summary import read_records
 from pdserve.errors import PdserveError
 from pdserve.transfer.shm import leftover_segments
@@ -56,6 +56,14 @@ def test_labels_must_be_plain_and_unique() -> None:
         _labelled(["--colocated 2"], "--config")
     with pytest.raises(PdserveError, match="unique"):
         _labelled(["a=x", "a=y"], "--url")
+
+
+def test_the_default_configurations_only_when_no_endpoint_is_given() -> None:
+    assert [label for label, _ in columns(None, [])[0]] == [c.split("=")[0] for c in DEFAULT_CONFIGS]
+    assert columns(None, ["vllm=http://127.0.0.1:8100"]) == ([], [("vllm", "http://127.0.0.1:8100")])
+    assert columns(["a=--colocated 1"], ["b=http://x"])[0] == [("a", "--colocated 1")]
+    with pytest.raises(PdserveError, match="differ"):
+        columns(["a=--colocated 1"], ["a=http://x"])
 
 
 def test_a_rate_sweep_runs_every_rate_against_one_started_server(tiny_llama: Path, tmp_path: Path) -> None:

@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         metavar="LABEL=SERVE_ARGS",
-        help=f"a configuration to start (repeatable); default: {' and '.join(repr(c) for c in DEFAULT_CONFIGS)}",
+        help="a configuration to start (repeatable); default, when no --url is given either: "
+        + " and ".join(repr(c) for c in DEFAULT_CONFIGS),
     )
     p.add_argument(
         "--url", action="append", default=[], metavar="LABEL=URL", help="an endpoint already running"
@@ -72,6 +73,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=120.0)
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for a configuration to start")
     p.add_argument("--out", type=Path, required=True)
+
+
+def columns(config: list[str] | None, url: list[str]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(configurations to start, running endpoints). The default configurations apply only when
+    neither is given: `--url` alone measures endpoints already running (vLLM's, say) and starts
+    nothing."""
+    configs = _labelled(config if config is not None else ([] if url else DEFAULT_CONFIGS), "--config")
+    urls = _labelled(url, "--url")
+    if set(dict(configs)) & set(dict(urls)):
+        raise PdserveError("--config and --url labels must differ")
+    return configs, urls
 
 
 def _labelled(items: list[str], what: str) -> list[tuple[str, str]]:
@@ -150,8 +162,7 @@ def run(args: argparse.Namespace) -> int:
         raise PdserveError("give --max-requests or --duration (or both): a benchmark must end by itself")
     if args.repeats < 1:
         raise PdserveError(f"--repeats must be >= 1, got {args.repeats}")
-    configs = _labelled(args.config or DEFAULT_CONFIGS, "--config")
-    urls = _labelled(args.url, "--url")
+    configs, urls = columns(args.config, args.url)
     slos = parse_slos(args.slo)
     scales = _scales(args.rate_scales) if args.rate_scales else [args.rate_scale]
     repeats = range(args.repeats)
