@@ -141,7 +141,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pdserve.models.gguf_file import convert_gguf_to_hf
+    from pdserve.models.gguf_convert import convert_gguf_to_hf
     from pdserve.models.loader import resolve_model
 
     source = resolve_model(args.model)

@@ -25,7 +25,8 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer() -> Any:
-    from pdserve.models.gguf_file import find_builtin_gguf, load_gguf_tokenizer
+    from pdserve.models.gguf_file import find_builtin_gguf
+    from pdserve.models.gguf_tokenizer import load_gguf_tokenizer
 
     return load_gguf_tokenizer(find_builtin_gguf())
 

@@ -54,7 +54,8 @@ def test_ids_and_chat_template_match_transformers_on_a_hf_folder(tiny_llama: Pat
 
 @pytest.mark.slow
 def test_smollm2_gguf_tokenizer_matches_transformers() -> None:
-    from pdserve.models.gguf_file import find_builtin_gguf, load_gguf_tokenizer
+    from pdserve.models.gguf_file import find_builtin_gguf
+    from pdserve.models.gguf_tokenizer import load_gguf_tokenizer
 
     ours, theirs = load_router_tokenizer("smollm2-135m"), load_gguf_tokenizer(find_builtin_gguf())
     for text in TEXTS:

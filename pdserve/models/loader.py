@@ -50,7 +50,7 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
 def load_tokenizer(source: ModelSource) -> Any:
     """A transformers fast tokenizer with the model's chat template."""
     if source.kind == "gguf":
-        from pdserve.models.gguf_file import load_gguf_tokenizer
+        from pdserve.models.gguf_tokenizer import load_gguf_tokenizer
 
         return load_gguf_tokenizer(source.path)
     from transformers import AutoTokenizer

@@ -8,7 +8,7 @@ loopcontrols, `raise_exception`, `strftime_now`, a `tojson` without ASCII escapi
 tokenizes here to exactly the ids the offline engine would see (a test checks).
 
 A GGUF model's tokenizer is built once by transformers (in a child process, so torch stays out of
-this one) and cached; see `pdserve.models.gguf_file.tokenizer_cache_dir`.
+this one) and cached; see `pdserve.models.gguf_tokenizer.tokenizer_cache_dir`.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def load_router_tokenizer(model: str | ModelSource) -> RouterTokenizer:
 def tokenizer_folder(source: ModelSource) -> Path:
     if source.kind == "hf":
         return source.path
-    from pdserve.models.gguf_file import tokenizer_cache_dir
+    from pdserve.models.gguf_tokenizer import tokenizer_cache_dir
 
     folder = tokenizer_cache_dir(source.path)
     if folder is None:
@@ -125,7 +125,7 @@ def tokenizer_folder(source: ModelSource) -> Path:
 
 
 def _build_gguf_tokenizer_in_child(path: Path) -> None:
-    code = "import sys; from pdserve.models.gguf_file import load_gguf_tokenizer; load_gguf_tokenizer(sys.argv[1])"
+    code = "import sys; from pdserve.models.gguf_tokenizer import load_gguf_tokenizer; load_gguf_tokenizer(sys.argv[1])"
     try:
         done = subprocess.run(
             [sys.executable, "-c", code, str(path)],
