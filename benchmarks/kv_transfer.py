@@ -95,7 +95,7 @@ def raw_socket_server(nbytes: int) -> tuple[str, Callable[[], None]]:
     was about half as fast to send from and receive into on this VM."""
     import threading
 
-    from pdserve.transfer.tcp import tune_socket
+    from pdserve.transfer.tcp_wire import tune_socket
 
     buf = torch.ones(nbytes // 4, dtype=DTYPE).view(torch.uint8).numpy().data
     server = socket.create_server(("127.0.0.1", 0))
@@ -193,7 +193,7 @@ class RawSocket:
     """Baseline of `tcp`: one sendall / recv_into loop of the same bytes, from another process."""
 
     def __init__(self, max_bytes: int, num_blocks: int) -> None:
-        from pdserve.transfer.tcp import parse_address, tune_socket
+        from pdserve.transfer.tcp_wire import parse_address, tune_socket
 
         self.child = Child("socket", num_blocks)
         self.buf = torch.zeros(max_bytes // 4, dtype=DTYPE).view(torch.uint8).numpy().data

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pdserve.transfer.base import FaultInjector, TransferError
-from pdserve.transfer.tcp import REPLY, REQUEST, TcpExporter, TcpImporter
+from pdserve.transfer.tcp import TcpExporter, TcpImporter
+from pdserve.transfer.tcp_wire import REPLY, REQUEST
 
 SHAPE = (3, 2, 8, 4, 2, 8)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
 BLOCK_BYTES = 3 * 2 * 4 * 2 * 8 * 4  # float32

@@ -9,12 +9,8 @@ each layer's K or V plane. No pickle, no per-block Python copy.
 Decode side (`TcpImporter`): keeps a few idle connections per address, sends the request and
 `recvmsg_into`s the payload directly into its own destination block slices.
 
-Stream order of a payload: for each of the L*2 (layer, K/V) planes, the requested blocks in
-request order, each one [block_size, kv_heads, head_dim] piece. Each side cuts that stream into
-its own runs of consecutive block ids, so the source and destination block ids are independent.
-
-Request:  REQUEST header, request id (utf-8), num_blocks little-endian uint32 block ids.
-Reply:    REPLY header, then `payload_bytes` of blocks (status OK) or an error text (otherwise).
+The wire format (headers, block ids, the order of the block stream) and the socket I/O are in
+pdserve.transfer.tcp_wire.
 """
 
 from __future__ import annotations
@@ -22,160 +18,40 @@ from __future__ import annotations
 import contextlib
 import itertools
 import socket
-import struct
-import sys
 import threading
 import time
-from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from pdserve.transfer.base import FaultInjector, KVExporter, KVImporter, LeaseError, TransferError
-
-MAGIC = b"PDKV"
-VERSION = 1
-# magic, version, op, request id bytes, num blocks, pieces per block (L*2), piece bytes, dtype
-REQUEST = struct.Struct("<4sBBHIIQ16s")
-# magic, version, status, message bytes, payload bytes
-REPLY = struct.Struct("<4sBBIQ")
-
-OP_PULL = 1
-OK, NO_LEASE, LAYOUT, BAD_REQUEST, BUSY = 0, 1, 2, 3, 4
-_STATUS = {NO_LEASE: "not under lease", LAYOUT: "layout mismatch", BAD_REQUEST: "bad request", BUSY: "busy"}
-
-_IOV_MAX = 512  # buffers per sendmsg / recvmsg_into call (Linux allows 1024)
-_MAX_REQUEST_ID = 1024
-_SOCKET_BUFFER = 4 << 20  # a large window keeps loopback and LAN transfers streaming
+from pdserve.transfer.tcp_wire import (
+    BAD_REQUEST,
+    LAYOUT,
+    MAGIC,
+    MAX_REQUEST_ID,
+    NO_LEASE,
+    OK,
+    OP_PULL,
+    REPLY,
+    REQUEST,
+    STATUS_TEXT,
+    VERSION,
+    block_views,
+    cache_bytes,
+    layout_of,
+    pack_ids,
+    parse_address,
+    recv_exact,
+    recv_views,
+    send_views,
+    tune_socket,
+    unpack_ids,
+)
 
 
 class _Stale(Exception):
     """A pooled connection the peer had closed before this request: retry on a fresh one."""
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise TransferError(f"not a host:port KV address: {address!r}")
-    return host.strip("[]"), int(port)
-
-
-def cache_bytes(kv_cache: torch.Tensor) -> memoryview:
-    """The whole cache as one flat writable byte view (no copy; works for every dtype)."""
-    if not kv_cache.is_contiguous() or kv_cache.device.type != "cpu":
-        raise ValueError("the tcp transport needs a contiguous CPU KV cache")
-    # numpy's view of a 1-D uint8 array is already format "B"; a .cast() copy of it slices slower.
-    return kv_cache.view(-1).view(torch.uint8).numpy().data
-
-
-def layout_of(kv_cache: torch.Tensor) -> tuple[int, int, int, bytes]:
-    """(blocks, pieces per block, bytes per piece, dtype) of a [L, 2, NB, BS, KVH, D] cache."""
-    layers, two, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
-    piece = block_size * kv_heads * head_dim * kv_cache.element_size()
-    return num_blocks, layers * two, piece, str(kv_cache.dtype).removeprefix("torch.").encode()
-
-
-def block_views(
-    flat: memoryview, num_blocks: int, pieces: int, piece: int, blocks: Sequence[int]
-) -> Iterator[memoryview]:
-    """Views of `blocks` in stream order, one per run of consecutive block ids in each plane.
-
-    A generator: 256 MiB of scattered blocks are ~22k views, and holding them all at once makes
-    the garbage collector run full collections (~100 ms each in a process with torch loaded);
-    made and dropped a batch at a time, they never trigger one."""
-    runs: list[tuple[int, int]] = []  # (first block, count)
-    for b in blocks:
-        if runs and b == runs[-1][0] + runs[-1][1]:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((b, 1))
-    for p in range(pieces):
-        plane = p * num_blocks
-        for first, count in runs:
-            start = (plane + first) * piece
-            yield flat[start : start + count * piece]
-
-
-def pack_ids(ids: Sequence[int]) -> bytes:
-    """Block ids on the wire: little-endian uint32."""
-    packed = array("I", ids)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def unpack_ids(raw: bytes) -> list[int]:
-    packed = array("I")
-    packed.frombytes(raw)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tolist()
-
-
-def _deadline_timeout(sock: socket.socket, deadline: float) -> None:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("deadline passed")
-    sock.settimeout(left)
-
-
-def _refill(batch: list[memoryview], views: Iterator[memoryview]) -> list[memoryview]:
-    """Up to _IOV_MAX views: what is left of `batch`, then the next ones of `views`."""
-    batch.extend(itertools.islice(views, _IOV_MAX - len(batch)))
-    return batch
-
-
-def _advance(batch: list[memoryview], nbytes: int) -> list[memoryview]:
-    """`batch` without its first `nbytes` bytes."""
-    i = 0
-    while nbytes and nbytes >= len(batch[i]):
-        nbytes -= len(batch[i])
-        i += 1
-    rest = batch[i:]
-    if nbytes:
-        rest[0] = rest[0][nbytes:]
-    return rest
-
-
-def send_views(sock: socket.socket, views: Iterable[memoryview], deadline: float) -> None:
-    """sendmsg every byte of `views`, handling partial sends, within `deadline`."""
-    source = iter(views)
-    batch = _refill([], source)
-    while batch:
-        _deadline_timeout(sock, deadline)
-        batch = _refill(_advance(batch, sock.sendmsg(batch)), source)
-
-
-def recv_views(sock: socket.socket, views: Iterable[memoryview], deadline: float) -> int:
-    """recvmsg_into until every view is full; returns the bytes received (short on EOF)."""
-    source = iter(views)
-    batch = _refill([], source)
-    total = 0
-    while batch:
-        _deadline_timeout(sock, deadline)
-        got = sock.recvmsg_into(batch)[0]
-        if got == 0:
-            break
-        total += got
-        batch = _refill(_advance(batch, got), source)
-    return total
-
-
-def recv_exact(sock: socket.socket, n: int, deadline: float, eof_ok: bool = False) -> bytes:
-    """Exactly `n` bytes; b"" if `eof_ok` and the peer closed before sending any."""
-    buf = bytearray(n)
-    got = recv_views(sock, [memoryview(buf)], deadline) if n else 0
-    if got == 0 and n and eof_ok:
-        return b""
-    if got < n:
-        raise ConnectionError(f"connection closed after {got} of {n} bytes")
-    return bytes(buf)
-
-
-def tune_socket(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the request is one small write
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
 
 
 class TcpExporter(KVExporter):
@@ -272,7 +148,7 @@ class TcpExporter(KVExporter):
     def _serve_one(self, conn: socket.socket, head: bytes, deadline: float) -> bool:
         """Answers one request. False when the connection must be closed."""
         magic, version, op, id_len, num_blocks, pieces, piece, dtype = REQUEST.unpack(head)
-        if magic != MAGIC or version != VERSION or id_len > _MAX_REQUEST_ID:
+        if magic != MAGIC or version != VERSION or id_len > MAX_REQUEST_ID:
             self._reply_error(conn, BAD_REQUEST, f"not a pdserve KV request (version {version})", deadline)
             return False
         try:
@@ -445,7 +321,7 @@ class TcpImporter(KVImporter):
         self, address: str, sock: socket.socket, status: int, msg_len: int, deadline: float
     ) -> TransferError:
         message = recv_exact(sock, msg_len, deadline).decode(errors="replace")
-        return TransferError(f"{address} refused the request ({_STATUS.get(status, status)}): {message}")
+        return TransferError(f"{address} refused the request ({STATUS_TEXT.get(status, status)}): {message}")
 
     def exchange(
         self,
