@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,6 +95,32 @@ def test_chat_with_text_prompts_and_a_duration_bound(
     assert all(r.scheduled_s is not None and r.scheduled_s < 2 for r in records)
 
 
+def test_requests_past_the_drain_timeout_are_recorded_as_cancelled_with_what_came(
+    server: Server, tiny_llama: Path, tmp_path: Path
+) -> None:
+    done = bench(
+        server.url,
+        tiny_llama,
+        tmp_path,
+        "--workload",
+        "constant(rate=4) prompt=fixed(20) output=fixed(400)",
+        "--duration",
+        "0.6",
+        "--drain-timeout",
+        "0.1",
+    )
+    # Sent at 0.25 and 0.5 s, cut at 0.7 s: 400 tokens take most of a second or more here.
+    assert done.returncode == 0, done.stderr
+    records = read_records(tmp_path / "records.jsonl")
+    assert sorted(r.index for r in records) == [0, 1]
+    assert all(r.error and r.error.startswith("cancelled") for r in records), [r.error for r in records]
+    for r in records:  # when it was sent (it was once recorded as sent at the end), what came
+        assert r.scheduled_s is not None and r.sent_s - r.scheduled_s < 0.2
+        assert r.output_tokens == len(r.chunk_times_s) < 400 and r.chunk_times_s == sorted(r.chunk_times_s)
+    assert records[0].chunk_times_s
+    server.wait_kv_free()
+
+
 def test_an_unreachable_server_gives_error_records_not_a_crash(tiny_llama: Path, tmp_path: Path) -> None:
     done = bench(
         f"http://127.0.0.1:{free_port()}", tiny_llama, tmp_path, "--workload", "chat", "--max-requests", "3"
@@ -105,3 +134,129 @@ def test_an_unreachable_server_gives_error_records_not_a_crash(tiny_llama: Path,
 def test_a_benchmark_must_be_bounded(tiny_llama: Path, tmp_path: Path) -> None:
     done = bench("http://127.0.0.1:1", tiny_llama, tmp_path, "--workload", "chat")
     assert done.returncode == 2 and "--max-requests or --duration" in done.stderr
+
+
+def start_bench(url: str, model: Path, out: Path, *args: str) -> subprocess.Popen[bytes]:
+    """`pdserve bench` in the background, with its progress bar; stdout and stderr to files in
+    `out` (bytes: the progress bar's carriage returns stay as written)."""
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "--url", url, "--model", str(model)]
+    with (out / "stdout").open("wb") as stdout, (out / "stderr").open("wb") as stderr:
+        return subprocess.Popen([*cmd, "--out", str(out / "run"), *args], stdout=stdout, stderr=stderr)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_ctrl_c_stops_the_run_and_keeps_every_request_it_sent(
+    server: Server, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C in the middle of a run that would take minutes: a prompt exit (130) with the summary,
+    and records.jsonl accounting for every request sent exactly once: the completed ones with their
+    times, the ones in flight as cancelled. The server is left with nothing in flight."""
+    before = server.metric("pdserve_requests_total")
+    # 400 requests at 4/s: 100 s of arrivals. Each streams 200 tokens (most of a second here), so
+    # a few are always in flight.
+    proc = start_bench(
+        server.url,
+        tiny_llama,
+        tmp_path,
+        "--workload",
+        "constant(rate=4) prompt=fixed(20) output=fixed(200)",
+        "--max-requests",
+        "400",
+    )
+    try:
+
+        def progress() -> list[tuple[int, int]]:
+            text = (tmp_path / "stderr").read_bytes().decode()
+            return [(int(d), int(e)) for d, e in re.findall(r"(\d+)/400 requests done, (\d+) errors", text)]
+
+        def measuring() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"bench exited early: {(tmp_path / 'stderr').read_bytes().decode()}")
+            shown = progress()
+            return bool(shown) and shown[-1][0] >= 3 and server.metric("pdserve_requests_in_flight") >= 1
+
+        # Building the prompts and starting take a few seconds on a busy machine.
+        server.wait_for(measuring, timeout=120, what="3 requests done and more in flight")
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)  # the plots included
+    finally:
+        stop(proc)
+    stdout = (tmp_path / "stdout").read_bytes().decode()
+    stderr = (tmp_path / "stderr").read_bytes().decode()
+    assert code == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+
+    records = read_records(tmp_path / "run" / "records.jsonl")
+    done = [r for r in records if r.ok]
+    cancelled = [r for r in records if not r.ok]
+    # Every request whose send time came, once: at a constant rate they were sent in order.
+    assert sorted(r.index for r in records) == list(range(len(records)))
+    assert len(done) >= 3 and cancelled, [r.error for r in records]
+    for r in done:
+        assert r.output_tokens == 200 and r.chunk_times_s == sorted(r.chunk_times_s)
+        assert r.chunk_times_s and r.sent_s <= r.chunk_times_s[0]
+    for r in cancelled:  # in flight at the Ctrl-C: what streamed until then, and why it stopped
+        assert r.error is not None and r.error.startswith("cancelled"), r.error
+        assert r.chunk_times_s == sorted(r.chunk_times_s) and r.output_tokens < 200
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["run"]["interrupted"] is True
+    overall = summary["overall"]
+    assert (overall["requests"], overall["completed"], overall["errors"]) == (
+        len(records),
+        len(done),
+        len(cancelled),
+    )
+    # The duration runs to the Ctrl-C: past every send and chunk, and not much further (a request
+    # is sent every 0.25 s and chunks stream every few ms).
+    last = max(max([r.sent_s, *r.chunk_times_s]) for r in records)
+    assert last <= overall["duration_s"] <= last + 2.0, (last, overall["duration_s"])
+    assert f"requests: {len(done)} completed, {len(cancelled)} errors" in stdout
+    # The progress bar ends on the final count, on a line of its own.
+    assert f"\r{len(records)}/400 requests done, {len(cancelled)} errors\ninterrupted:" in stderr
+    for plot in ("ttft_cdf.png", "itl_cdf.png", "itl_timeline.png"):
+        assert (tmp_path / "run" / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # The server saw the client go: nothing in flight, every KV block free.
+    server.wait_for(lambda: server.metric("pdserve_requests_in_flight") == 0, what="no request in flight")
+    server.wait_kv_free()
+    # It finished every request the client recorded as sent, no other: all but those cancelled
+    # before any chunk came (the Ctrl-C may have beaten one to the server).
+    finished = server.metric("pdserve_requests_total") - before
+    reached = sum(1 for r in records if r.ok or r.chunk_times_s)
+    assert reached <= finished <= len(records), (finished, len(records))
+    assert server.metric("pdserve_requests_total", outcome="ok") >= len(done)
+
+
+def test_ctrl_c_while_the_prompts_are_built(tiny_llama: Path, tmp_path: Path) -> None:
+    """Ctrl-C before the first request: exit 130 with a word, not a traceback, and no outputs.
+
+    The workload is announced before the prompts are built, which takes over a second even for few
+    requests (loading the tokenizer, tokenizing the corpus): the Ctrl-C lands in it."""
+    proc = start_bench(
+        f"http://127.0.0.1:{free_port()}",
+        tiny_llama,
+        tmp_path,
+        "--workload",
+        "constant(rate=1) prompt=fixed(100) output=fixed(4)",
+        "--max-requests",
+        "2000",
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while b"workload (2000 requests)" not in (tmp_path / "stderr").read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+    finally:
+        stop(proc)
+    stderr = (tmp_path / "stderr").read_bytes().decode()
+    assert code == 130, stderr
+    assert "Traceback" not in stderr and "interrupted before any request was sent" in stderr, stderr
+    assert not (tmp_path / "run").exists()

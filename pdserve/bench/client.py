@@ -4,7 +4,8 @@ Open loop (arrival times given): each request is sent at its time whatever the s
 so a slow server builds a queue, as real traffic would. Closed loop (`concurrency`): a fixed
 number of requests in flight. Bounded by the workload's requests, by `duration_s` (no request is
 sent after it; those in flight get `drain_timeout_s` to finish, then are cancelled and recorded as
-errors), and by Ctrl-C, which stops sending and keeps what was measured.
+errors), and by Ctrl-C, which stops sending and keeps what was measured (the requests in flight
+are cancelled and recorded as errors, as at the drain timeout).
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ def request_body(target: Target, req: PreparedRequest) -> dict[str, Any]:
 
 
 async def send_one(
-    client: httpx.AsyncClient, target: Target, req: PreparedRequest, start: float
+    client: httpx.AsyncClient, target: Target, req: PreparedRequest, start: float, record: RequestRecord
 ) -> RequestRecord:
+    """Sends `req` and fills `record` as chunks arrive (times after `start`). The caller makes the
+    record: if this is cancelled, the record still holds the chunks that came and the error."""
     path = "/v1/chat/completions" if target.endpoint == "chat" else "/v1/completions"
-    record = RequestRecord(req.index, req.cls, req.arrival_s, time.perf_counter() - start, req.prompt_tokens)
     chunks = 0
     try:
         async with client.stream("POST", path, json=request_body(target, req)) as response:
@@ -123,28 +125,41 @@ async def run_load(
     duration_s: float | None = None,
     drain_timeout_s: float = 120.0,
     on_done: Callable[[RequestRecord], None] | None = None,
+    on_end: Callable[[float], None] | None = None,
     records: list[RequestRecord] | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Records of every request sent (in send order) and the run's duration in seconds.
 
-    `records`, if given, is filled as requests finish: after a Ctrl-C it holds what was measured."""
+    `records`, if given, is filled as requests finish, and `on_end` is called with the duration
+    when the run ends, however it ends: a Ctrl-C cancels this coroutine and asyncio.run raises
+    KeyboardInterrupt, losing the return value, so they are how the caller still gets what was
+    measured. Every request whose send time came is in `records` exactly once: those still in
+    flight when the run ends are recorded as errors ("cancelled: ..."), with the chunks that came."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(target.request_timeout_s, connect=30.0)
     records = records if records is not None else []
-    tasks: list[asyncio.Task[RequestRecord]] = []
+    tasks: list[tuple[PreparedRequest, asyncio.Task[RequestRecord]]] = []
     slots = asyncio.Semaphore(concurrency) if concurrency else None
     async with httpx.AsyncClient(base_url=target.base_url, limits=limits, timeout=timeout) as client:
         start = time.perf_counter()
 
         async def fire(req: PreparedRequest) -> RequestRecord:
+            record = RequestRecord(
+                req.index, req.cls, req.arrival_s, time.perf_counter() - start, req.prompt_tokens
+            )
             try:
-                record = await send_one(client, target, req, start)
+                await send_one(client, target, req, start, record)
+            except Exception as exc:  # not the server's doing: still an error, not a success
+                record.error = f"client error: {type(exc).__name__}: {exc}"
             finally:
+                # Cancelled too (drain timeout, Ctrl-C): the request was sent, so it is recorded,
+                # with the error send_one set. (Recording only on return lost every request in
+                # flight at a Ctrl-C: the server had them, records.jsonl did not.)
                 if slots is not None:
                     slots.release()
-            records.append(record)
-            if on_done is not None:
-                on_done(record)
+                records.append(record)
+                if on_done is not None:
+                    on_done(record)
             return record
 
         try:
@@ -159,34 +174,41 @@ async def run_load(
                         await asyncio.sleep(delay)
                     if duration_s is not None and req.arrival_s >= duration_s:
                         break
-                tasks.append(asyncio.create_task(fire(req)))
+                tasks.append((req, asyncio.create_task(fire(req))))
             if tasks:
-                _, pending = await asyncio.wait(tasks, timeout=drain_timeout_s)
+                _, pending = await asyncio.wait([task for _, task in tasks], timeout=drain_timeout_s)
                 for task in pending:
                     task.cancel()
         finally:
-            # Ctrl-C or the drain timeout: what is still running is cancelled and recorded.
-            for task in tasks:
+            # The drain timeout or Ctrl-C (this coroutine cancelled: then what follows runs before
+            # the KeyboardInterrupt, which is why it is all in `finally`): what is still running
+            # is cancelled, and recorded by `fire`.
+            for _, task in tasks:
                 if not task.done():
                     task.cancel()
-            for task in tasks:
+            for _, task in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-        elapsed = time.perf_counter() - start
-    recorded = {r.index for r in records}
-    for req, task in zip(requests, tasks, strict=False):
-        if req.index not in recorded and task.cancelled():
-            records.append(
-                RequestRecord(
-                    req.index,
-                    req.cls,
-                    req.arrival_s,
-                    elapsed,
-                    req.prompt_tokens,
-                    error="cancelled: the benchmark ended first",
-                )
-            )
-    records.sort(key=lambda r: r.sent_s)
+            elapsed = time.perf_counter() - start
+            # A task cancelled before it first ran never started `fire`, so never sent anything:
+            # still recorded, so that the records account for every request whose time came.
+            recorded = {r.index for r in records}
+            for req, _ in tasks:
+                if req.index not in recorded:
+                    record = RequestRecord(
+                        req.index,
+                        req.cls,
+                        req.arrival_s,
+                        elapsed,
+                        req.prompt_tokens,
+                        error="cancelled before it was sent: the benchmark ended first",
+                    )
+                    records.append(record)
+                    if on_done is not None:
+                        on_done(record)
+            records.sort(key=lambda r: r.sent_s)
+            if on_end is not None:
+                on_end(elapsed)
     return records, elapsed
 
 
@@ -209,3 +231,11 @@ class Progress:
             sys.stderr.flush()
             if self.done == self.total:
                 sys.stderr.write("\n")
+
+    def close(self) -> None:
+        """Writes the final count and ends the line, when the run stopped short of `total` (a
+        --duration bound, a Ctrl-C): else the line showed a stale count, and what was printed
+        next went on the end of it."""
+        if self.done < self.total:
+            sys.stderr.write(f"\r{self.done}/{self.total} requests done, {self.errors} errors\n")
+            sys.stderr.flush()

@@ -86,16 +86,23 @@ def run(args: argparse.Namespace) -> int:
         raise PdserveError("give --max-requests or --duration (or both): a benchmark must end by itself")
     slos = parse_slos(args.slo)
     workload = parse_workload(args.workload, args.seed, args.max_requests, args.duration, args.rate_scale)
-    requests = prepare(workload, args.tokenizer or args.model, args.endpoint, args.prompt_format, args.seed)
+    # Said before the prompts are built, which can take a while: the user sees what is coming.
+    print(f"workload ({len(workload.requests)} requests):\n{workload.describe()}", file=sys.stderr)
+    try:
+        requests = prepare(
+            workload, args.tokenizer or args.model, args.endpoint, args.prompt_format, args.seed
+        )
+    except KeyboardInterrupt:  # a Ctrl-C while the prompts are built: a message, not a traceback
+        print("\ninterrupted before any request was sent: nothing measured", file=sys.stderr)
+        return 130
     target = Target(args.url.rstrip("/"), args.model, args.endpoint, args.temperature, args.request_timeout)
-    print(f"workload ({len(requests)} requests):\n{workload.describe()}", file=sys.stderr)
 
     records: list[RequestRecord] = []
     progress = None if args.no_progress else Progress(len(requests))
-    elapsed = 0.0
+    ended: list[float] = []  # the run's duration, from run_load, however it ended
     interrupted = False
     try:
-        _, elapsed = asyncio.run(
+        asyncio.run(
             run_load(
                 target,
                 requests,
@@ -103,17 +110,24 @@ def run(args: argparse.Namespace) -> int:
                 duration_s=args.duration,
                 drain_timeout_s=args.drain_timeout,
                 on_done=progress,
+                on_end=ended.append,
                 records=records,
             )
         )
     except KeyboardInterrupt:
+        # run_load has recorded the requests in flight (as cancelled) and said how long it ran
+        # (its return value is lost). The duration used to be the last chunk's time, which left
+        # out the time from that chunk to the Ctrl-C and any request sent after it.
         interrupted = True
-        print("\ninterrupted: summarizing what was measured", file=sys.stderr)
-        elapsed = max((r.chunk_times_s[-1] for r in records if r.chunk_times_s), default=0.0)
+    if progress is not None:
+        progress.close()
+    if interrupted:
+        print("interrupted: summarizing what was measured", file=sys.stderr)
+    elapsed = ended[0] if ended else max((max([r.sent_s, *r.chunk_times_s]) for r in records), default=0.0)
     summary = summarize(records, elapsed, slos)
     print(format_summary(summary))
     if args.out is not None:
-        write_outputs(args.out, records, summary, args, workload, interrupted)
+        interrupted = write_outputs(args.out, records, summary, args, workload, interrupted)
     return 130 if interrupted else 0
 
 
@@ -124,7 +138,10 @@ def write_outputs(
     args: argparse.Namespace,
     workload: Workload,
     interrupted: bool,
-) -> None:
+) -> bool:
+    """Writes the records, the summary and the plots; returns whether the run was interrupted,
+    which a Ctrl-C during the plots (a few seconds; a second Ctrl-C after an interrupted run)
+    makes it, without a traceback: the records and the summary are already written."""
     out.mkdir(parents=True, exist_ok=True)
     write_records(out / "records.jsonl", records)
     meta = {
@@ -141,5 +158,10 @@ def write_outputs(
     (out / "summary.json").write_text(json.dumps({"run": meta, **summary}, indent=2))
     from pdserve.bench.plots import plot_run
 
-    plots = plot_run(records, out)
+    try:
+        plots = plot_run(records, out)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: wrote records.jsonl, summary.json in {out}, no plots", file=sys.stderr)
+        return True
     print(f"wrote records.jsonl, summary.json, {', '.join(p.name for p in plots)} in {out}", file=sys.stderr)
+    return interrupted
