@@ -47,6 +47,7 @@ def test_summary_pools_gaps_counts_errors_and_splits_classes() -> None:
     assert overall["output_token_throughput"] == pytest.approx(2.5)
     assert overall["ttft_ms"]["mean"] == pytest.approx(250)
     assert overall["itl_ms"]["p50"] == pytest.approx(100)  # gaps 0.1, 0.1, 0.1 pooled
+    assert s["classes"]["chat"]["itl_ms"]["max"] == pytest.approx(100)
     assert set(s["classes"]) == {"chat", "doc"} and s["classes"]["doc"]["completed"] == 1
     assert "HTTP 503" in overall["error_kinds"][0]
     assert "TTFT ms" in format_summary(s)
@@ -58,6 +59,7 @@ def test_goodput_counts_requests_within_every_slo() -> None:
     stalled = record(2, 0.0, [0.1, 0.15, 0.6], 3)
     s = summarize([fast, slow_start, stalled], 1.0, parse_slos("ttft=500,itl=100"))["overall"]
     assert s["good_requests"] == 1 and s["goodput"] == pytest.approx(1.0)
+    assert s["itl_ms"]["max"] == pytest.approx(450)  # the stalled stream's worst gap
 
 
 def test_slo_parsing_and_percentiles() -> None:

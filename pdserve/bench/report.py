@@ -43,7 +43,7 @@ def _median_of(values: list[Any]) -> Any:
 def render_repeats(repeat_summaries: dict[str, list[dict[str, Any]]], seed: int) -> str:
     """Each run's headline figures, so a reader sees how far one run is from the median."""
     labels = list(repeat_summaries)
-    runs = len(repeat_summaries[labels[0]])
+    runs = max(len(per_label) for per_label in repeat_summaries.values())  # fewer after a Ctrl-C
     lines = [
         "",
         f"## Runs (the medians above are over these {runs}; run r used seed {seed} + r - 1)",
@@ -59,6 +59,7 @@ def render_repeats(repeat_summaries: dict[str, list[dict[str, Any]]], seed: int)
             for summary in repeat_summaries[label]:
                 part = summary["overall"] if group == "overall" else summary.get("classes", {}).get(group)
                 cells.append(_headline(part) if part else "-")
+            cells += ["-"] * (runs - len(cells))
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -105,7 +106,13 @@ ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("requests/s", lambda s: f"{s['request_throughput']:.2f}"),
     ("output tokens/s", lambda s: f"{s['output_token_throughput']:.1f}"),
     ("TTFT p50 / p90 / p99 (ms)", lambda s: "{p50:.0f} / {p90:.0f} / {p99:.0f}".format(**s["ttft_ms"])),
-    ("ITL p50 / p90 / p99 (ms)", lambda s: "{p50:.0f} / {p90:.0f} / {p99:.0f}".format(**s["itl_ms"])),
+    (
+        "ITL p50 / p90 / p99 / max (ms)",
+        lambda s: (
+            "{p50:.0f} / {p90:.0f} / {p99:.0f} / ".format(**s["itl_ms"])
+            + (f"{s['itl_ms']['max']:.0f}" if "max" in s["itl_ms"] else "-")
+        ),
+    ),
     ("TPOT p50 / p99 (ms)", lambda s: "{p50:.1f} / {p99:.1f}".format(**s["tpot_ms"])),
     ("E2E p50 / p99 (ms)", lambda s: "{p50:.0f} / {p99:.0f}".format(**s["e2e_ms"])),
     (
