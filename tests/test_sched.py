@@ -193,6 +193,49 @@ def test_decode_role_receives_prompt_kv_then_decodes() -> None:
     assert_no_leak(s)
 
 
+def remote(rid: str, prompt_len: int, max_tokens: int = 3) -> Request:
+    r = req(rid, prompt_len, max_tokens=max_tokens, remote_kv=True)
+    r.output_token_ids.append(42)  # sampled by the prefill worker
+    return r
+
+
+def test_decode_role_admits_remote_kv_between_steps_so_a_newcomer_joins_the_next_step() -> None:
+    s = make(role=Role.DECODE)
+    s.add_request(remote("running", 8, max_tokens=10))
+    s.admit_remote_kv()
+    s.remote_kv_done("running", ok=True)
+    run_step(s)
+    s.add_request(remote("new", 10))
+    # Blocks and the pull before any step: once the KV is in, the next step decodes both.
+    assert s.admit_remote_kv() == [("new", [3, 4, 5])]  # "running" holds 0-2
+    assert s.get("new").status is RequestStatus.WAITING_FOR_REMOTE_KV  # type: ignore[union-attr]
+    s.remote_kv_done("new", ok=True)
+    out, _ = run_step(s)
+    assert sorted(c.request.request_id for c in out.chunks) == ["new", "running"]
+    assert not out.kv_to_receive  # admitted once, not again by schedule()
+    drain(s)
+    assert_no_leak(s)
+
+
+def test_admitting_remote_kv_keeps_arrival_order_and_the_limits() -> None:
+    s = make(role=Role.DECODE, blocks=6, max_num_seqs=2)
+    s.add_request(req("local", 5, max_tokens=2))
+    s.add_request(remote("behind-local", 4))
+    assert s.admit_remote_kv() == []  # the local prompt ahead of it goes first, in a step
+    out, _ = run_step(s)
+    assert out.kv_to_receive == [("behind-local", [2])]  # the step admits it behind the prompt
+    assert s.admit_remote_kv() == []  # once
+    s.add_request(remote("too-many", 4))
+    assert s.admit_remote_kv() == []  # max_num_seqs: local + behind-local
+    s.abort("too-many")
+    s.remote_kv_done("behind-local", ok=True)
+    drain(s)
+    s.add_request(remote("too-big", 30))  # 8 blocks > 6
+    assert s.admit_remote_kv() == [] and s.get("too-big").status is RequestStatus.WAITING  # type: ignore[union-attr]
+    s.abort("too-big")
+    assert_no_leak(s)
+
+
 def test_decode_role_failed_transfer_ends_request_and_frees_blocks() -> None:
     s = make(role=Role.DECODE)
     r = req("a", 10, remote_kv=True)

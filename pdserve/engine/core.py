@@ -185,6 +185,11 @@ class EngineCore:
         self.runner.release(request_id)
         return EngineOutput(request_id, [], None, True, "error")
 
+    def admit_remote_kv(self) -> None:
+        """Decode role: blocks for waiting remote-KV requests now, between steps, so their pulls
+        can start (`take_kv_to_receive`) before the next step rather than after it."""
+        self._kv_to_receive.extend(self.scheduler.admit_remote_kv())
+
     def take_kv_to_receive(self) -> list[tuple[str, list[int]]]:
         """Decode role: (request id, block ids) whose KV the caller must now bring in, then report
         with `kv_received`."""

@@ -166,6 +166,34 @@ class Scheduler:
         self.running.append(request)
         return request
 
+    def admit_remote_kv(self) -> list[tuple[str, list[int]]]:
+        """Decode role: give blocks now to the waiting requests at the head of the queue whose KV
+        comes from another worker; returns (request id, block ids) to pull into.
+
+        `schedule()` does the same, but only when a step starts, and the pull can only begin
+        after that step: a newcomer then waits a step for its blocks, another for its KV to be
+        noticed, and a third to decode. Called between steps, the pull overlaps nothing and the
+        request can join the very next step."""
+        admitted: list[tuple[str, list[int]]] = []
+        while self.waiting and len(self.running) + len(self.receiving) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if not (request.remote_kv and request.num_computed_tokens == 0):
+                break  # arrival order: a local prompt ahead of it is scheduled first
+            if not self._start_receiving(request, admitted):
+                break
+        return admitted
+
+    def _start_receiving(self, request: Request, kv_to_receive: list[tuple[str, list[int]]]) -> bool:
+        """Blocks for a remote-KV request at the head of the queue; False if there are none free."""
+        if self.kv.allocate(request.request_id, request.num_prompt_tokens) is None:
+            return False
+        self.waiting.popleft()
+        request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.receiving[request.request_id] = request
+        kv_to_receive.append((request.request_id, self.kv.block_table(request.request_id)))
+        return True
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         if self.config.role is Role.PREFILL and self._short_prompt_waiting():
@@ -199,14 +227,8 @@ class Scheduler:
                 break
             request = self.waiting[0]
             if request.remote_kv and request.num_computed_tokens == 0:
-                blocks = self.kv.allocate(request.request_id, request.num_prompt_tokens)
-                if blocks is None:
+                if not self._start_receiving(request, out.kv_to_receive):
                     break
-                self.waiting.popleft()
-                request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
-                request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-                self.receiving[request.request_id] = request
-                out.kv_to_receive.append((request.request_id, self.kv.block_table(request.request_id)))
                 continue
             num_new = min(request.num_tokens_to_compute, budget, self._chunk_limit(request))
             if self.kv.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
