@@ -35,9 +35,12 @@ def test_the_command_line_wins_over_the_config_file_which_wins_over_defaults(tmp
     assert (o["model"], o["prefill"], o["decode"], o["port"]) == ("m", 2, 1, 9100)
     assert o["kv_pull_timeout"] == 3.0 and o["pin_cpus"] is False and o["transport"] == "shm"
     assert [s.role for s in serve.worker_specs(o)] == ["prefill", "prefill", "decode"]
-    assert all(not s.extra_args for s in serve.worker_specs(o))
+    # The prefill pool's chunks are smaller than the decode pool's by default, or as asked.
+    assert [s.extra_args for s in serve.worker_specs(o)] == [("--chunk-size", "256")] * 2 + [()]
     tuned = options("--prefill-chunk-size", "128", config=config)
     assert [s.extra_args for s in serve.worker_specs(tuned)] == [("--chunk-size", "128")] * 2 + [()]
+    small = options("--chunk-size", "64", config=config)
+    assert all(not s.extra_args for s in serve.worker_specs(small))  # already smaller
 
 
 @pytest.mark.parametrize(
