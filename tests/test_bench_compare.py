@@ -4,12 +4,15 @@ and reported side by side."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from serving import Server
+from serving import Server, children
 
 from pdserve.bench.compare import DEFAULT_CONFIGS, _labelled, columns
 from pdserve.bench.summary import read_records
@@ -109,3 +112,58 @@ def test_repeats_take_turns_with_a_new_draw_each_and_report_medians(tiny_llama: 
     assert summaries["median"]["a"]["repeats"] == 2
     report = (tmp_path / "report.md").read_text()
     assert "median over 2 runs" in report and "## Runs" in report and "| a |" in report
+
+
+def descendants(pid: int) -> list[int]:
+    found = children(pid)
+    for child in list(found):
+        found += descendants(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited; only its parent's wait() is missing
+
+
+def test_ctrl_c_stops_the_running_configuration_and_reports_what_finished(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--model", str(tiny_llama)]
+    cmd += ["--config", "first=--colocated 1", "--config", "second=--prefill 1 --decode 1"]
+    cmd += ["--serve-args", "--dtype float32 --num-kv-blocks 128"]
+    cmd += ["--workload", "constant(rate=4) prompt=fixed(20) output=fixed(4)", "--max-requests", "4"]
+    cmd += ["--repeats", "2", "--out", str(tmp_path)]
+    # Its own process group, so the SIGINT below reaches it and its servers as a terminal's Ctrl-C does.
+    bench = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert bench.stderr is not None
+        lines = []
+        for line in bench.stderr:  # bounded: the whole compare would end by itself in ~2 minutes
+            lines.append(line)
+            if line.startswith("[second run 1/2]"):
+                break
+        time.sleep(0.5)  # the second configuration's requests are in flight
+        started = descendants(bench.pid)
+        assert started, "the second configuration's server should be running"
+        os.killpg(bench.pid, signal.SIGINT)
+        code = bench.wait(timeout=60)
+        rest = bench.stderr.read()
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait()
+    assert code == 130, "".join(lines) + rest
+    assert "Traceback" not in rest and "interrupted: reporting the runs that finished" in rest
+    report = (tmp_path / "report.md").read_text()
+    assert "Interrupted (Ctrl-C)" in report and "| | first |" in report
+    assert len(read_records(tmp_path / "records_first_r1.jsonl")) == 4
+    assert not (tmp_path / "records_second_r1.jsonl").exists()  # cut short: not reported as a run
+    deadline = time.monotonic() + 15
+    while any(alive(pid) for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in started if alive(pid)], "a server outlived the bench"
+    assert not leftover_segments()

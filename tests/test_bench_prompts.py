@@ -27,3 +27,12 @@ def test_text_prompts_encode_back_to_the_asked_length(tiny_llama: Path) -> None:
 def test_the_corpus_is_real_english_text() -> None:
     text = corpus_text()
     assert len(text) > 100_000 and " the " in text
+
+
+def test_a_window_longer_than_the_corpus_reads_it_round_and_round(tiny_llama: Path) -> None:
+    builder = PromptBuilder(RouterTokenizer(tiny_llama), seed=3, text=corpus_text()[:20_000])
+    ids = builder.ids
+    window = builder.token_ids(2 * len(ids) + 5)
+    assert len(window) == 2 * len(ids) + 5
+    starts = [s for s in range(len(ids)) if ids[s] == window[0]]
+    assert any(all(w == ids[(s + i) % len(ids)] for i, w in enumerate(window)) for s in starts)

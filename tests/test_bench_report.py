@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pdserve.bench.report import median_summary, render_repeats, render_report
+from pdserve.bench.report import median_summary, render_repeats, render_report, render_sweep
 
 
 def summary(ttft_p50: float, itl_p99: float, completed: int, classes: bool = True) -> dict[str, Any]:
@@ -63,3 +63,10 @@ def test_the_report_says_it_quotes_medians_and_lists_each_run() -> None:
     assert "seed 7 + r - 1" in table
     assert "| colocated | 100 / 900, 0.25 | 300 / 500, 0.25 |" in table
     assert "### chat" in table
+
+
+def test_the_sweep_table_marks_rates_a_ctrl_c_left_unrun() -> None:
+    summaries = {"a@1": summary(100, 900, 10), "a@2": summary(200, 950, 10), "b@1": summary(150, 400, 10)}
+    table = render_sweep(summaries, ["a", "b"], [1.0, 2.0], lambda label, scale: f"{label}@{scale:g}")
+    assert "| 1 | 0.25 / 0.50 / 100 ms / 900 ms | 0.25 / 0.50 / 150 ms / 400 ms |" in table
+    assert "| 2 | 0.25 / 0.50 / 200 ms / 950 ms | - |" in table

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shlex
 import signal
@@ -34,6 +35,8 @@ from pdserve.bench.summary import RequestRecord, parse_slos, summarize, write_re
 from pdserve.bench.workload import NAMED_MIXES, parse_workload
 from pdserve.errors import PdserveError
 
+# After a Ctrl-C, how long a started server gets to stop on the SIGINT the terminal sent it too.
+CTRL_C_GRACE_S = 10.0
 DEFAULT_CONFIGS = ["colocated=--colocated 2", "disaggregated=--prefill 1 --decode 1"]
 
 
@@ -119,6 +122,16 @@ class StartedServer:
             *args,
         ]
         self.proc = subprocess.Popen([*cmd, "--log-level", "WARNING"])
+        try:
+            self._wait_ready(cmd, ready_timeout)
+        except KeyboardInterrupt:
+            self.stop(CTRL_C_GRACE_S)
+            raise
+        except BaseException:  # not ready: it must not outlive us
+            self.stop()
+            raise
+
+    def _wait_ready(self, cmd: list[str], ready_timeout: float) -> None:
         deadline = time.monotonic() + ready_timeout
         while True:
             if self.proc.poll() is not None:
@@ -129,11 +142,16 @@ class StartedServer:
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                self.stop()
                 raise PdserveError(f"`{shlex.join(cmd)}` not ready within {ready_timeout:.0f} s")
             time.sleep(0.5)
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 0.0) -> None:
+        """SIGINT, then SIGKILL after 60 s. `grace_s`: first let it exit on its own; after a
+        terminal's Ctrl-C it has its own SIGINT already, and a second one makes uvicorn force-quit
+        mid-shutdown (with a traceback)."""
+        if grace_s > 0:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=grace_s)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -196,19 +214,32 @@ def run(args: argparse.Namespace) -> int:
 
     # Configurations take turns (A B A B ...) so that a slow stretch of this shared machine does not
     # fall on one configuration's runs; each is started afresh for each repeat and once for all rates.
-    for r in repeats:
-        for label, serve_args in configs:
-            server = StartedServer(
-                args.model, shlex.split(serve_args) + shlex.split(args.serve_args), args.ready_timeout
-            )
-            try:
+    interrupted = False
+    try:
+        for r in repeats:
+            for label, serve_args in configs:
+                server = StartedServer(
+                    args.model, shlex.split(serve_args) + shlex.split(args.serve_args), args.ready_timeout
+                )
+                grace = 0.0
+                try:
+                    for scale in scales:
+                        measure(label, server.url, args.model, scale, r)
+                except KeyboardInterrupt:
+                    grace = CTRL_C_GRACE_S
+                    raise
+                finally:
+                    server.stop(grace)
+            for label, url in urls:
                 for scale in scales:
-                    measure(label, server.url, args.model, scale, r)
-            finally:
-                server.stop()
-        for label, url in urls:
-            for scale in scales:
-                measure(label, url.rstrip("/"), args.served_model_name or args.model, scale, r)
+                    measure(label, url.rstrip("/"), args.served_model_name or args.model, scale, r)
+    except KeyboardInterrupt:
+        # The server being measured was stopped by the `finally` above; what finished is kept.
+        interrupted = True
+        print("\ninterrupted: reporting the runs that finished", file=sys.stderr)
+    if not runs:
+        print("no run finished: nothing to report", file=sys.stderr)
+        return 130
 
     summaries: dict[str, dict[str, Any]] = {}
     for run_name, per_repeat in runs.items():
@@ -217,17 +248,18 @@ def run(args: argparse.Namespace) -> int:
             write_records(args.out / f"records_{run_name}{suffix}.jsonl", records)
         summaries[run_name] = median_summary(repeat_summaries[run_name])
     (args.out / "summaries.json").write_text(
-        json.dumps({"median": summaries, "runs": repeat_summaries}, indent=2)
+        json.dumps({"median": summaries, "runs": repeat_summaries, "interrupted": interrupted}, indent=2)
     )
-    labels = [label for label, _ in configs + urls]
+    labels = [label for label, _ in configs + urls if name(label, scales[0]) in runs]
     described = dict(configs) | dict(urls)
     plots: list[Path] = []
     for scale in scales:
-        folder = args.out if len(scales) == 1 else args.out / f"rate_{scale:g}"
-        folder.mkdir(exist_ok=True)
         # The first repeat's runs: a timeline is one run's picture, not a mix of several.
-        at_scale = {label: runs[name(label, scale)][0] for label in labels}
-        plots += [p.relative_to(args.out) for p in _plots(at_scale, folder)]
+        at_scale = {label: runs[name(label, scale)][0] for label in labels if name(label, scale) in runs}
+        if at_scale:
+            folder = args.out if len(scales) == 1 else args.out / f"rate_{scale:g}"
+            folder.mkdir(exist_ok=True)
+            plots += [p.relative_to(args.out) for p in _plots(at_scale, folder)]
     first = workloads[scales[0], 0]
     report = render_report(
         {label: summaries[name(label, scales[0])] for label in labels},
@@ -236,6 +268,8 @@ def run(args: argparse.Namespace) -> int:
         " ".join(sys.argv),
         plots,
     )
+    if interrupted:
+        report += "\nInterrupted (Ctrl-C): only the runs that finished are in this report.\n"
     if args.repeats > 1:
         report += render_repeats(
             {label: repeat_summaries[name(label, scales[0])] for label in labels}, args.seed
@@ -244,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
         report += render_sweep(summaries, labels, scales, name)
     (args.out / "report.md").write_text(report)
     print(report)
-    return 0
+    return 130 if interrupted else 0
 
 
 def _scales(text: str) -> list[float]:

@@ -92,6 +92,9 @@ def render_sweep(
     for scale in scales:
         cells = []
         for label in labels:
+            if name(label, scale) not in summaries:  # not run: a Ctrl-C ended the sweep first
+                cells.append("-")
+                continue
             s = summaries[name(label, scale)]["overall"]
             goodput = f"{s['goodput']:.2f}" if "goodput" in s else "-"
             cells.append(
