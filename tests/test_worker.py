@@ -108,6 +108,13 @@ class Worker:
         return code
 
 
+def hand_over(
+    decode: Worker, request_id: str, prompt: list[int], params: wire.WireSamplingParams, first: wire.Tokens
+) -> None:
+    """What the router does with a prefill worker's answer: the request goes to the decode worker."""
+    decode.send(wire.AddRequest(request_id, prompt, params, first_token_id=first.token_ids[0], kv=first.kv))
+
+
 @pytest.fixture(params=TRANSPORTS)
 def pair(tiny_llama: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Worker, Worker]]:
     transport = request.param
@@ -143,7 +150,7 @@ def test_prefill_to_decode_matches_offline(tiny_llama: Path, pair: tuple[Worker,
         handles[tokens.request_id] = tokens
     for i, prompt in enumerate(PROMPTS):
         first = handles[f"r{i}"]
-        decode.send(wire.AddRequest(f"r{i}", prompt, params, first_token_id=first.token_ids[0], kv=first.kv))
+        hand_over(decode, f"r{i}", prompt, params, first)
     got = {f"r{i}": list(handles[f"r{i}"].token_ids) for i in range(len(PROMPTS))}
     done = 0
     while done < len(PROMPTS):
@@ -167,7 +174,7 @@ def test_failed_kv_pull_is_reported_not_recomputed(tiny_llama: Path) -> None:
         params = wire.WireSamplingParams.from_params(GREEDY)
         prefill.send(wire.AddRequest("r", PROMPTS[1], params))
         first = prefill.recv_tokens()
-        decode.send(wire.AddRequest("r", PROMPTS[1], params, first_token_id=first.token_ids[0], kv=first.kv))
+        hand_over(decode, "r", PROMPTS[1], params, first)
         answer = decode.recv_tokens()
         assert answer.finish_reason == "error" and answer.error and "injected fault" in answer.error
         assert [(p.request_id, p.ok) for p in decode.kv_pulled] == [("r", False)]
@@ -185,7 +192,7 @@ def test_a_pull_is_not_started_on_a_lease_about_to_expire(tiny_llama: Path) -> N
         params = wire.WireSamplingParams.from_params(GREEDY)
         prefill.send(wire.AddRequest("r", PROMPTS[1], params))
         first = prefill.recv_tokens()
-        decode.send(wire.AddRequest("r", PROMPTS[1], params, first_token_id=first.token_ids[0], kv=first.kv))
+        hand_over(decode, "r", PROMPTS[1], params, first)
         answer = decode.recv_tokens()
         assert answer.finish_reason == "error" and answer.error and "expires too soon" in answer.error
         assert decode.last_load().kv_blocks_used == 0
@@ -245,7 +252,7 @@ def test_tcp_pull_after_release_is_refused(tiny_llama: Path) -> None:
         assert first.kv is not None
         prefill.send(wire.Release("r"))
         assert prefill.last_load().kv_blocks_used == 0
-        decode.send(wire.AddRequest("r", PROMPTS[2], params, first_token_id=first.token_ids[0], kv=first.kv))
+        hand_over(decode, "r", PROMPTS[2], params, first)
         answer = decode.recv_tokens()
         assert answer.finish_reason == "error" and answer.error and "no lease" in answer.error
         assert decode.last_load().kv_blocks_used == 0
