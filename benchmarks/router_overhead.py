@@ -34,6 +34,8 @@ import httpx
 import zmq
 
 from pdserve import wire
+from pdserve.cluster.local import start_worker_process
+from pdserve.config import EngineConfig, Role, WorkerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [65, 66, 67, 68, 69, 70, 71, 72]
@@ -67,20 +69,10 @@ def build_tiny_model(out: Path) -> Path:
 # -- direct: ZeroMQ to one worker -------------------------------------------------------------------
 class DirectWorker:
     def __init__(self, model: str) -> None:
-        self.address = f"tcp://127.0.0.1:{free_port()}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "pdserve.worker",
-            "--model",
-            model,
-            "--role",
-            "mixed",
-            "--worker-id",
-            "w",
-        ]
-        cmd += ["--rpc", self.address, "--dtype", "float32", "--num-kv-blocks", "2048", "--cpus", "1"]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+        engine = EngineConfig(model=model, dtype="float32", role=Role.MIXED, num_kv_blocks=2048)
+        config = WorkerConfig("w", "colocated", engine, cpus="1")
+        self.proc, ready = start_worker_process(config, stderr=subprocess.DEVNULL)
+        self.address = ready.rpc_address
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(self.address)

@@ -47,3 +47,59 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+
+TRANSPORTS = ("shm", "tcp", "nixl")
+
+# How a cluster backend hands a worker process its configuration (JSON) and where the worker
+# reports that it is ready (an inherited pipe fd): see pdserve.cluster.local and pdserve.worker.
+WORKER_CONFIG_ENV = "PDSERVE_WORKER_CONFIG"
+WORKER_READY_FD_ENV = "PDSERVE_READY_FD"
+
+# The pools of a deployment and the engine role of their workers.
+POOL_ROLES: dict[str, Role] = {"prefill": Role.PREFILL, "decode": Role.DECODE, "colocated": Role.MIXED}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything one worker process needs, handed to it by the cluster backend (as JSON in its
+    environment, never on its command line). The one place where a worker's defaults live."""
+
+    worker_id: str
+    pool: str  # prefill | decode | colocated (see POOL_ROLES)
+    engine: EngineConfig
+    transport: str = "shm"  # KV transport, the same on every worker of a deployment
+    # The worker binds its own RPC socket and reports the address it got (port "*": any free one),
+    # so there is no window between picking a port and binding it.
+    rpc_bind: str = "tcp://127.0.0.1:*"
+    # tcp / nixl: where this worker serves its KV blocks (prefilled prompts, streams that move).
+    # 0.0.0.0 serves on every interface and publishes the hostname.
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0
+    lease_seconds: float = 30.0  # KV blocks held for another worker are freed after this
+    kv_pull_timeout: float = 10.0  # seconds for one KV transfer
+    kv_fault_rate: float = 0.0  # fault tests only: share of KV pulls to drop on purpose
+    # Decode role: how long the loop waits, before a step, for KV pulls it has just started, so
+    # their requests join that step instead of the next (an shm pull of a chat prompt takes ~3 ms,
+    # a decode step ~100 ms on one CPU). A slower pull finishes in the background meanwhile.
+    kv_join_wait: float = 0.05
+    load_interval: float = 0.1  # seconds between the worker's load reports
+    cpus: str | None = None  # pin to these CPUs, e.g. "0" or "0-1" (Linux); set by the backend
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.pool not in POOL_ROLES:
+            raise ValueError(f"pool must be one of {sorted(POOL_ROLES)}, got {self.pool!r}")
+        if self.engine.role is not POOL_ROLES[self.pool]:
+            raise ValueError(f"a {self.pool} worker runs a {POOL_ROLES[self.pool].value} engine")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        for name in ("lease_seconds", "kv_pull_timeout", "load_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0.0 <= self.kv_fault_rate <= 1.0:
+            raise ValueError(f"kv_fault_rate must be in [0, 1], got {self.kv_fault_rate}")
+
+    @property
+    def role(self) -> Role:
+        return self.engine.role

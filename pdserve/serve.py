@@ -1,4 +1,4 @@
-"""`pdserve serve`: the router and its workers on this host (the `local` cluster backend). No torch.
+"""`pdserve serve`: the router and its pools of workers (the `local` cluster backend). No torch.
 
     pdserve serve --model smollm2-135m --prefill 1 --decode 1     # disaggregated
     pdserve serve --model smollm2-135m --colocated 2              # chunked prefill, two mixed workers
@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import functools
 import logging
+import signal
 import tomllib
 from pathlib import Path
 from typing import Any
 
+from pdserve.config import POOL_ROLES, TRANSPORTS, EngineConfig, WorkerConfig
 from pdserve.errors import PdserveError
+from pdserve.router.dispatch import RouterConfig
 
 logger = logging.getLogger("pdserve.serve")
 
@@ -28,40 +33,76 @@ logger = logging.getLogger("pdserve.serve")
 # from 1.26x to 1.09x colocated and raised goodput, documents included (docs/performance.md, run B).
 DEFAULT_PREFILL_CHUNK_SIZE = 256
 
+
+def _default(cls: Any, name: str) -> Any:
+    """A dataclass field's default: every default is written once, where it is used."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+_E, _W, _R = EngineConfig, WorkerConfig, RouterConfig
+
 OPTIONS: dict[str, tuple[type, Any, str]] = {
     "model": (str, None, "built-in name (smollm2-135m), a .gguf file or a Hugging Face folder"),
     "prefill": (int, 0, "prefill workers (disaggregated)"),
     "decode": (int, 0, "decode workers (disaggregated)"),
     "colocated": (int, 0, "mixed workers with chunked prefill, instead of --prefill/--decode"),
-    "transport": (str, "shm", "KV transport between prefill and decode workers: shm, tcp or nixl"),
+    "transport": (str, _default(_W, "transport"), "KV transport between workers: shm, tcp or nixl"),
     "host": (str, "127.0.0.1", "address the HTTP server listens on"),
     "port": (int, 8000, "HTTP port"),
     "served_model_name": (str, None, "the model name clients send (default: --model)"),
     "threads": (int, 1, "torch threads per worker"),
     "pin_cpus": (bool, True, "pin each worker to its own CPU where the OS allows"),
-    "dtype": (str, "auto", "auto (fp32 on CPUs without native bf16), float32, bfloat16, float16"),
+    "dtype": (
+        str,
+        _default(_E, "dtype"),
+        "auto (fp32 on CPUs without native bf16), float32, bfloat16, float16",
+    ),
     "max_model_len": (int, None, "context length (default: the model's, within the KV cache)"),
     "num_kv_blocks": (int, None, "KV cache blocks per worker (default: from --kv-cache-memory-gib)"),
-    "kv_cache_memory_gib": (float, 1.0, "KV cache size per worker"),
-    "block_size": (int, 16, "tokens per KV block"),
-    "max_num_seqs": (int, 64, "requests running at once per worker"),
-    "max_num_batched_tokens": (int, 2048, "tokens per engine step"),
-    "chunk_size": (int, 512, "prompt tokens of one request per step (chunked prefill)"),
+    "kv_cache_memory_gib": (float, _default(_E, "kv_cache_memory_gib"), "KV cache size per worker"),
+    "block_size": (int, _default(_E, "block_size"), "tokens per KV block"),
+    "max_num_seqs": (int, _default(_E, "max_num_seqs"), "requests running at once per worker"),
+    "max_num_batched_tokens": (int, _default(_E, "max_num_batched_tokens"), "tokens per engine step"),
+    "chunk_size": (
+        int,
+        _default(_E, "chunk_size"),
+        "prompt tokens of one request per step (chunked prefill)",
+    ),
     "prefill_chunk_size": (
         int,
         None,
         f"the prefill pool's chunk size (default: {DEFAULT_PREFILL_CHUNK_SIZE}, or --chunk-size if "
         "smaller); smaller lets a short prompt overtake a long one sooner",
     ),
-    "local_prefill_threshold": (int, 16, "prompts up to this many tokens are prefilled on the decode worker"),
-    "max_retries": (int, 2, "re-prefills of a request (dead prefill worker, failed KV transfer)"),
-    "prefill_timeout": (float, 300.0, "seconds from sending a prompt to its first token"),
-    "token_timeout": (float, 60.0, "longest wait for the next token of a stream"),
-    "max_in_flight": (int, 512, "requests admitted at once; more get 429"),
-    "lease_seconds": (float, 30.0, "prefilled KV blocks are freed after this without a release"),
-    "kv_pull_timeout": (float, 10.0, "seconds for one KV transfer"),
-    "kv_fault_rate": (float, 0.0, "fault tests only: share of KV transfers to drop on purpose"),
-    "ready_timeout": (float, 600.0, "seconds to wait for every worker to load its model"),
+    "local_prefill_threshold": (
+        int,
+        _default(_R, "local_prefill_threshold"),
+        "prompts up to this many tokens are prefilled on the decode worker",
+    ),
+    "max_retries": (
+        int,
+        _default(_R, "max_retries"),
+        "re-prefills of a request (dead prefill worker, failed KV transfer)",
+    ),
+    "prefill_timeout": (
+        float,
+        _default(_R, "prefill_timeout"),
+        "seconds from sending a prompt to its first token",
+    ),
+    "token_timeout": (float, _default(_R, "token_timeout"), "longest wait for the next token of a stream"),
+    "max_in_flight": (int, _default(_R, "max_in_flight"), "requests admitted at once; more get 429"),
+    "lease_seconds": (
+        float,
+        _default(_W, "lease_seconds"),
+        "KV blocks held for another worker (a prefilled prompt, a stream that moves) are freed after this",
+    ),
+    "kv_pull_timeout": (float, _default(_W, "kv_pull_timeout"), "seconds for one KV transfer"),
+    "kv_fault_rate": (
+        float,
+        _default(_W, "kv_fault_rate"),
+        "fault tests only: share of KV transfers to drop on purpose",
+    ),
+    "ready_timeout": (float, 600.0, "seconds for a worker to load its model and report ready"),
     "heartbeat_timeout": (
         float,
         3.0,
@@ -72,7 +113,7 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
         60.0,
         "a worker that sends no load report this long (a hung engine) is taken out",
     ),
-    "log_level": (str, "INFO", "DEBUG, INFO, WARNING, ERROR"),
+    "log_level": (str, _default(_W, "log_level"), "DEBUG, INFO, WARNING, ERROR"),
 }
 
 
@@ -130,35 +171,63 @@ def _check(o: dict[str, Any]) -> None:
         raise PdserveError(
             "disaggregated serving needs --prefill >= 1 and --decode >= 1 (or use --colocated N)"
         )
-    if o["transport"] not in ("shm", "tcp", "nixl"):
+    if o["transport"] not in TRANSPORTS:
         raise PdserveError(f"--transport must be shm, tcp or nixl, got {o['transport']!r}")
     for name in ("prefill", "decode", "colocated", "threads", "max_retries"):
         if o[name] < 0:
             raise PdserveError(f"--{name.replace('_', '-')} must be >= 0")
+    for pool in pool_replicas(o):  # a bad engine setting fails here, not in every worker
+        try:
+            worker_config(o, pool, "check")
+        except ValueError as exc:
+            raise PdserveError(str(exc)) from None
 
 
-def worker_specs(o: dict[str, Any]) -> list[Any]:
-    from pdserve.cluster.local import WorkerSpec
-
+def pool_replicas(o: dict[str, Any]) -> dict[str, int]:
+    """Each pool's workers at start."""
     if o["colocated"]:
-        return [WorkerSpec(f"mixed-{i}", "mixed") for i in range(o["colocated"])]
-    # The prefill pool's own chunk size: later flags win, so this overrides --chunk-size there.
-    chunk = o["prefill_chunk_size"] or min(o["chunk_size"], DEFAULT_PREFILL_CHUNK_SIZE)
-    prefill_args = () if chunk == o["chunk_size"] else ("--chunk-size", str(chunk))
-    return [WorkerSpec(f"prefill-{i}", "prefill", prefill_args) for i in range(o["prefill"])] + [
-        WorkerSpec(f"decode-{i}", "decode") for i in range(o["decode"])
+        return {"colocated": o["colocated"]}
+    return {"prefill": o["prefill"], "decode": o["decode"]}
+
+
+def worker_config(o: dict[str, Any], pool: str, worker_id: str) -> WorkerConfig:
+    """The configuration of a new worker of `pool`: the shared settings, then the pool's own."""
+    role = POOL_ROLES[pool]
+    chunk = o["chunk_size"]
+    if pool == "prefill":  # the prefill pool's own chunk size (see DEFAULT_PREFILL_CHUNK_SIZE)
+        chunk = o["prefill_chunk_size"] or min(o["chunk_size"], DEFAULT_PREFILL_CHUNK_SIZE)
+    engine = EngineConfig(
+        model=o["model"],
+        dtype=o["dtype"],
+        role=role,
+        block_size=o["block_size"],
+        num_kv_blocks=o["num_kv_blocks"],
+        kv_cache_memory_gib=o["kv_cache_memory_gib"],
+        max_model_len=o["max_model_len"],
+        max_num_seqs=o["max_num_seqs"],
+        max_num_batched_tokens=o["max_num_batched_tokens"],
+        chunk_size=chunk,
+        threads=o["threads"],
+    )
+    return WorkerConfig(
+        worker_id=worker_id,
+        pool=pool,
+        engine=engine,
+        transport=o["transport"],
+        lease_seconds=o["lease_seconds"],
+        kv_pull_timeout=o["kv_pull_timeout"],
+        kv_fault_rate=o["kv_fault_rate"],
+        log_level=o["log_level"],
+    )
+
+
+def pool_specs(o: dict[str, Any]) -> list[Any]:
+    from pdserve.pools.manager import PoolSpec
+
+    return [
+        PoolSpec(pool, replicas, replicas, replicas, functools.partial(worker_config, o, pool))
+        for pool, replicas in pool_replicas(o).items()
     ]
-
-
-def worker_args(o: dict[str, Any]) -> list[str]:
-    args = ["--transport", o["transport"], "--dtype", o["dtype"], "--threads", str(o["threads"])]
-    for name in (
-        "max_model_len", "num_kv_blocks", "kv_cache_memory_gib", "block_size", "max_num_seqs",
-        "max_num_batched_tokens", "chunk_size", "lease_seconds", "kv_pull_timeout", "kv_fault_rate",
-    ):  # fmt: skip
-        if o[name] is not None:
-            args += ["--" + name.replace("_", "-"), str(o[name])]
-    return [*args, "--log-level", o["log_level"]]
 
 
 def run(o: dict[str, Any]) -> int:
@@ -167,8 +236,8 @@ def run(o: dict[str, Any]) -> int:
     from pdserve.cluster.local import LocalCluster
     from pdserve.models.config import ModelConfig
     from pdserve.models.source import generation_eos_ids, resolve_model
+    from pdserve.pools.manager import PoolManager
     from pdserve.router.app import Router, RouterSettings
-    from pdserve.router.dispatch import RouterConfig
     from pdserve.router.tokenizer import load_router_tokenizer
 
     logging.basicConfig(level=o["log_level"], format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -176,46 +245,59 @@ def run(o: dict[str, Any]) -> int:
     source = resolve_model(o["model"])
     tokenizer = load_router_tokenizer(source)
     eos = generation_eos_ids(source, ModelConfig.from_hf_dict(source.hf_config), tokenizer)
+    specs = pool_specs(o)
 
-    cluster = LocalCluster(o["model"], worker_specs(o), worker_args(o), pin_cpus=o["pin_cpus"])
+    settings = RouterSettings(
+        model_name=o["served_model_name"] or o["model"],
+        config=RouterConfig(
+            local_prefill_threshold=o["local_prefill_threshold"],
+            max_retries=o["max_retries"],
+            prefill_timeout=o["prefill_timeout"],
+            token_timeout=o["token_timeout"],
+            max_in_flight=o["max_in_flight"],
+        ),
+        heartbeat_timeout=o["heartbeat_timeout"],
+        stall_timeout=o["stall_timeout"],
+    )
+    router = Router(settings, tokenizer, eos)
+    pools = PoolManager(
+        LocalCluster(pin_cpus=o["pin_cpus"]),
+        router.workers,
+        router.metrics,
+        specs,
+        start_timeout=o["ready_timeout"],
+    )
+    router.attach_pools(pools)
+    config = uvicorn.Config(
+        router.app,
+        host=o["host"],
+        port=o["port"],
+        log_level=o["log_level"].lower(),
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    return asyncio.run(_serve(_server_class()(config), pools))
+
+
+async def _serve(server: Any, pools: Any) -> int:
+    """Start the pools (Ctrl-C or SIGTERM stops that too), serve until a signal, stop every worker."""
+    loop = asyncio.get_running_loop()
+    interrupted = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, interrupted.set)
     try:
-        cluster.start()
-        settings = RouterSettings(
-            model_name=o["served_model_name"] or o["model"],
-            workers=cluster.addresses(),
-            config=RouterConfig(
-                local_prefill_threshold=o["local_prefill_threshold"],
-                max_retries=o["max_retries"],
-                prefill_timeout=o["prefill_timeout"],
-                token_timeout=o["token_timeout"],
-                max_in_flight=o["max_in_flight"],
-            ),
-            ready_timeout=o["ready_timeout"],
-            heartbeat_timeout=o["heartbeat_timeout"],
-            stall_timeout=o["stall_timeout"],
-        )
-        holder: list[Any] = []  # the uvicorn server, made after the router
-
-        def startup_abort() -> str | None:
-            if holder and holder[0].should_exit:  # Ctrl-C while the workers load their model
-                return "interrupted"
-            return _startup_failure(cluster)
-
-        router = Router(settings, tokenizer, eos, startup_abort=startup_abort)
-        config = uvicorn.Config(
-            router.app,
-            host=o["host"],
-            port=o["port"],
-            log_level=o["log_level"].lower(),
-            access_log=False,
-            timeout_graceful_shutdown=5,
-        )
-        server = _server_class()(config)
-        holder.append(server)
-        asyncio.run(_serve(server, cluster))
+        try:
+            await pools.start(abort=lambda: "interrupted" if interrupted.is_set() else None)
+        except PdserveError as exc:
+            logger.log(logging.WARNING if interrupted.is_set() else logging.ERROR, "%s", exc)
+            return 1
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+        await server.serve()  # its own signal handlers from here on
         return 0 if server.started else 1
     finally:
-        cluster.stop()
+        await pools.close()
 
 
 def _server_class() -> type:
@@ -240,25 +322,3 @@ def _server_class() -> type:
                     signal.signal(sig, handler)
 
     return Server
-
-
-def _startup_failure(cluster: Any) -> str | None:
-    gone = cluster.exited()
-    if not gone:
-        return None
-    return ", ".join(f"worker {w.spec.worker_id} exited with code {w.process.returncode}" for w in gone)
-
-
-async def _serve(server: Any, cluster: Any) -> None:
-    """Runs uvicorn, and logs each worker that dies while serving."""
-
-    async def watch_workers() -> None:
-        while not server.should_exit:
-            cluster.exited()  # logs each death once; the router has already routed around it
-            await asyncio.sleep(1.0)
-
-    watcher = asyncio.create_task(watch_workers())
-    try:
-        await server.serve()
-    finally:
-        watcher.cancel()

@@ -86,6 +86,8 @@ class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
 
 # -- worker -> router --------------------------------------------------------------------------------
 class Ready(msgspec.Struct, frozen=True, tag="ready"):
+    """A worker's greeting. Also what it reports to its cluster backend once it serves."""
+
     worker_id: str
     role: str
     model: str
@@ -93,6 +95,7 @@ class Ready(msgspec.Struct, frozen=True, tag="ready"):
     vocab_size: int
     kv_transport: str
     kv_address: str
+    rpc_address: str  # the ZeroMQ address the worker bound
 
 
 class Tokens(msgspec.Struct, frozen=True, tag="tokens"):

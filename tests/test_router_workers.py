@@ -4,18 +4,27 @@ wire protocol): liveness from load reports, and aborts for what was abandoned.""
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
 
 from pdserve import wire
-from pdserve.router.workers import WorkerDown, WorkerSet
+from pdserve.router.workers import WorkerDown, WorkerSet, WorkerState
 
-READY = wire.Ready("w0", "decode", "m", 1024, 320, "shm", "")
+READY = wire.Ready("w0", "decode", "m", 1024, 320, "shm", "", "tcp://127.0.0.1:1")
 
 
 def load() -> wire.Load:
     return wire.Load("w0", 0, 0, 0, 0, 100, 0, 0.0)
+
+
+async def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
 
 
 async def recv(sock: zmq.asyncio.Socket, timeout: float = 5.0) -> tuple[bytes, bytes]:
@@ -38,11 +47,12 @@ def test_a_worker_that_stops_reporting_is_taken_out_and_its_legs_aborted_when_it
         port = worker.bind_to_random_port("tcp://127.0.0.1")
         workers = WorkerSet(stall_timeout=0.6)
         try:
-            link = workers.add("w0", f"tcp://127.0.0.1:{port}")
+            link = workers.add_worker("w0", "decode", f"tcp://127.0.0.1:{port}")
+            assert link.state is WorkerState.STARTING
             identity, hello = await recv(worker)
             assert hello == b""
             await worker.send_multipart([identity, wire.encode(READY)])
-            await workers.wait_ready(5)
+            await wait_until(lambda: link.state is WorkerState.UP)
             leg = link.open_leg("r.0", prompt_tokens=5)
             assert link.send(wire.AddRequest("r.0", [1, 2, 3], wire.WireSamplingParams(max_tokens=4)))
             assert isinstance(await recv_message(worker), wire.AddRequest)
@@ -50,12 +60,12 @@ def test_a_worker_that_stops_reporting_is_taken_out_and_its_legs_aborted_when_it
             # Silence (the connection stays up, as with a hung engine thread): out of service.
             event = await asyncio.wait_for(leg.events.get(), 5)
             assert isinstance(event, WorkerDown) and "stalled" in event.reason
-            assert not link.up and link.abandoned == {"r.0"}
+            assert link.state is WorkerState.DOWN and link.abandoned == {"r.0"}
 
             # It reports again: back in service, and told to drop what the router gave up on.
             await worker.send_multipart([identity, wire.encode(load())])
             abort = await recv_message(worker)
-            assert abort == wire.Abort("r.0") and link.up and not link.abandoned
+            assert abort == wire.Abort("r.0") and link.state is WorkerState.UP and not link.abandoned
         finally:
             await workers.close()
             worker.close(linger=0)
@@ -71,31 +81,67 @@ def test_a_worker_that_restarts_at_the_same_address_is_greeted_and_used_again() 
         first = context.socket(zmq.ROUTER)
         port = first.bind_to_random_port("tcp://127.0.0.1")
         try:
-            link = workers.add("w0", f"tcp://127.0.0.1:{port}")
+            link = workers.add_worker("w0", "decode", f"tcp://127.0.0.1:{port}")
             identity, _ = await recv(first)
             await first.send_multipart([identity, wire.encode(READY)])
-            await workers.wait_ready(5)
+            await wait_until(lambda: link.state is WorkerState.UP)
             first.close(linger=0)  # the process goes away ...
-            for _ in range(50):
-                if not link.up:
-                    break
-                await asyncio.sleep(0.1)
-            assert not link.up
+            await wait_until(lambda: link.state is WorkerState.DOWN)
             second = context.socket(zmq.ROUTER)  # ... and a new one binds the same address
             second.bind(f"tcp://127.0.0.1:{port}")
             try:
                 identity, hello = await recv(second, timeout=10)
                 assert hello == b""  # greeted again after the reconnect
                 await second.send_multipart([identity, wire.encode(READY)])
-                for _ in range(50):
-                    if link.up:
-                        break
-                    await asyncio.sleep(0.1)
-                assert link.up
+                await wait_until(lambda: link.state is WorkerState.UP)
             finally:
                 second.close(linger=0)
         finally:
             await workers.close()
+            context.term()
+
+    asyncio.run(scenario())
+
+
+def test_a_draining_worker_takes_nothing_new_but_answers_and_a_removed_one_is_stopped() -> None:
+    async def scenario() -> None:
+        context = zmq.asyncio.Context()
+        worker = context.socket(zmq.ROUTER)
+        port = worker.bind_to_random_port("tcp://127.0.0.1")
+        workers = WorkerSet()
+        states: list[tuple[str, WorkerState]] = []
+        workers.on_state = lambda link: states.append((link.worker_id, link.state))
+        try:
+            link = workers.add_worker("w0", "decode")  # starting: the backend has not reported yet
+            assert workers.up("decode") == [] and link.state is WorkerState.STARTING
+            link.connect(f"tcp://127.0.0.1:{port}")
+            identity, _ = await recv(worker)
+            await worker.send_multipart([identity, wire.encode(READY)])
+            await wait_until(lambda: link.state is WorkerState.UP)
+            assert workers.up("decode") == [link] and workers.up("prefill") == []
+            leg = link.open_leg("r.0")
+
+            workers.drain_worker("w0")
+            assert link.state is WorkerState.DRAINING and workers.up("decode") == []
+            await worker.send_multipart([identity, wire.encode(wire.Tokens("r.0", [7]))])
+            assert (await asyncio.wait_for(leg.events.get(), 5)) == wire.Tokens("r.0", [7])
+            await worker.send_multipart([identity, wire.encode(READY)])  # a Ready again ...
+            await asyncio.sleep(0.1)
+            assert link.state is WorkerState.DRAINING  # ... does not put it back in service
+
+            await workers.remove_worker("w0", "drained")
+            assert link.state is WorkerState.STOPPED and "w0" not in workers.links
+            event = await asyncio.wait_for(leg.events.get(), 5)
+            assert isinstance(event, WorkerDown) and event.reason == "drained"
+            assert [s for _, s in states] == [
+                WorkerState.STARTING,
+                WorkerState.UP,
+                WorkerState.DRAINING,
+                WorkerState.STOPPED,
+            ]
+        finally:
+            await workers.close()
+            worker.close(linger=0)
             context.term()
 
     asyncio.run(scenario())

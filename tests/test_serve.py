@@ -18,6 +18,8 @@ from pdserve import serve
 from pdserve.errors import PdserveError
 from pdserve.transfer.shm import leftover_segments
 
+SERVE = [sys.executable, "-m", "pdserve.cli", "serve"]
+
 
 def options(*argv: str, config: Path | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser()
@@ -34,13 +36,16 @@ def test_the_command_line_wins_over_the_config_file_which_wins_over_defaults(tmp
     o = options("--port", "9100", config=config)
     assert (o["model"], o["prefill"], o["decode"], o["port"]) == ("m", 2, 1, 9100)
     assert o["kv_pull_timeout"] == 3.0 and o["pin_cpus"] is False and o["transport"] == "shm"
-    assert [s.role for s in serve.worker_specs(o)] == ["prefill", "prefill", "decode"]
+    assert serve.pool_replicas(o) == {"prefill": 2, "decode": 1}
+    prefill, decode = serve.worker_config(o, "prefill", "p"), serve.worker_config(o, "decode", "d")
+    assert (prefill.role.value, decode.role.value) == ("prefill", "decode")
+    assert prefill.kv_pull_timeout == decode.kv_pull_timeout == 3.0
     # The prefill pool's chunks are smaller than the decode pool's by default, or as asked.
-    assert [s.extra_args for s in serve.worker_specs(o)] == [("--chunk-size", "256")] * 2 + [()]
+    assert (prefill.engine.chunk_size, decode.engine.chunk_size) == (256, 512)
     tuned = options("--prefill-chunk-size", "128", config=config)
-    assert [s.extra_args for s in serve.worker_specs(tuned)] == [("--chunk-size", "128")] * 2 + [()]
+    assert serve.worker_config(tuned, "prefill", "p").engine.chunk_size == 128
     small = options("--chunk-size", "64", config=config)
-    assert all(not s.extra_args for s in serve.worker_specs(small))  # already smaller
+    assert serve.worker_config(small, "prefill", "p").engine.chunk_size == 64  # already smaller
 
 
 @pytest.mark.parametrize(
@@ -74,28 +79,35 @@ def test_a_bad_model_exits_with_a_clear_error_and_starts_no_worker() -> None:
     assert done.returncode == 2 and "not found" in done.stderr
 
 
-def test_a_worker_that_fails_to_start_stops_the_server(tiny_llama: Path) -> None:
-    started = time.monotonic()
+def test_a_bad_engine_setting_is_refused_before_any_worker_starts(tiny_llama: Path) -> None:
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "serve",
-            "--model",
-            str(tiny_llama),
-            "--colocated",
-            "1",
-            "--block-size",
-            "0",
-            "--port",
-            "0",
-        ],
+        [*SERVE, "--model", str(tiny_llama), "--colocated", "1", "--block-size", "0", "--port", "0"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=60,
     )
-    assert done.returncode != 0 and "exited with code" in done.stderr
+    assert done.returncode == 2 and "block_size must be a power of two" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_worker_that_dies_while_starting_stops_the_server_with_the_reason(tiny_llama: Path) -> None:
+    started = time.monotonic()
+    server = subprocess.Popen(
+        [*SERVE, "--model", str(tiny_llama), "--colocated", "1", "--port", "0", "--dtype", "float32"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        while not (workers := children(server.pid)) and server.poll() is None:
+            time.sleep(0.01)
+        assert workers, "no worker was started"
+        os.kill(workers[0], signal.SIGKILL)  # while it loads its model
+        _, stderr = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert server.returncode != 0
+    assert "colocated-0 killed by signal 9 (SIGKILL) while starting" in stderr, stderr
     assert time.monotonic() - started < 60
 
 
@@ -106,7 +118,7 @@ def test_colocated_from_a_config_file_serves_and_sigterm_leaves_nothing(
     config.write_text(f'model = "{tiny_llama}"\ncolocated = 2\nmax-num-seqs = 8\n')
     server = Server(tiny_llama, "--config", str(config))
     try:
-        assert sorted(server.worker_pids) == ["mixed-0", "mixed-1"]
+        assert sorted(server.worker_pids) == ["colocated-0", "colocated-1"]
         answer = server.client.chat.completions.create(
             model=server.model,
             messages=[{"role": "user", "content": "hello there, how are you?"}],
@@ -114,7 +126,7 @@ def test_colocated_from_a_config_file_serves_and_sigterm_leaves_nothing(
         )
         assert answer.choices[0].message.content is not None
         assert server.metric("pdserve_requests_total", path="colocated", outcome="ok") == 1
-        assert server.metric("pdserve_worker_up", pool="mixed") == 2
+        assert server.metric("pdserve_worker_up", pool="colocated") == 2
     finally:
         assert server.stop(signal.SIGTERM) == 0
 

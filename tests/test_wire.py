@@ -19,7 +19,9 @@ def test_every_message_round_trips() -> None:
         wire.Abort("r1"),
         wire.Release("r2"),
         wire.Shutdown(),
-        wire.Ready("p0", "prefill", "smollm2-135m", 8192, 49152, "shm", "pdserve-kv-1"),
+        wire.Ready(
+            "p0", "prefill", "smollm2-135m", 8192, 49152, "shm", "pdserve-kv-1", "tcp://127.0.0.1:5555"
+        ),
         wire.Tokens("r1", [5], "prefilled", kv=handle, logprobs=[(5, -0.1, {5: -0.1})]),
         wire.Tokens("r1", [], "error", error="KV transfer timed out"),
         wire.Load("p0", 1, 2, 300, 10, 90, 1, 12.5),

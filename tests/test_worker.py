@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +17,8 @@ import pytest
 import zmq
 
 from pdserve import LLM, SamplingParams, wire
+from pdserve.cluster.local import start_worker_process
+from pdserve.config import EngineConfig, Role, WorkerConfig
 from pdserve.transfer import nixl_backend
 from pdserve.transfer.shm import leftover_segments
 
@@ -38,34 +38,26 @@ TRANSPORTS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+POOLS = {"prefill": "prefill", "decode": "decode", "mixed": "colocated"}
 
 
 class Worker:
-    def __init__(self, model: Path, role: str, worker_id: str, *extra: str) -> None:
-        self.address = f"tcp://127.0.0.1:{free_port()}"
-        cmd = [sys.executable, "-m", "pdserve.worker", "--model", str(model), "--role", role]
-        cmd += [
-            "--worker-id",
-            worker_id,
-            "--rpc",
-            self.address,
-            "--dtype",
-            "float32",
-            "--num-kv-blocks",
-            "64",
-        ]
-        self.proc = subprocess.Popen([*cmd, *extra], stderr=subprocess.PIPE, text=True)
+    """A real worker process, started as the local cluster backend starts one (its configuration
+    in its environment, its Ready on a pipe), and a DEALER socket speaking to it as a router does."""
+
+    def __init__(self, model: Path, role: str, worker_id: str, **settings: object) -> None:
+        engine = EngineConfig(model=str(model), dtype="float32", role=Role(role), num_kv_blocks=64)
+        config = WorkerConfig(worker_id, POOLS[role], engine, **settings)  # type: ignore[arg-type]
+        # Returns once the model is loaded and the RPC socket bound.
+        self.proc, reported = start_worker_process(config, stderr=subprocess.PIPE)
+        self.address = reported.rpc_address
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(self.address)
-        self.sock.send(b"")  # hello: the worker answers with Ready once its engine is up
+        self.sock.send(b"")  # hello: the worker answers with Ready
         self.kv_pulled: list[wire.KVPulled] = []  # every KVPulled seen, in order
-        self.ready = self.recv(timeout=120)
-        assert isinstance(self.ready, wire.Ready)
+        self.ready = self.recv(timeout=30)
+        assert self.ready == reported
 
     def send(self, message: wire.Message) -> None:
         self.sock.send(wire.encode(message))
@@ -118,8 +110,8 @@ def hand_over(
 @pytest.fixture(params=TRANSPORTS)
 def pair(tiny_llama: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Worker, Worker]]:
     transport = request.param
-    prefill = Worker(tiny_llama, "prefill", "p0", "--transport", transport)
-    decode = Worker(tiny_llama, "decode", "d0", "--transport", transport)
+    prefill = Worker(tiny_llama, "prefill", "p0", transport=transport)
+    decode = Worker(tiny_llama, "decode", "d0", transport=transport)
     try:
         yield prefill, decode
     finally:
@@ -169,7 +161,7 @@ def test_prefill_to_decode_matches_offline(tiny_llama: Path, pair: tuple[Worker,
 
 def test_failed_kv_pull_is_reported_not_recomputed(tiny_llama: Path) -> None:
     prefill = Worker(tiny_llama, "prefill", "p0")
-    decode = Worker(tiny_llama, "decode", "d0", "--kv-fault-rate", "1.0")
+    decode = Worker(tiny_llama, "decode", "d0", kv_fault_rate=1.0)
     try:
         params = wire.WireSamplingParams.from_params(GREEDY)
         prefill.send(wire.AddRequest("r", PROMPTS[1], params))
@@ -186,7 +178,7 @@ def test_failed_kv_pull_is_reported_not_recomputed(tiny_llama: Path) -> None:
 def test_a_pull_is_not_started_on_a_lease_about_to_expire(tiny_llama: Path) -> None:
     # The shm copy has no lease check of its own: with 3 s of lease left (under the 5 s margin)
     # the decode worker refuses to start it rather than race the prefill worker's free.
-    prefill = Worker(tiny_llama, "prefill", "p0", "--lease-seconds", "3")
+    prefill = Worker(tiny_llama, "prefill", "p0", lease_seconds=3.0)
     decode = Worker(tiny_llama, "decode", "d0")
     try:
         params = wire.WireSamplingParams.from_params(GREEDY)
@@ -202,7 +194,7 @@ def test_a_pull_is_not_started_on_a_lease_about_to_expire(tiny_llama: Path) -> N
 
 
 def test_lease_expiry_frees_prefilled_blocks(tiny_llama: Path) -> None:
-    prefill = Worker(tiny_llama, "prefill", "p0", "--lease-seconds", "0.5")
+    prefill = Worker(tiny_llama, "prefill", "p0", lease_seconds=0.5)
     try:
         prefill.send(wire.AddRequest("r", PROMPTS[2], wire.WireSamplingParams.from_params(GREEDY)))
         assert prefill.recv_tokens().finish_reason == "prefilled"
@@ -243,8 +235,8 @@ def test_sigterm_stops_the_worker_and_removes_its_segment(tiny_llama: Path) -> N
 def test_tcp_pull_after_release_is_refused(tiny_llama: Path) -> None:
     """The prefill worker's exporter serves only leased blocks: once released, a (late) pull of the
     same handle fails instead of reading blocks that another request may now own."""
-    prefill = Worker(tiny_llama, "prefill", "p0", "--transport", "tcp")
-    decode = Worker(tiny_llama, "decode", "d0", "--transport", "tcp")
+    prefill = Worker(tiny_llama, "prefill", "p0", transport="tcp")
+    decode = Worker(tiny_llama, "decode", "d0", transport="tcp")
     try:
         params = wire.WireSamplingParams.from_params(GREEDY)
         prefill.send(wire.AddRequest("r", PROMPTS[2], params))

@@ -1,51 +1,78 @@
 """The `local` cluster backend: workers as child processes on this host. No torch.
 
-Each worker is `python -m pdserve.worker` with its own RPC port on 127.0.0.1, one torch thread by
-default, and (where the OS allows) pinned to its own CPU, so that two workers on two cores do not
-fight. Workers die with the process that started them (PR_SET_PDEATHSIG on Linux), so even a
-SIGKILLed `pdserve serve` leaves no orphan behind; `stop()` asks each to stop (SIGTERM: a worker
-then removes its shared-memory segment) and kills what does not stop in time.
+Each worker is `python -m pdserve.worker`, given its `WorkerConfig` as JSON in its environment
+(`PDSERVE_WORKER_CONFIG`: the environment of a process is readable by its owner only, its command
+line by everyone). It binds its own RPC socket (any free port), then writes its `Ready` (with the
+address it got) as one JSON line to a pipe whose fd is in `PDSERVE_READY_FD`: no port is picked
+here and bound there later, so no other process can take it in between.
+
+Workers are pinned one per CPU where the OS allows (the least used CPU first), so that two
+workers on two cores do not fight. They die with the process that started them
+(PR_SET_PDEATHSIG on Linux), so even a SIGKILLed `pdserve serve` leaves no orphan; `stop_worker`
+sends SIGTERM (the worker then removes its shared-memory segment) and kills what does not stop in
+time. Nothing here blocks the event loop: processes are watched with `asyncio` subprocesses.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import msgspec
+
+from pdserve import wire
+from pdserve.cluster.base import ClusterError, ExitCallback, WorkerExit, WorkerHandle, WorkerStartError
+from pdserve.config import WORKER_CONFIG_ENV, WORKER_READY_FD_ENV, WorkerConfig
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class WorkerSpec:
-    worker_id: str
-    role: str  # prefill | decode | mixed
-    extra_args: tuple[str, ...] = ()  # more `python -m pdserve.worker` flags for this one
+def worker_command(config: WorkerConfig, python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of a worker process (without the ready fd). The worker id
+    on the command line is only a label for `ps`; the configuration is in the environment."""
+    env = dict(os.environ)
+    env[WORKER_CONFIG_ENV] = msgspec.json.encode(config).decode()
+    return [python, "-m", "pdserve.worker", "--worker-id", config.worker_id], env
 
 
-@dataclass
-class LocalWorker:
-    spec: WorkerSpec
-    address: str
-    process: subprocess.Popen[bytes]
-    cpus: str | None = None
-    exit_logged: bool = field(default=False, repr=False)
-
-    @property
-    def alive(self) -> bool:
-        return self.process.poll() is None
+def decode_ready(line: bytes) -> wire.Ready:
+    """The line a worker writes to its ready fd."""
+    try:
+        return msgspec.json.decode(line, type=wire.Ready)
+    except msgspec.DecodeError as exc:
+        raise WorkerStartError(f"a worker reported something that is not a Ready message: {exc}") from exc
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def start_worker_process(
+    config: WorkerConfig, timeout: float = 120.0, **popen: Any
+) -> tuple[subprocess.Popen[bytes], wire.Ready]:
+    """Start one worker and wait (blocking) for its Ready: for scripts and tests that talk to a
+    worker directly. Serving uses `LocalCluster`, which never blocks its event loop."""
+    argv, env = worker_command(config)
+    read_fd, write_fd = os.pipe()
+    env[WORKER_READY_FD_ENV] = str(write_fd)
+    try:
+        process = subprocess.Popen(argv, env=env, pass_fds=(write_fd,), **popen)
+    finally:
+        os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        ready, _, _ = select.select([pipe], [], [], timeout)
+        line = pipe.readline() if ready else b""
+    if not line:
+        process.kill()
+        code = process.wait()
+        raise WorkerStartError(f"worker {config.worker_id} {exit_reason(code)} before it was ready")
+    return process, decode_ready(line)
 
 
 def _die_with_parent() -> None:
@@ -56,89 +83,163 @@ def _die_with_parent() -> None:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
-        pass  # not Linux: stop() still stops the workers on every normal exit
+        pass  # not Linux: stop_worker still stops the workers on every normal exit
+
+
+def exit_reason(returncode: int) -> str:
+    if returncode < 0:
+        return f"killed by signal {-returncode} ({signal.Signals(-returncode).name})"
+    return f"exited with code {returncode}"
+
+
+@dataclass(eq=False)
+class _LocalWorker:
+    config: WorkerConfig
+    process: asyncio.subprocess.Process
+    handle: WorkerHandle | None = None
+    stopping: bool = False
+    watcher: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
 class LocalCluster:
-    def __init__(
-        self,
-        model: str,
-        specs: Sequence[WorkerSpec],
-        common_args: Sequence[str] = (),
-        pin_cpus: bool = True,
-        python: str = sys.executable,
-    ) -> None:
-        ids = [s.worker_id for s in specs]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"worker ids must be unique, got {ids}")
-        self.model = model
-        self.specs = list(specs)
-        self.common_args = list(common_args)
+    name = "local"
+
+    def __init__(self, *, pin_cpus: bool = True, python: str = sys.executable) -> None:
         self.pin_cpus = pin_cpus and hasattr(os, "sched_getaffinity")
         self.python = python
-        self.workers: dict[str, LocalWorker] = {}
+        self._workers: dict[str, _LocalWorker] = {}
+        self._cpus: dict[str, str | None] = {}  # worker id -> its CPUs, from the start of its start
+        self._on_exit: ExitCallback | None = None
+        self.node = socket.gethostname()
 
-    def start(self) -> None:
-        cpus = sorted(os.sched_getaffinity(0)) if self.pin_cpus else []
-        for i, spec in enumerate(self.specs):
-            self.start_worker(spec, str(cpus[i % len(cpus)]) if cpus else None)
+    def set_exit_callback(self, callback: ExitCallback) -> None:
+        self._on_exit = callback
 
-    def start_worker(self, spec: WorkerSpec, cpus: str | None = None) -> LocalWorker:
-        address = f"tcp://127.0.0.1:{free_port()}"
-        cmd = [self.python, "-m", "pdserve.worker", "--model", self.model, "--role", spec.role]
-        cmd += ["--worker-id", spec.worker_id, "--rpc", address, *self.common_args, *spec.extra_args]
-        if cpus is not None:
-            cmd += ["--cpus", cpus]
+    def _pick_cpu(self) -> str | None:
+        """The allowed CPU with the fewest of our workers on it (the lowest number on a tie)."""
+        if not self.pin_cpus:
+            return None
+        allowed = sorted(os.sched_getaffinity(0))
+        used = Counter(self._cpus.values())
+        return str(min(allowed, key=lambda cpu: (used[str(cpu)], cpu)))
+
+    async def start_worker(self, config: WorkerConfig, timeout: float) -> WorkerHandle:
+        if config.worker_id in self._cpus:
+            raise ClusterError(f"worker {config.worker_id} is already running")
+        config = replace(config, cpus=config.cpus or self._pick_cpu())
+        self._cpus[config.worker_id] = config.cpus  # before any await: the next start sees it
+        try:
+            return await self._start(config, timeout)
+        except BaseException:
+            if config.worker_id not in self._workers:
+                self._cpus.pop(config.worker_id, None)
+            raise
+
+    async def _start(self, config: WorkerConfig, timeout: float) -> WorkerHandle:
+        argv, env = worker_command(config, self.python)
+        read_fd, write_fd = os.pipe()
+        env[WORKER_READY_FD_ENV] = str(write_fd)
         logger.info(
-            "starting worker %s (%s) on %s%s",
-            spec.worker_id,
-            spec.role,
-            address,
-            f", cpu {cpus}" if cpus else "",
+            "starting worker %s (%s)%s",
+            config.worker_id,
+            config.pool,
+            f" on cpu {config.cpus}" * bool(config.cpus),
         )
-        # A session of its own: Ctrl-C in the terminal reaches `pdserve serve` alone, which lets
-        # running streams finish before it stops the workers itself.
-        process = subprocess.Popen(
-            cmd, start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None
+        try:
+            # A session of its own: Ctrl-C in the terminal reaches `pdserve serve` alone, which
+            # lets running streams finish before it stops the workers itself.
+            process = await asyncio.create_subprocess_exec(
+                *argv,
+                env=env,
+                pass_fds=(write_fd,),
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)  # the child has its own copy; EOF here once the child is gone
+        worker = _LocalWorker(config, process)
+        self._workers[config.worker_id] = worker
+        worker.watcher = asyncio.create_task(self._watch(worker), name=f"watch-{config.worker_id}")
+        try:
+            ready = await self._read_ready(worker, read_fd, timeout)
+        except BaseException:  # failed, timed out or cancelled: nothing may be left running
+            await self.stop_worker(config.worker_id, graceful=False)
+            raise
+        worker.handle = WorkerHandle(
+            worker_id=config.worker_id,
+            pool=config.pool,
+            rpc_address=ready.rpc_address,
+            kv_address=ready.kv_address,
+            node=self.node,
+            details={"pid": process.pid, **({"cpus": config.cpus} if config.cpus else {})},
         )
-        worker = LocalWorker(spec, address, process, cpus)
-        self.workers[spec.worker_id] = worker
-        return worker
+        logger.info("worker %s is ready on %s (pid %d)", config.worker_id, ready.rpc_address, process.pid)
+        return worker.handle
 
-    def addresses(self) -> list[tuple[str, str]]:
-        return [(w.spec.worker_id, w.address) for w in self.workers.values()]
+    async def _read_ready(self, worker: _LocalWorker, read_fd: int, timeout: float) -> wire.Ready:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        pipe = os.fdopen(read_fd, "rb", buffering=0)
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+        try:
+            async with asyncio.timeout(timeout):
+                line = await reader.readline()
+                if not line:  # EOF: the process ended (or closed the fd) without reporting
+                    code = await worker.process.wait()
+                    raise WorkerStartError(
+                        f"worker {worker.config.worker_id} {exit_reason(code)} while starting "
+                        "(its log above says why)"
+                    )
+        except TimeoutError:
+            raise WorkerStartError(
+                f"worker {worker.config.worker_id} did not report ready within {timeout:g} s"
+            ) from None
+        finally:
+            transport.close()
+        return decode_ready(line)
 
-    def exited(self) -> list[LocalWorker]:
-        """Workers whose process has ended (each is logged once)."""
-        gone = [w for w in self.workers.values() if not w.alive]
-        for w in gone:
-            if not w.exit_logged:
-                w.exit_logged = True
-                logger.error(
-                    "worker %s (pid %d) exited with code %s",
-                    w.spec.worker_id,
-                    w.process.pid,
-                    w.process.returncode,
-                )
-        return gone
+    async def _watch(self, worker: _LocalWorker) -> None:
+        code = await worker.process.wait()
+        worker_id = worker.config.worker_id
+        if self._workers.get(worker_id) is worker:
+            del self._workers[worker_id]
+            self._cpus.pop(worker_id, None)
+        reason = exit_reason(code)
+        if worker.stopping:
+            logger.info("worker %s stopped (%s)", worker_id, reason)
+        elif worker.handle is not None:  # a start that fails says so through start_worker
+            logger.error("worker %s (pid %d) %s", worker_id, worker.process.pid, reason)
+        if self._on_exit is not None and worker.handle is not None:
+            self._on_exit(WorkerExit(worker_id, expected=worker.stopping, reason=reason))
 
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM to every worker, then SIGKILL to any still running after `timeout` seconds."""
-        for worker in self.workers.values():
-            if worker.alive:
-                worker.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for worker in self.workers.values():
-            _stop(worker.process, max(0.0, deadline - time.monotonic()))
-        self.workers.clear()
+    async def stop_worker(self, worker_id: str, *, graceful: bool = True, timeout: float = 15.0) -> None:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return
+        worker.stopping = True
+        process = worker.process
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM if graceful else signal.SIGKILL)
+        try:
+            async with asyncio.timeout(timeout if graceful else 10.0):
+                await process.wait()
+        except TimeoutError:
+            logger.error(
+                "worker %s (pid %d) did not stop within %g s: killing it", worker_id, process.pid, timeout
+            )
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+        if worker.watcher is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await worker.watcher  # the exit is reported before this returns
 
+    def workers(self) -> list[WorkerHandle]:
+        return [w.handle for w in self._workers.values() if w.handle is not None]
 
-def _stop(process: subprocess.Popen[bytes], timeout: float) -> int:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-    try:
-        return process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        logger.error("worker pid %d did not stop within %.0f s: killing it", process.pid, timeout)
-        process.kill()
-        return process.wait()
+    async def close(self, timeout: float = 15.0) -> None:
+        await asyncio.gather(*(self.stop_worker(w, timeout=timeout) for w in list(self._workers)))

@@ -13,7 +13,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ from pdserve import wire
 from pdserve.engine.detok import IncrementalDetokenizer
 from pdserve.errors import InvalidRequestError
 from pdserve.router import openai_types as oa
+from pdserve.router.admin import PoolControl, admin_routes
 from pdserve.router.dispatch import (
     Dispatcher,
     Overloaded,
@@ -38,7 +40,7 @@ from pdserve.router.dispatch import (
 )
 from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdserve.router.tokenizer import RouterTokenizer
-from pdserve.router.workers import WorkerLink, WorkerSet
+from pdserve.router.workers import WorkerLink, WorkerSet, WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +48,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RouterSettings:
     model_name: str
-    workers: Sequence[tuple[str, str]]  # (worker id, ZeroMQ address)
     config: RouterConfig = field(default_factory=RouterConfig)
-    ready_timeout: float = 600.0  # startup waits this long for every worker's Ready
     heartbeat_timeout: float = 3.0
     stall_timeout: float = 60.0  # no load report from a worker this long: taken out of service
 
@@ -67,12 +67,9 @@ class Router:
         settings: RouterSettings,
         tokenizer: RouterTokenizer,
         eos_token_ids: Sequence[int],
-        startup_abort: Callable[[], str | None] | None = None,
     ) -> None:
-        """`startup_abort`: called while waiting for the workers; a message ends the wait (a
-        worker process that died while loading its model, say)."""
         self.settings = settings
-        self._startup_abort = startup_abort
+        self.pools: PoolControl | None = None
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.metrics = RouterMetrics()
@@ -89,16 +86,18 @@ class Router:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+                *admin_routes(lambda: self.pools),
             ],
             lifespan=self._lifespan,
         )
 
+    def attach_pools(self, pools: PoolControl) -> None:
+        """The admin API's pools. Whoever made them starts them before serving, stops them after."""
+        self.pools = pools
+
     @asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
-        for worker_id, address in self.settings.workers:
-            self.workers.add(worker_id, address)
         try:
-            await self.workers.wait_ready(self.settings.ready_timeout, self._startup_abort)
             logger.info("router ready: %d workers", len(self.workers.links))
             yield
         finally:
@@ -119,7 +118,11 @@ class Router:
 
     async def health(self, _request: Request) -> Response:
         workers = {
-            w.worker_id: {"role": w.role, "up": w.up, **({} if w.up else {"reason": w.down_reason})}
+            w.worker_id: {
+                "pool": w.pool,
+                "state": w.state.value,
+                **({"detail": w.detail} if w.detail else {}),
+            }
             for w in self.workers.links.values()
         }
         try:
@@ -283,14 +286,14 @@ class Router:
 
     # -- worker state into metrics --------------------------------------------------------------------------
     def _max_model_len(self) -> int | None:
-        lengths = [w.ready.max_model_len for w in self.workers.links.values() if w.up and w.ready]
+        lengths = [w.ready.max_model_len for w in self.workers.links.values() if w.connected and w.ready]
         return min(lengths) if lengths else None
 
     def _record_load(self, link: WorkerLink) -> None:
         load = link.load
-        if load is None:
+        if load is None or not link.connected:
             return
-        labels = (link.role or "unknown", link.worker_id)
+        labels = (link.pool, link.worker_id)
         m = self.metrics
         m.worker_running.labels(*labels).set(load.num_running)
         m.worker_waiting.labels(*labels).set(load.num_waiting)
@@ -300,20 +303,19 @@ class Router:
         m.worker_step.labels(*labels).set(load.last_step_ms / 1000)
 
     def _record_state(self, link: WorkerLink) -> None:
-        labels = (link.role or "unknown", link.worker_id)
         m = self.metrics
-        m.worker_up.labels(*labels).set(1 if link.up else 0)
-        if not link.up:  # a dead worker's last load report says nothing about now
-            for gauge in (
-                m.worker_running,
-                m.worker_waiting,
-                m.worker_kv_used,
-                m.worker_kv_free,
-                m.worker_queued_prompt,
-                m.worker_step,
-            ):
-                with contextlib.suppress(KeyError):
-                    gauge.remove(*labels)
+        if link.state is WorkerState.STOPPED:  # gone for good: so are its series
+            m.remove_worker(link.pool, link.worker_id)
+        else:
+            m.worker_up.labels(link.pool, link.worker_id).set(1 if link.connected else 0)
+            if not link.connected:  # a dead worker's last load report says nothing about now
+                m.remove_worker(link.pool, link.worker_id, keep_up=True)
+        pools = {w.pool for w in self.workers.links.values()} | {link.pool}
+        for pool in pools:
+            counts = Counter(w.state for w in self.workers.links.values() if w.pool == pool)
+            for state in WorkerState:
+                if state is not WorkerState.STOPPED:
+                    m.pool_workers.labels(pool, state.value).set(counts[state])
 
 
 def _error_kind(exc: Exception) -> tuple[str, int]:

@@ -31,6 +31,9 @@ from pdserve.router.workers import Leg, LegEvent, WorkerDown, WorkerLink, Worker
 
 logger = logging.getLogger(__name__)
 
+# The pools whose workers stream tokens to clients (the decode pool, or colocated workers).
+STREAM_POOLS = ("decode", "colocated")
+
 
 class Unavailable(PdserveError):
     """No worker can take the request now (HTTP 503)."""
@@ -85,7 +88,7 @@ class Dispatcher:
         self.in_flight = 0
 
     def check_available(self) -> None:
-        if not self.workers.up("decode", "mixed"):
+        if not self.workers.up(*STREAM_POOLS):
             raise Unavailable("no decode worker is up: the decode pool is empty")
         if self.in_flight >= self.config.max_in_flight:
             raise Overloaded(
@@ -145,7 +148,7 @@ class Dispatcher:
         prefill = self._pick_prefill(len(tokens))
         if prefill is None:
             decode = self._pick_decode()
-            state.path = "colocated" if decode.role == "mixed" else "local_prefill"
+            state.path = "colocated" if decode.pool == "colocated" else "local_prefill"
             leg = self._open(
                 state, decode, leg_id, len(tokens), wire.AddRequest(leg_id, tokens, attempt_params)
             )
@@ -222,7 +225,7 @@ class Dispatcher:
                     raise _Retry("kv_transfer_failed", f"worker {worker}: {event.error}")
                 raise RequestFailed(f"worker {worker} failed the request: {event.error}")
             if streamed == 0 and event.queue_seconds is not None:
-                self.metrics.queue_time.labels(leg.link.role or "decode").observe(event.queue_seconds)
+                self.metrics.queue_time.labels(leg.link.pool).observe(event.queue_seconds)
             streamed += len(event.token_ids)
             if event.finish_reason is not None:
                 leg.done = True
@@ -235,7 +238,7 @@ class Dispatcher:
     ) -> None:
         # The decode side has the KV (or gave up on it): the prefill side's blocks can go.
         if prefill_leg is not None and not prefill_leg.done:
-            if prefill_leg.link.up:
+            if prefill_leg.link.connected:
                 prefill_leg.link.send(wire.Release(prefill_leg.leg_id))
             prefill_leg.close(abort=False)
         if event.ok:
@@ -280,7 +283,7 @@ class Dispatcher:
         return links[chosen.worker_id] if chosen else None
 
     def _pick_decode(self) -> WorkerLink:
-        links = {w.worker_id: w for w in self.workers.up("decode", "mixed")}
+        links = {w.worker_id: w for w in self.workers.up(*STREAM_POOLS)}
         views = [
             policy.DecodeView(
                 w.worker_id,

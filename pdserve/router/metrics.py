@@ -6,6 +6,8 @@ tests, do not share counts.
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -73,6 +75,34 @@ class RouterMetrics:
         )
         self.in_flight = Gauge("pdserve_requests_in_flight", "Requests admitted and not finished", registry=r)
 
+        self.pool_workers = Gauge(
+            "pdserve_pool_workers",
+            "Workers of the pool by state (starting, up, draining, down)",
+            ("pool", "state"),
+            registry=r,
+        )
+        self.pool_target = Gauge(
+            "pdserve_pool_target_replicas", "The number of workers the pool is kept at", ("pool",), registry=r
+        )
+        self.worker_drains = Counter(
+            "pdserve_worker_drains",
+            "Drains that ended, by outcome (ok: nothing lost; timeout: --drain-timeout passed; "
+            "lost: the worker went down while draining; cancelled)",
+            ("pool", "outcome"),
+            registry=r,
+        )
+        self.migrations = Counter(
+            "pdserve_request_migrations",
+            "Streams moved between workers, by reason (drain, rebalance) and outcome (ok: KV moved; "
+            "reprefilled: prefilled again from prompt + tokens so far; failed)",
+            ("reason", "outcome"),
+            registry=r,
+        )
+        self.migration_gap = histogram(
+            "pdserve_migration_stream_gap_seconds",
+            "The gap a migration puts in a stream: its last token on the old worker to its first on the new",
+        )
+
         worker_labels = ("pool", "worker")
         self.worker_up = Gauge(
             "pdserve_worker_up", "1 while the worker is connected and ready", worker_labels, registry=r
@@ -101,6 +131,26 @@ class RouterMetrics:
             worker_labels,
             registry=r,
         )
+
+        self._worker_gauges = (
+            self.worker_up,
+            self.worker_running,
+            self.worker_waiting,
+            self.worker_kv_used,
+            self.worker_kv_free,
+            self.worker_queued_prompt,
+            self.worker_step,
+        )
+
+    def load_gauges(self) -> tuple[Gauge, ...]:
+        """The gauges fed by a worker's load reports."""
+        return self._worker_gauges[1:]
+
+    def remove_worker(self, pool: str, worker_id: str, *, keep_up: bool = False) -> None:
+        """Drop a worker's series (all of them, or all but `pdserve_worker_up`)."""
+        for gauge in self._worker_gauges[1:] if keep_up else self._worker_gauges:
+            with contextlib.suppress(KeyError):
+                gauge.remove(pool, worker_id)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

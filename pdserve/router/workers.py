@@ -1,7 +1,12 @@
 """The router's links to its workers: one ZeroMQ DEALER socket each, on the router's event loop.
 
-A link knows whether its worker is up: a worker is up from its `Ready` until the connection
-drops or it goes silent. A process killed with SIGKILL closes its sockets, so the drop is seen at
+Each worker is in one state (`WorkerState`): `starting` (its backend is starting it; no Ready
+yet), `up` (it takes new requests), `draining` (it finishes what it holds and takes nothing new),
+`down` (its connection dropped or it went silent; it may come back) and `stopped` (it ended; the
+link is closed and leaves the set). The set changes while serving: `add_worker`, `connect`,
+`drain_worker`, `remove_worker`.
+
+A worker is up from its `Ready` until the connection drops or it goes silent. A process killed with SIGKILL closes its sockets, so the drop is seen at
 once (a socket monitor event); a frozen process stops answering ZeroMQ's heartbeats and is dropped
 after `heartbeat_timeout`; a process whose engine thread hangs (its ZeroMQ I/O thread still
 answers heartbeats) stops sending load reports and is taken out after `stall_timeout`. Everything
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import time
 from collections.abc import Callable
@@ -28,6 +34,14 @@ from zmq.utils.monitor import parse_monitor_message
 from pdserve import wire
 
 logger = logging.getLogger(__name__)
+
+
+class WorkerState(enum.StrEnum):
+    STARTING = "starting"
+    UP = "up"
+    DRAINING = "draining"
+    DOWN = "down"
+    STOPPED = "stopped"
 
 
 @dataclass(frozen=True)
@@ -51,7 +65,7 @@ class Leg:
 
     def close(self, abort: bool) -> None:
         """Stop listening; with `abort`, tell the worker to drop the request and free its blocks."""
-        if abort and not self.done and self.link.up:
+        if abort and not self.done and self.link.connected:
             self.link.send(wire.Abort(self.leg_id))
         self.done = True
         self.link.forget(self)
@@ -61,7 +75,7 @@ class WorkerLink:
     def __init__(
         self,
         worker_id: str,
-        address: str,
+        pool: str,
         context: zmq.asyncio.Context,
         *,
         heartbeat_interval: float = 0.5,
@@ -70,27 +84,21 @@ class WorkerLink:
         on_state: Callable[[WorkerLink], None] | None = None,
     ) -> None:
         self.worker_id = worker_id
-        self.address = address
+        self.pool = pool
+        self.address: str | None = None  # known once the backend has started the worker
         self.ready: wire.Ready | None = None
         self.load: wire.Load | None = None
-        self.up = False
-        self.down_reason = "not connected yet"
+        self.state = WorkerState.STARTING
+        self.detail = "starting"  # why it is in its state, for people (GET /pools, /health, logs)
+        self.draining = False  # asked to drain: it stays out of service even if it reconnects
         self.legs: dict[str, Leg] = {}
         self.queued_prompt_tokens = 0  # prompt tokens sent here that have not produced a token yet
         self._on_load = on_load
         self._on_state = on_state
-        self._sock = context.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        # Queue nothing for a worker that is not connected: a send fails at once instead of
-        # waiting for a process that may never come back.
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
-        self._sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout * 1000))
-        self._sock.setsockopt(zmq.RECONNECT_IVL, 200)
-        # The hello must follow the ZeroMQ handshake: at EVENT_CONNECTED there is no pipe yet and,
-        # with IMMEDIATE, a send is refused and the hello lost.
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self._context = context
+        self._heartbeat = (heartbeat_interval, heartbeat_timeout)
+        self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self.last_message_at = time.monotonic()
         # Legs dropped when the link went down: aborted on the worker once it answers again, in
         # case the process is the same one and still holds them.
@@ -101,24 +109,68 @@ class WorkerLink:
     def role(self) -> str | None:
         return self.ready.role if self.ready else None
 
-    def start(self) -> None:
-        self._sock.connect(self.address)
+    @property
+    def up(self) -> bool:
+        """Takes new requests."""
+        return self.state is WorkerState.UP
+
+    @property
+    def connected(self) -> bool:
+        """Answers for the requests it holds (up or draining)."""
+        return self.state in (WorkerState.UP, WorkerState.DRAINING)
+
+    def connect(self, address: str) -> None:
+        """Connect to the worker at `address` (it is up once it answers with Ready)."""
+        if self._sock is not None:
+            raise RuntimeError(f"worker {self.worker_id} is already connected to {self.address}")
+        self.address = address
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Queue nothing for a worker that is not connected: a send fails at once instead of
+        # waiting for a process that may never come back.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        interval, timeout = self._heartbeat
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(interval * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(timeout * 1000))
+        sock.setsockopt(zmq.RECONNECT_IVL, 200)
+        # The hello must follow the ZeroMQ handshake: at EVENT_CONNECTED there is no pipe yet and,
+        # with IMMEDIATE, a send is refused and the hello lost.
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self._sock = sock
+        sock.connect(address)
+        self.detail = "connecting"
         self._tasks = [
             asyncio.create_task(self._read_loop(), name=f"read-{self.worker_id}"),
             asyncio.create_task(self._monitor_loop(), name=f"monitor-{self.worker_id}"),
         ]
 
-    async def close(self) -> None:
+    async def close(self, reason: str = "stopped") -> None:
+        """Stop listening for good: the link ends in `stopped`."""
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._mark_down("the router is shutting down", expected=True)
-        with contextlib.suppress(zmq.ZMQError):
-            self._sock.disable_monitor()
-        self._monitor.close(linger=0)
-        self._sock.close(linger=0)
+        self._tasks = []
+        self._end_legs(reason)
+        was = self.state
+        self.state, self.detail, self.load = WorkerState.STOPPED, reason, None
+        if self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
+            assert self._monitor is not None
+            self._monitor.close(linger=0)
+            self._sock.close(linger=0)
+            self._sock = None
+        if was is not WorkerState.STOPPED:
+            self._notify_state()
+
+    def drain(self) -> None:
+        """No new requests from now on; what it holds carries on."""
+        self.draining = True
+        if self.state in (WorkerState.UP, WorkerState.STARTING):
+            self._set_state(WorkerState.DRAINING, "draining")
 
     # -- sending --------------------------------------------------------------------------------------
     def send(self, message: wire.Message) -> bool:
@@ -126,6 +178,8 @@ class WorkerLink:
         return self._send_now(wire.encode(message))
 
     def _send_now(self, data: bytes) -> bool:
+        if self._sock is None:
+            return False
         # zmq.asyncio reports a NOBLOCK send's outcome through an already-finished future.
         sent = self._sock.send(data, zmq.NOBLOCK)
         assert isinstance(sent, asyncio.Future)
@@ -152,6 +206,7 @@ class WorkerLink:
 
     # -- receiving ------------------------------------------------------------------------------------
     async def _read_loop(self) -> None:
+        assert self._sock is not None
         while True:
             data = await self._sock.recv()
             try:
@@ -167,7 +222,11 @@ class WorkerLink:
             self.ready = message
             self._come_back(message.role)
         elif isinstance(message, wire.Load):
-            if not self.up and self.ready is not None and self.down_reason.startswith("stalled"):
+            if (
+                self.state is WorkerState.DOWN
+                and self.ready is not None
+                and self.detail.startswith("stalled")
+            ):
                 self._come_back(self.ready.role)  # it was only slow: it reports again
             self.load = message
             if self._on_load is not None:
@@ -181,16 +240,16 @@ class WorkerLink:
             leg.events.put_nowait(message)
 
     def _come_back(self, role: str) -> None:
-        if self.up:
+        if self.state not in (WorkerState.STARTING, WorkerState.DOWN):
             return
-        self.up = True
-        logger.info("worker %s is up (%s, %s)", self.worker_id, role, self.address)
+        self._set_state(WorkerState.DRAINING if self.draining else WorkerState.UP, "")
+        logger.info("worker %s is %s (%s, %s)", self.worker_id, self.state.value, role, self.address)
         for leg_id in self.abandoned:
             self.send(wire.Abort(leg_id))
         self.abandoned.clear()
-        self._notify_state()
 
     async def _monitor_loop(self) -> None:
+        assert self._monitor is not None
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -209,20 +268,20 @@ class WorkerLink:
         """A worker's engine thread reports its load every 0.1 s; silence for `stall_timeout`
         means a hung process (ZeroMQ's own heartbeats are answered by its I/O thread even then)."""
         silent = time.monotonic() - self.last_message_at
-        if self.up and silent > stall_timeout:
+        if self.connected and silent > stall_timeout:
             self._mark_down(f"stalled: no report for {silent:.0f} s")
 
-    def _mark_down(self, reason: str, expected: bool = False) -> None:
-        was_up = self.up
-        self.up = False
-        self.down_reason = reason
+    def _mark_down(self, reason: str) -> None:
+        if not self.connected:
+            return
         self.load = None
-        if was_up:
-            logger.log(
-                logging.INFO if expected else logging.ERROR, "worker %s is down: %s", self.worker_id, reason
-            )
-        # Everything waiting on this worker hears it now; the legs are dropped: a restarted
-        # process at the same address knows nothing of them.
+        logger.error("worker %s is down: %s", self.worker_id, reason)
+        self._end_legs(reason)
+        self._set_state(WorkerState.DOWN, reason)
+
+    def _end_legs(self, reason: str) -> None:
+        """Everything waiting on this worker hears it now; the legs are dropped: a restarted
+        process at the same address knows nothing of them."""
         legs, self.legs = list(self.legs.values()), {}
         self.queued_prompt_tokens = 0
         for leg in legs:
@@ -230,8 +289,10 @@ class WorkerLink:
                 self.abandoned.add(leg.leg_id)
             leg.done = True
             leg.events.put_nowait(WorkerDown(self.worker_id, reason))
-        if was_up:
-            self._notify_state()
+
+    def _set_state(self, state: WorkerState, detail: str) -> None:
+        self.state, self.detail = state, detail
+        self._notify_state()
 
     def _notify_state(self) -> None:
         if self._on_state is not None:
@@ -239,7 +300,7 @@ class WorkerLink:
 
 
 class WorkerSet:
-    """Every worker the router knows, by id. Workers can be added and removed while serving."""
+    """Every worker the router knows, by id. Workers are added, drained and removed while serving."""
 
     def __init__(
         self, heartbeat_interval: float = 0.5, heartbeat_timeout: float = 3.0, stall_timeout: float = 60.0
@@ -252,12 +313,13 @@ class WorkerSet:
         self.on_load: Callable[[WorkerLink], None] | None = None
         self.on_state: Callable[[WorkerLink], None] | None = None
 
-    def add(self, worker_id: str, address: str) -> WorkerLink:
+    def add_worker(self, worker_id: str, pool: str, address: str | None = None) -> WorkerLink:
+        """A new worker, `starting` until it says Ready (connected now if `address` is known)."""
         if worker_id in self.links:
             raise ValueError(f"worker id {worker_id!r} is already known")
         link = WorkerLink(
             worker_id,
-            address,
+            pool,
             self.context,
             heartbeat_interval=self._heartbeat[0],
             heartbeat_timeout=self._heartbeat[1],
@@ -265,10 +327,23 @@ class WorkerSet:
             on_state=self.on_state,
         )
         self.links[worker_id] = link
-        link.start()
+        link._notify_state()
+        if address is not None:
+            link.connect(address)
         if self._keeper is None:
             self._keeper = asyncio.create_task(self._keep(), name="worker-keeper")
         return link
+
+    def drain_worker(self, worker_id: str) -> WorkerLink:
+        link = self.links[worker_id]
+        link.drain()
+        return link
+
+    async def remove_worker(self, worker_id: str, reason: str = "stopped") -> None:
+        """Close the link for good (`stopped`) and forget the worker."""
+        link = self.links.pop(worker_id, None)
+        if link is not None:
+            await link.close(reason)
 
     async def _keep(self) -> None:
         """Every 0.5 s: greet the workers that are down (a hello lost in a reconnect would leave
@@ -276,36 +351,17 @@ class WorkerSet:
         while True:
             await asyncio.sleep(0.5)
             for link in list(self.links.values()):
-                if link.up:
+                if link.connected:
                     link.check_stalled(self.stall_timeout)
-                else:
+                elif link.address is not None and link.state is not WorkerState.STOPPED:
                     link.send_hello()
 
-    async def remove(self, worker_id: str) -> None:
-        link = self.links.pop(worker_id, None)
-        if link is not None:
-            await link.close()
+    def up(self, *pools: str) -> list[WorkerLink]:
+        """The workers of these pools that take new requests."""
+        return [w for w in self.links.values() if w.up and w.pool in pools]
 
-    def up(self, *roles: str) -> list[WorkerLink]:
-        return [w for w in self.links.values() if w.up and w.role in roles]
-
-    async def wait_ready(self, timeout: float, abort: Callable[[], str | None] | None = None) -> None:
-        """Until every known worker has said Ready; TimeoutError naming the missing ones, or
-        RuntimeError when `abort` returns a reason to give up."""
-        deadline = time.monotonic() + timeout
-        while True:
-            reason = abort() if abort is not None else None
-            if reason:
-                raise RuntimeError(f"workers failed to start: {reason}")
-            missing = [w.worker_id for w in self.links.values() if not w.up]
-            if not missing:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"workers not ready after {timeout:.0f} s: {', '.join(missing)}")
-            for w in self.links.values():
-                if not w.up:
-                    w.send_hello()
-            await asyncio.sleep(0.1)
+    def in_pool(self, pool: str) -> list[WorkerLink]:
+        return [w for w in self.links.values() if w.pool == pool]
 
     async def close(self) -> None:
         if self._keeper is not None:
@@ -313,5 +369,5 @@ class WorkerSet:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._keeper
         for worker_id in list(self.links):
-            await self.remove(worker_id)
+            await self.remove_worker(worker_id, "the router is shutting down")
         self.context.term()

@@ -1,12 +1,15 @@
 """`python -m pdserve.worker`: one engine in one role, serving the control RPC.
 
-Started by the cluster backend (or by hand for debugging). Stops on a Shutdown message, SIGTERM
-or SIGINT, and removes its shared-memory KV segment (or stops its KV server) on the way out.
+Started by a cluster backend, which hands it a `WorkerConfig` as JSON in `PDSERVE_WORKER_CONFIG`
+(or, by hand, `--config worker.json`). Once its model is loaded and its RPC socket bound, it writes
+its `Ready` (with the address it bound) as one JSON line to the fd in `PDSERVE_READY_FD`, if any.
+Stops on a Shutdown message, SIGTERM or SIGINT, and removes its shared-memory KV segment (or
+stops its KV server) on the way out.
 
-KV transports (`--transport`, the same on every worker of a deployment):
-- `shm`: same host; a prefill worker's KV cache lives in /dev/shm, decode workers copy out of it.
-- `tcp`: across hosts; a prefill worker serves leased blocks on `--kv-host`:`--kv-port`.
-- `nixl`: NIXL (UCX) reads of a prefill worker's registered cache; needs `pip install pdserve[nixl]`.
+KV transports (`transport`, the same on every worker of a deployment):
+- `shm`: same host; a worker's KV cache lives in /dev/shm, other workers copy out of it.
+- `tcp`: across hosts; a worker serves leased blocks on `kv_host`:`kv_port`.
+- `nixl`: NIXL (UCX) reads of a worker's registered cache; needs `pip install pdserve[nixl]`.
 """
 
 from __future__ import annotations
@@ -16,11 +19,15 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdserve.config import EngineConfig, Role
+import msgspec
 
-if TYPE_CHECKING:  # the worker loads torch only after its arguments are valid
+from pdserve import wire
+from pdserve.config import WORKER_CONFIG_ENV, WORKER_READY_FD_ENV, Role, WorkerConfig
+
+if TYPE_CHECKING:  # the worker loads torch only after its configuration is valid
     import torch
 
     from pdserve.transfer.base import FaultInjector, KVExporter, KVImporter
@@ -28,36 +35,27 @@ if TYPE_CHECKING:  # the worker loads torch only after its arguments are valid
 logger = logging.getLogger("pdserve.worker")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def load_config(argv: list[str] | None = None) -> WorkerConfig:
     p = argparse.ArgumentParser(prog="pdserve-worker", description=__doc__)
-    p.add_argument("--model", required=True)
-    p.add_argument("--role", choices=[r.value for r in Role], required=True)
-    p.add_argument("--worker-id", required=True)
-    p.add_argument("--rpc", required=True, help="ZeroMQ address to bind, e.g. tcp://127.0.0.1:7001")
-    p.add_argument("--transport", choices=["shm", "tcp", "nixl"], default="shm")
     p.add_argument(
-        "--kv-host",
-        default="127.0.0.1",
-        help="tcp/nixl, prefill role: address to serve KV blocks on (0.0.0.0: all, published as the hostname)",
+        "--config", type=Path, default=None, help=f"a WorkerConfig as JSON (default: ${WORKER_CONFIG_ENV})"
     )
-    p.add_argument("--kv-port", type=int, default=0, help="tcp/nixl, prefill role: port (0: any free port)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (one per worker by default)")
-    p.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. '0' or '0-1' (Linux)")
-    p.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--chunk-size", type=int, default=512)
-    p.add_argument("--lease-seconds", type=float, default=30.0)
-    p.add_argument("--kv-pull-timeout", type=float, default=10.0)
-    p.add_argument(
-        "--kv-fault-rate", type=float, default=0.0, help="fault tests: drop this share of KV pulls"
+    p.add_argument("--worker-id", default=None, help="a label for ps; must match the configuration's")
+    args = p.parse_args(argv)
+    raw = (
+        args.config.read_bytes()
+        if args.config is not None
+        else os.environ.get(WORKER_CONFIG_ENV, "").encode()
     )
-    p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    if not raw:
+        p.error(f"no configuration: give --config FILE or set {WORKER_CONFIG_ENV}")
+    try:
+        config = msgspec.json.decode(raw, type=WorkerConfig)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        p.error(f"bad worker configuration: {exc}")
+    if args.worker_id is not None and args.worker_id != config.worker_id:
+        p.error(f"--worker-id {args.worker_id} does not match the configuration's {config.worker_id}")
+    return config
 
 
 def _cpu_list(spec: str) -> set[int]:
@@ -68,35 +66,31 @@ def _cpu_list(spec: str) -> set[int]:
     return cpus
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format=f"%(asctime)s %(levelname)s worker {args.worker_id}: %(message)s"
-    )
-    if args.cpus and hasattr(os, "sched_setaffinity"):
-        # Two workers on two cores must not fight over them: each gets its own.
-        os.sched_setaffinity(0, _cpu_list(args.cpus))
+def _report_ready(ready: wire.Ready) -> None:
+    """Tell the cluster backend, through the pipe it gave us, that we serve and where."""
+    fd = os.environ.pop(WORKER_READY_FD_ENV, None)
+    if fd is None:
+        return
+    with os.fdopen(int(fd), "wb") as pipe:
+        pipe.write(msgspec.json.encode(ready) + b"\n")
 
-    # Imported here: argument errors above answer without loading torch.
+
+def main(argv: list[str] | None = None) -> int:
+    config = load_config(argv)
+    logging.basicConfig(
+        level=config.log_level, format=f"%(asctime)s %(levelname)s worker {config.worker_id}: %(message)s"
+    )
+    if config.cpus and hasattr(os, "sched_setaffinity"):
+        # Two workers on two cores must not fight over them: each gets its own.
+        os.sched_setaffinity(0, _cpu_list(config.cpus))
+
+    # Imported here: a bad configuration is answered without loading torch.
     from pdserve.engine.factory import build_engine
     from pdserve.transfer.base import FaultInjector
     from pdserve.transfer.shm import OwnedSegment
-    from pdserve.worker.server import WorkerOptions, WorkerServer
+    from pdserve.worker.server import WorkerServer
 
-    role = Role(args.role)
-    config = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        role=role,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_gib=args.kv_cache_memory_gib,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        chunk_size=args.chunk_size,
-        threads=args.threads,
-    )
+    role = config.role
     segment: OwnedSegment | None = None
 
     def allocate_in_shm(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -106,26 +100,18 @@ def main(argv: list[str] | None = None) -> int:
 
     # With shm a prefill worker's cache lives in shared memory so decode workers can copy out of
     # it; the other transports serve it from ordinary memory.
-    allocator = allocate_in_shm if role is Role.PREFILL and args.transport == "shm" else None
+    allocator = allocate_in_shm if role is Role.PREFILL and config.transport == "shm" else None
     exporter: KVExporter | None = None
     importer: KVImporter | None = None
     try:
-        engine, _ = build_engine(config, kv_allocator=allocator)
+        engine, _ = build_engine(config.engine, kv_allocator=allocator)
         kv_cache = engine.runner.kv_cache  # [L, 2, NB, BS, KVH, D]
         if role is Role.PREFILL:
-            exporter = _make_exporter(args, kv_cache)
+            exporter = _make_exporter(config, kv_cache)
         else:
-            importer = _make_importer(args.transport, kv_cache, FaultInjector(args.kv_fault_rate))
+            importer = _make_importer(config.transport, kv_cache, FaultInjector(config.kv_fault_rate))
         kv_address = segment.name if segment is not None else exporter.address if exporter else ""
-        options = WorkerOptions(
-            worker_id=args.worker_id,
-            rpc_address=args.rpc,
-            transport=args.transport,
-            kv_address=kv_address,
-            lease_seconds=args.lease_seconds,
-            kv_pull_timeout=args.kv_pull_timeout,
-        )
-        server = WorkerServer(engine, options, importer, exporter=exporter)
+        server = WorkerServer(engine, config, kv_address, importer, exporter=exporter, on_bound=_report_ready)
 
         def on_signal(signum: int, _frame: object) -> None:
             logger.info("signal %d: stopping", signum)
@@ -133,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-        logger.info("serving %s as %s on %s", args.model, role.value, args.rpc)
+        logger.info("serving %s as %s", config.engine.model, role.value)
         server.serve_forever()
     finally:
         if exporter is not None:
@@ -143,16 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _make_exporter(args: argparse.Namespace, kv_cache: torch.Tensor) -> KVExporter | None:
-    """Prefill side: the server for the transports that serve reads (shm needs none)."""
-    if args.transport == "tcp":
+def _make_exporter(config: WorkerConfig, kv_cache: torch.Tensor) -> KVExporter | None:
+    """The server for the transports that serve reads (shm needs none)."""
+    if config.transport == "tcp":
         from pdserve.transfer.tcp import TcpExporter
 
-        return TcpExporter(kv_cache, args.kv_host, args.kv_port)
-    if args.transport == "nixl":
+        return TcpExporter(kv_cache, config.kv_host, config.kv_port)
+    if config.transport == "nixl":
         from pdserve.transfer.nixl_backend import NixlExporter
 
-        return NixlExporter(kv_cache, args.kv_host, args.kv_port, name=f"pdserve-{args.worker_id}")
+        return NixlExporter(kv_cache, config.kv_host, config.kv_port, name=f"pdserve-{config.worker_id}")
     return None
 
 

@@ -1,8 +1,8 @@
 """A worker process's serving loop: the control RPC and the engine loop, on separate threads.
 
-- The RPC thread owns the ZeroMQ ROUTER socket. It decodes each frame (`pdserve.wire`), hands it
-  to the engine thread through a queue, and sends what the engine thread produced. It never waits
-  for a step, so the router always gets through, even during a long prefill chunk.
+- The RPC thread (`pdserve.worker.rpc`) owns the ZeroMQ ROUTER socket: it hands each message to
+  the engine thread through a queue and sends what the engine thread produced to the peer that
+  owns the request.
 - The engine thread owns the engine: it applies queued commands between steps, steps while there
   is work, and emits `Tokens` and periodic `Load` messages.
 - Decode role: KV pulls run on a small thread pool (they copy into blocks the running batch does
@@ -17,33 +17,20 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import zmq
 
 from pdserve import wire
-from pdserve.config import Role
+from pdserve.config import Role, WorkerConfig
 from pdserve.engine.core import EngineCore, EngineOutput
 from pdserve.errors import InvalidRequestError
 from pdserve.transfer.base import KVExporter, KVImporter, TransferError
+from pdserve.worker.rpc import FINAL, MORE, RpcEndpoint
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    worker_id: str
-    rpc_address: str  # e.g. tcp://127.0.0.1:7001 or ipc:///tmp/pdserve-p0.sock
-    transport: str  # name of the KV transport
-    kv_address: str  # where this worker's KV can be read (prefill role), "" otherwise
-    lease_seconds: float = 30.0  # prefilled blocks are freed after this without a Release
-    kv_pull_timeout: float = 10.0
-    load_interval: float = 0.1  # seconds between Load reports while busy (and on every change)
-    # Decode role: how long the loop waits, before a step, for KV pulls it has just started, so
-    # their requests join that step instead of the next (an shm pull of a chat prompt takes ~3 ms,
-    # a decode step ~100 ms on one CPU). A slower pull finishes in the background meanwhile.
-    kv_join_wait: float = 0.05
 
 
 @dataclass
@@ -59,23 +46,37 @@ class WorkerServer:
     def __init__(
         self,
         engine: EngineCore,
-        options: WorkerOptions,
+        config: WorkerConfig,
+        kv_address: str,
         importer: KVImporter | None = None,
         *,
         exporter: KVExporter | None = None,
+        on_bound: Callable[[wire.Ready], None] | None = None,
     ) -> None:
+        """`kv_address`: where this worker's KV can be read ("" if nowhere); `on_bound`: called
+        with the Ready message once the RPC socket is bound (the cluster backend waits for it)."""
         self.engine = engine
-        self.options = options
+        self.config = config
+        self.kv_address = kv_address
+        self._on_bound = on_bound
         self.importer = importer
         # Prefill role with a transport that serves reads (tcp, nixl): told which blocks are
         # leased, so it never serves a block after it was freed (see the lease hooks below).
         self.exporter = exporter
         self._inbox: queue.Queue[wire.Message | _KVDone] = queue.Queue()
+        self._stop = threading.Event()
         # Engine thread -> RPC thread: an inproc PUSH/PULL pair, so a new token wakes the RPC
         # thread at once (no polling interval between a token and the router).
         self._outbox_address = f"inproc://pdserve-outbox-{id(self)}"
         self._outbox: zmq.Socket[bytes] | None = None  # created on the engine thread
-        self._stop = threading.Event()
+        self.rpc = RpcEndpoint(
+            config.worker_id,
+            config.rpc_bind,
+            self._ready,
+            self._inbox,  # type: ignore[arg-type]  # the RPC thread puts messages only
+            self._outbox_address,
+            self._stop,
+        )
         self._leases: dict[str, float] = {}  # prefill role: request id -> monotonic expiry
         self._pending_kv: dict[str, wire.KVHandle] = {}  # decode role: request id -> its source
         # Decode role: pulls submitted and not yet reported back. An Abort for one of them waits
@@ -94,9 +95,16 @@ class WorkerServer:
         self._outbox = context.socket(zmq.PUSH)
         self._outbox.setsockopt(zmq.LINGER, 0)
         self._outbox.bind(self._outbox_address)
-        rpc = threading.Thread(target=self._rpc_loop, args=(context,), name="rpc", daemon=True)
+        rpc = threading.Thread(target=self.rpc.run, args=(context,), name="rpc", daemon=True)
         rpc.start()
         try:
+            self.rpc.bound.wait()
+            if self.rpc.bind_error is not None:
+                raise RuntimeError(f"cannot bind {self.config.rpc_bind}: {self.rpc.bind_error}")
+            assert self.rpc.address is not None
+            logger.info("worker %s: RPC on %s", self.config.worker_id, self.rpc.address)
+            if self._on_bound is not None:
+                self._on_bound(self._ready(self.rpc.address))
             self._engine_loop()
         finally:
             self._stop.set()
@@ -112,61 +120,17 @@ class WorkerServer:
     def stop(self) -> None:
         self._stop.set()
 
-    def _rpc_loop(self, context: zmq.Context[zmq.Socket[bytes]]) -> None:
-        sock = context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(self.options.rpc_address)
-        outbox = context.socket(zmq.PULL)
-        outbox.setsockopt(zmq.LINGER, 0)
-        outbox.connect(self._outbox_address)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(outbox, zmq.POLLIN)
-        pending: list[bytes] = []  # produced before any router said hello
-        peer: bytes | None = None
-        ready = wire.encode(
-            wire.Ready(
-                worker_id=self.options.worker_id,
-                role=self.engine.config.role.value,
-                model=self.engine.config.model,
-                max_model_len=self.engine.max_model_len,
-                vocab_size=self.engine.model_config.vocab_size,
-                kv_transport=self.options.transport,
-                kv_address=self.options.kv_address,
-            )
+    def _ready(self, rpc_address: str) -> wire.Ready:
+        return wire.Ready(
+            worker_id=self.config.worker_id,
+            role=self.engine.config.role.value,
+            model=self.engine.config.model,
+            max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.model_config.vocab_size,
+            kv_transport=self.config.transport,
+            kv_address=self.kv_address,
+            rpc_address=rpc_address,
         )
-        try:
-            while not self._stop.is_set():
-                events = dict(poller.poll(timeout=100))  # the timeout only bounds the stop check
-                if sock in events:
-                    frames = sock.recv_multipart()
-                    if len(frames) != 2:  # not our protocol: one identity frame and one payload
-                        logger.error(
-                            "worker %s: dropped a %d-part message", self.options.worker_id, len(frames)
-                        )
-                        continue
-                    identity, payload = frames
-                    if identity != peer:
-                        peer = identity  # a (re)connected router: greet it first
-                        sock.send_multipart([peer, ready])
-                    if payload:  # an empty frame is a hello: the router only wants Ready
-                        try:
-                            self._inbox.put(wire.decode(payload))
-                        except wire.WireError as exc:
-                            logger.error("worker %s: dropped a bad frame: %s", self.options.worker_id, exc)
-                if outbox in events:
-                    while True:
-                        try:
-                            pending.append(outbox.recv(zmq.NOBLOCK))
-                        except zmq.Again:
-                            break
-                if peer is not None:
-                    for frame in pending:
-                        sock.send_multipart([peer, frame])
-                    pending.clear()
-        finally:
-            outbox.close()
-            sock.close()
 
     def _engine_loop(self) -> None:
         engine = self.engine
@@ -185,13 +149,13 @@ class WorkerServer:
             if self.importer is not None:
                 engine.admit_remote_kv()
             if self._start_pulls():
-                self._await_pulls(time.monotonic() + self.options.kv_join_wait)
+                self._await_pulls(time.monotonic() + self.config.kv_join_wait)
             if engine.has_unfinished:
                 for out in engine.step():
                     self._emit(out)
             self._expire_leases()
             now = time.monotonic()
-            if now - last_load >= self.options.load_interval:
+            if now - last_load >= self.config.load_interval:
                 self._send(self._load())
                 last_load = now
 
@@ -210,10 +174,11 @@ class WorkerServer:
             if failed is not None:
                 self.kv_failures += 1
                 logger.error(
-                    "worker %s: KV for %s failed: %s", self.options.worker_id, item.request_id, item.error
+                    "worker %s: KV for %s failed: %s", self.config.worker_id, item.request_id, item.error
                 )
                 self._send(
-                    wire.Tokens(item.request_id, [], "error", error=f"KV transfer failed: {item.error}")
+                    wire.Tokens(item.request_id, [], "error", error=f"KV transfer failed: {item.error}"),
+                    final=True,
                 )
         elif isinstance(item, wire.AddRequest):
             self._add(item)
@@ -245,7 +210,7 @@ class WorkerServer:
                 msg.request_id, msg.prompt_token_ids, params, first_token_id=msg.first_token_id
             )
         except (InvalidRequestError, ValueError) as exc:
-            self._send(wire.Tokens(msg.request_id, [], "error", error=str(exc)))
+            self._send(wire.Tokens(msg.request_id, [], "error", error=str(exc)), final=True)
             return
         if msg.kv is not None:
             self._pending_kv[msg.request_id] = msg.kv
@@ -278,7 +243,7 @@ class WorkerServer:
         assert self.importer is not None
         # The shm copy reads the prefill cache without a lease check of its own: start it only
         # with time to finish well before the blocks may be freed and reused over there.
-        if handle.lease_expires_at - time.time() < min(self.options.kv_pull_timeout, 5.0):
+        if handle.lease_expires_at - time.time() < min(self.config.kv_pull_timeout, 5.0):
             self._inbox.put(_KVDone(request_id, False, "the prefill worker's lease expires too soon"))
             return
         started = time.perf_counter()
@@ -288,7 +253,7 @@ class WorkerServer:
                 handle.address,
                 handle.block_ids,
                 dst_blocks,
-                self.options.kv_pull_timeout,
+                self.config.kv_pull_timeout,
                 request_id=request_id,
             )
         except TransferError as exc:
@@ -300,17 +265,17 @@ class WorkerServer:
     def _emit(self, out: EngineOutput) -> None:
         kv = None
         if out.finish_reason == "prefilled":
-            expires = time.monotonic() + self.options.lease_seconds
+            expires = time.monotonic() + self.config.lease_seconds
             self._leases[out.request_id] = expires
             block_ids = list(self.engine.kv.block_table(out.request_id))
             self._lease_started(out.request_id, block_ids)
             kv = wire.KVHandle(
-                worker_id=self.options.worker_id,
-                transport=self.options.transport,
-                address=self.options.kv_address,
+                worker_id=self.config.worker_id,
+                transport=self.config.transport,
+                address=self.kv_address,
                 block_ids=block_ids,
                 num_tokens=len(self.engine.scheduler.prefilled[out.request_id].prompt_token_ids),
-                lease_expires_at=time.time() + self.options.lease_seconds,
+                lease_expires_at=time.time() + self.config.lease_seconds,
             )
         logprobs = None
         if out.new_logprobs is not None:
@@ -325,7 +290,9 @@ class WorkerServer:
                 logprobs,
                 kv,
                 queue_seconds=out.queue_seconds,
-            )
+            ),
+            # A prefilled request stays until its blocks are released (the owner sends Release).
+            final=out.finished and kv is None,
         )
 
     def _expire_leases(self) -> None:
@@ -335,11 +302,12 @@ class WorkerServer:
         for request_id in [r for r, expiry in self._leases.items() if expiry < now]:
             del self._leases[request_id]
             self._lease_ended(request_id)
+            self._forget(request_id)
             if self.engine.release(request_id):
                 self.lease_expiries += 1
                 logger.warning(
                     "worker %s: lease of %s expired; its KV blocks are freed",
-                    self.options.worker_id,
+                    self.config.worker_id,
                     request_id,
                 )
 
@@ -358,7 +326,7 @@ class WorkerServer:
         stats = self.engine.stats()
         step = self.engine.last_step
         return wire.Load(
-            worker_id=self.options.worker_id,
+            worker_id=self.config.worker_id,
             num_running=stats.num_running,
             num_waiting=stats.num_waiting + stats.num_receiving_kv,
             queued_prompt_tokens=stats.queued_prompt_tokens,
@@ -368,6 +336,14 @@ class WorkerServer:
             last_step_ms=step.step_seconds * 1000 if step else 0.0,
         )
 
-    def _send(self, message: wire.Message) -> None:
+    def _send(self, message: wire.Message, *, final: bool = False) -> None:
+        """To the peer that owns the message's request (every peer for a load report). `final`:
+        the request is over on this worker, so its owner can be forgotten."""
         assert self._outbox is not None, "only the engine thread sends, while serving"
-        self._outbox.send(wire.encode(message))
+        request_id = getattr(message, "request_id", "")
+        self._outbox.send_multipart([request_id.encode(), FINAL if final else MORE, wire.encode(message)])
+
+    def _forget(self, request_id: str) -> None:
+        """The request is over here without a last message (its lease ran out)."""
+        assert self._outbox is not None
+        self._outbox.send_multipart([request_id.encode(), FINAL, b""])
