@@ -46,6 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.add_arguments(srv)
 
+    from pdserve.pools import cli as pools
+
+    pools_parser = sub.add_parser(
+        "pools",
+        help="show, scale, drain and rebalance a running server's pools (its admin API)",
+        description=pools.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    pools.add_arguments(pools_parser)
+
     from pdserve.bench import run as bench
 
     bench_parser = sub.add_parser(
@@ -77,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         try:
             return bench.run(args)
+        except PdserveError as exc:
+            print(f"pdserve: error: {exc}", file=sys.stderr)
+            return 2
+    if args.command == "pools":
+        try:
+            return pools.run(args)
         except PdserveError as exc:
             print(f"pdserve: error: {exc}", file=sys.stderr)
             return 2

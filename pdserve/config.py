@@ -86,6 +86,9 @@ class WorkerConfig:
     load_interval: float = 0.1  # seconds between the worker's load reports
     cpus: str | None = None  # pin to these CPUs, e.g. "0" or "0-1" (Linux); set by the backend
     log_level: str = "INFO"
+    # The tokens that end generation, as the router's tokenizer says (None: the worker loads the
+    # model's tokenizer to find them, which takes seconds of its start).
+    eos_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.pool not in POOL_ROLES:

@@ -114,6 +114,24 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
         "a worker that sends no load report this long (a hung engine) is taken out",
     ),
     "log_level": (str, _default(_W, "log_level"), "DEBUG, INFO, WARNING, ERROR"),
+    # Elastic pools: the admin API (PUT /pools/{pool}, POST /workers/{id}/drain) scales within these.
+    "prefill_min": (int, None, "fewest prefill workers the pool may be scaled to (default: --prefill)"),
+    "prefill_max": (int, None, "most prefill workers the pool may be scaled to (default: --prefill)"),
+    "decode_min": (int, None, "fewest decode workers (default: --decode)"),
+    "decode_max": (int, None, "most decode workers (default: --decode)"),
+    "colocated_min": (int, None, "fewest colocated workers (default: --colocated)"),
+    "colocated_max": (int, None, "most colocated workers (default: --colocated)"),
+    "drain_timeout": (
+        float,
+        60.0,
+        "seconds a draining worker has to hand over what it holds; what is left then ends with an error",
+    ),
+    "replace_failed": (bool, True, "start a new worker in place of one that dies (else the pool shrinks)"),
+    "rebalance_on_start": (
+        bool,
+        True,
+        "a decode (or colocated) worker that starts while serving takes its share of the running streams",
+    ),
 }
 
 
@@ -167,15 +185,24 @@ def _check(o: dict[str, Any]) -> None:
         raise PdserveError("--model is required (on the command line or in the config file)")
     if o["colocated"] and (o["prefill"] or o["decode"]):
         raise PdserveError("give either --colocated N or --prefill P --decode D, not both")
-    if not o["colocated"] and (o["prefill"] < 1 or o["decode"] < 1):
+    if not o["colocated"] and (o["decode"] < 1 or max(o["prefill"], o["prefill_max"] or 0) < 1):
         raise PdserveError(
-            "disaggregated serving needs --prefill >= 1 and --decode >= 1 (or use --colocated N)"
+            "disaggregated serving needs --prefill >= 1 (or --prefill-max >= 1) and --decode >= 1 "
+            "(or use --colocated N)"
         )
     if o["transport"] not in TRANSPORTS:
         raise PdserveError(f"--transport must be shm, tcp or nixl, got {o['transport']!r}")
     for name in ("prefill", "decode", "colocated", "threads", "max_retries"):
         if o[name] < 0:
             raise PdserveError(f"--{name.replace('_', '-')} must be >= 0")
+    for pool, replicas in pool_replicas(o).items():
+        low, high = pool_bounds(o, pool)
+        if not 0 <= low <= replicas <= high:
+            raise PdserveError(
+                f"pool {pool}: need 0 <= --{pool}-min <= --{pool} <= --{pool}-max, got {low} <= {replicas} <= {high}"
+            )
+    if o["drain_timeout"] <= 0:
+        raise PdserveError("--drain-timeout must be > 0")
     for pool in pool_replicas(o):  # a bad engine setting fails here, not in every worker
         try:
             worker_config(o, pool, "check")
@@ -190,7 +217,9 @@ def pool_replicas(o: dict[str, Any]) -> dict[str, int]:
     return {"prefill": o["prefill"], "decode": o["decode"]}
 
 
-def worker_config(o: dict[str, Any], pool: str, worker_id: str) -> WorkerConfig:
+def worker_config(
+    o: dict[str, Any], pool: str, worker_id: str, eos_token_ids: tuple[int, ...] | None = None
+) -> WorkerConfig:
     """The configuration of a new worker of `pool`: the shared settings, then the pool's own."""
     role = POOL_ROLES[pool]
     chunk = o["chunk_size"]
@@ -218,14 +247,27 @@ def worker_config(o: dict[str, Any], pool: str, worker_id: str) -> WorkerConfig:
         kv_pull_timeout=o["kv_pull_timeout"],
         kv_fault_rate=o["kv_fault_rate"],
         log_level=o["log_level"],
+        eos_token_ids=eos_token_ids,
     )
 
 
-def pool_specs(o: dict[str, Any]) -> list[Any]:
+def pool_bounds(o: dict[str, Any], pool: str) -> tuple[int, int]:
+    """(min, max) of a pool; each defaults to its start count."""
+    replicas = pool_replicas(o)[pool]
+    low, high = o[f"{pool}_min"], o[f"{pool}_max"]
+    return (replicas if low is None else low, replicas if high is None else high)
+
+
+def pool_specs(o: dict[str, Any], eos_token_ids: tuple[int, ...] | None = None) -> list[Any]:
     from pdserve.pools.manager import PoolSpec
 
     return [
-        PoolSpec(pool, replicas, replicas, replicas, functools.partial(worker_config, o, pool))
+        PoolSpec(
+            pool,
+            replicas,
+            *pool_bounds(o, pool),
+            functools.partial(worker_config, o, pool, eos_token_ids=eos_token_ids),
+        )
         for pool, replicas in pool_replicas(o).items()
     ]
 
@@ -245,7 +287,7 @@ def run(o: dict[str, Any]) -> int:
     source = resolve_model(o["model"])
     tokenizer = load_router_tokenizer(source)
     eos = generation_eos_ids(source, ModelConfig.from_hf_dict(source.hf_config), tokenizer)
-    specs = pool_specs(o)
+    specs = pool_specs(o, tuple(eos))
 
     settings = RouterSettings(
         model_name=o["served_model_name"] or o["model"],
@@ -266,6 +308,9 @@ def run(o: dict[str, Any]) -> int:
         router.metrics,
         specs,
         start_timeout=o["ready_timeout"],
+        drain_timeout=o["drain_timeout"],
+        rebalance_on_start=o["rebalance_on_start"],
+        replace_failed=o["replace_failed"],
     )
     router.attach_pools(pools)
     config = uvicorn.Config(

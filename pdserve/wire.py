@@ -11,7 +11,7 @@ import msgspec
 from pdserve.errors import PdserveError
 from pdserve.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class WireError(PdserveError):
@@ -50,14 +50,16 @@ class WireSamplingParams(msgspec.Struct, frozen=True):
 
 
 class KVHandle(msgspec.Struct, frozen=True):
-    """Where a prefilled request's KV blocks are, and until when the prefill side keeps them."""
+    """Where a request's KV blocks are (a prefilled prompt, or a stream that moves), and until when
+    the worker that holds them keeps them."""
 
     worker_id: str
     transport: str  # "shm" | "tcp" | "nixl"
     address: str  # shm segment name, host:port, or a NIXL agent name
     block_ids: list[int]
-    num_tokens: int  # tokens of KV in those blocks (the prompt)
-    lease_expires_at: float  # time.time() on the prefill side; the blocks are freed after it
+    num_tokens: int  # tokens of KV in those blocks: every token of the request but its last
+    lease_expires_at: float  # time.time() on the holding side; the blocks are freed after it
+    lease_id: str  # the request id the holder keeps them under: a pull names it
 
 
 # -- router -> worker --------------------------------------------------------------------------------
@@ -65,9 +67,11 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
     params: WireSamplingParams
-    # Decode role with remote prefill: the first token the prefill worker sampled, and its KV.
-    first_token_id: int | None = None
+    # With `kv`: the tokens already sampled elsewhere (the prefill worker's first token, or all of
+    # a moving stream's tokens so far); the KV of the prompt and all of them but the last is at `kv`.
+    output_token_ids: list[int] = []
     kv: KVHandle | None = None
+    sampler_state: bytes | None = None  # a moving stream's sampling generator, where it stopped
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
@@ -75,9 +79,23 @@ class Abort(msgspec.Struct, frozen=True, tag="abort"):
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):
-    """Prefill role: the decode side has the KV of this request (or gave up on it): free it."""
+    """The worker that pulled this held request's KV has it (or gave up on it): free the blocks."""
 
     request_id: str
+
+
+class Migrate(msgspec.Struct, frozen=True, tag="migrate"):
+    """Stop these requests here so they continue on another worker: each is answered with
+    `Migrated` once it is between two tokens (after its prompt, after its KV has arrived)."""
+
+    request_ids: list[str]
+
+
+class Forget(msgspec.Struct, frozen=True, tag="forget"):
+    """The worker whose KV was at `kv_address` is gone: drop what is kept to read from it (a
+    shared-memory mapping, which would otherwise keep its memory alive; pooled connections)."""
+
+    kv_address: str
 
 
 class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
@@ -126,6 +144,17 @@ class KVPulled(msgspec.Struct, frozen=True, tag="kv_pulled"):
     error: str | None = None
 
 
+class Migrated(msgspec.Struct, frozen=True, tag="migrated"):
+    """A request asked to move has stopped here. With `kv`, its blocks are held under that lease
+    until Release (or expiry) and the router continues it elsewhere from `output_token_ids` (every
+    token it sampled here, in order); without, nothing of it was computed here (it was queued)."""
+
+    request_id: str
+    output_token_ids: list[int]
+    kv: KVHandle | None = None
+    sampler_state: bytes | None = None
+
+
 class Load(msgspec.Struct, frozen=True, tag="load"):
     worker_id: str
     num_running: int
@@ -133,11 +162,13 @@ class Load(msgspec.Struct, frozen=True, tag="load"):
     queued_prompt_tokens: int
     kv_blocks_used: int
     kv_blocks_free: int
-    num_prefilled_held: int
+    num_held: int  # requests whose KV blocks are held for another worker to pull
     last_step_ms: float
 
 
-Message = AddRequest | Abort | Release | Shutdown | Ready | Tokens | KVPulled | Load
+Message = (
+    AddRequest | Abort | Release | Migrate | Forget | Shutdown | Ready | Tokens | KVPulled | Migrated | Load
+)
 
 
 class Frame(msgspec.Struct, frozen=True, array_like=True):

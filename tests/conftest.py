@@ -101,3 +101,10 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["llama-gqa-untied"]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_4k(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a 4096-token context: streams long enough to outlast a worker's start."""
+    out = tmp_path_factory.mktemp("tiny-4k") / "llama-4k"
+    return make_tiny_model(out, "llama", {"tie_word_embeddings": False, "max_position_embeddings": 4096})

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -54,6 +55,7 @@ class Server:
         self.async_client = openai.AsyncOpenAI(
             base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60.0
         )
+        self.seen_pids: set[int] = set()  # every worker process seen, for the leak check at stop
         deadline = time.monotonic() + ready_timeout
         while True:
             if self.proc.poll() is not None:
@@ -72,10 +74,39 @@ class Server:
     def _worker_pids(self) -> dict[str, int]:
         pids = {}
         for pid in children(self.proc.pid):
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except FileNotFoundError:
+                continue
             if b"pdserve.worker" in cmdline:
                 pids[cmdline[cmdline.index(b"--worker-id") + 1].decode()] = pid
+        self.seen_pids.update(pids.values())
         return pids
+
+    # -- the admin API --------------------------------------------------------------------------------
+    def pools(self) -> dict[str, Any]:
+        pools = self.http.get("/pools").json()["pools"]
+        self.seen_pids.update(w["pid"] for p in pools.values() for w in p["workers"] if "pid" in w)
+        return pools
+
+    def workers(self, pool: str, state: str | None = None) -> list[dict[str, Any]]:
+        return [w for w in self.pools()[pool]["workers"] if state is None or w["state"] == state]
+
+    def scale(self, pool: str, replicas: int) -> httpx.Response:
+        return self.http.put(f"/pools/{pool}", json={"replicas": replicas})
+
+    def drain(self, worker_id: str, **body: bool) -> httpx.Response:
+        return self.http.post(f"/workers/{worker_id}/drain", json=body)
+
+    def wait_pool(self, pool: str, timeout: float = 60.0, **states: int) -> list[dict[str, Any]]:
+        """Until the pool's workers are in exactly these numbers per state (up=2, draining=0, ...)."""
+
+        def reached() -> bool:
+            workers = self.workers(pool)
+            return all(sum(w["state"] == s for w in workers) == n for s, n in states.items())
+
+        self.wait_for(reached, timeout, f"pool {pool} at {states}")
+        return self.workers(pool)
 
     def metrics(self) -> str:
         return self.http.get("/metrics").text
@@ -110,7 +141,9 @@ class Server:
 
     def stop(self, sig: int = signal.SIGINT, timeout: float = 30.0) -> int:
         """Stops the server and checks it left no worker process and no shared-memory segment."""
-        workers = list(self.worker_pids.values()) if hasattr(self, "worker_pids") else []
+        if self.proc.poll() is None:
+            self._worker_pids()  # those started while serving too
+        workers = sorted(self.seen_pids)
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:

@@ -10,6 +10,7 @@ import pytest
 from pdserve.config import EngineConfig, Role
 from pdserve.engine.core import EngineCore, pick_dtype
 from pdserve.engine.factory import build_engine
+from pdserve.engine.sched import Handover
 from pdserve.errors import InvalidRequestError
 from pdserve.sampling_params import SamplingParams
 
@@ -48,10 +49,10 @@ def test_prefill_then_decode_through_kv_blocks_matches_colocated(tiny_llama: Pat
         for out in prefill.step():
             assert out.finished and out.finish_reason == "prefilled"
             first[out.request_id] = out.new_token_ids[0]
-    assert prefill.stats().num_prefilled_held == len(PROMPTS)
+    assert prefill.stats().num_held == len(PROMPTS)
 
     for i, p in enumerate(PROMPTS):
-        decode.add_request(f"r{i}", p, GREEDY, first_token_id=first[f"r{i}"])
+        decode.add_request(f"r{i}", p, GREEDY, output_token_ids=[first[f"r{i}"]])
     decode.step()  # allocates blocks for the incoming KV; nothing to compute yet
     for request_id, dest_blocks in decode.take_kv_to_receive():
         src_blocks = prefill.kv.block_table(request_id)
@@ -66,7 +67,7 @@ def test_prefill_then_decode_through_kv_blocks_matches_colocated(tiny_llama: Pat
 
 def test_failed_kv_transfer_ends_request_with_error_and_frees_blocks(tiny_llama: Path) -> None:
     decode = engine(tiny_llama, Role.DECODE)
-    decode.add_request("r", PROMPTS[2], GREEDY, first_token_id=7)
+    decode.add_request("r", PROMPTS[2], GREEDY, output_token_ids=[7])
     decode.step()
     [(request_id, _)] = decode.take_kv_to_receive()
     failed = decode.kv_received(request_id, ok=False)
@@ -100,3 +101,80 @@ def test_auto_dtype_is_fp32_on_a_cpu_without_native_bf16() -> None:
 
     expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     assert pick_dtype("auto", torch.device("cpu")) == expected
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        GREEDY,
+        # Seeded sampling with penalties over the output: the stream that moves draws the same
+        # numbers (its generator state moves with it) and counts the same outputs.
+        SamplingParams(
+            max_tokens=24, temperature=0.9, top_p=0.95, seed=5, frequency_penalty=0.5, ignore_eos=True
+        ),
+    ],
+    ids=["greedy", "seeded-penalties"],
+)
+@pytest.mark.parametrize("role", [Role.DECODE, Role.MIXED])
+def test_a_stream_handed_over_mid_decode_goes_on_with_the_same_tokens(
+    tiny_llama: Path, params: SamplingParams, role: Role
+) -> None:
+    alone = engine(tiny_llama, role)
+    for i, p in enumerate(PROMPTS):
+        alone.add_request(f"r{i}", p, params)
+    expected = run_to_end(alone)
+
+    source, target = engine(tiny_llama, role, block_size=8), engine(tiny_llama, role, block_size=8)
+    for i, p in enumerate(PROMPTS):
+        source.add_request(f"r{i}", p, params)
+    got: dict[str, list[int]] = {}
+    for _ in range(7):  # every prompt done and a few tokens decoded
+        for out in source.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    moved = {}
+    for i in range(len(PROMPTS)):
+        outcome, request, state = source.hand_over(f"r{i}")
+        assert outcome is Handover.HELD and request is not None
+        assert request.output_token_ids == got[f"r{i}"]
+        assert (state is None) == params.greedy
+        moved[f"r{i}"] = (request, state)
+    assert source.stats().num_held == len(PROMPTS) and not source.has_unfinished
+    assert source.step() == []  # held streams are not scheduled any more
+
+    for rid, (request, state) in moved.items():
+        target.add_request(
+            rid, request.prompt_token_ids, params, output_token_ids=got[rid], sampler_state=state
+        )
+    target.admit_remote_kv()
+    for rid, dst in target.take_kv_to_receive():
+        src = source.kv.block_table(rid)[: source.kv.blocks_for_tokens(moved[rid][0].num_tokens - 1)]
+        target.runner.write_blocks(dst, source.runner.read_blocks(src))
+        assert target.kv_received(rid, ok=True) is None
+        assert source.release(rid)
+    for rid, tokens in run_to_end(target).items():
+        got[rid] += tokens
+    assert got == expected
+    assert source.kv.num_used_blocks == 0 and target.kv.num_used_blocks == 0
+
+
+def test_a_request_not_started_is_handed_back_without_kv_and_one_mid_prompt_waits(tiny_llama: Path) -> None:
+    core = engine(tiny_llama, Role.MIXED, chunk_size=16, max_num_batched_tokens=16)
+    core.add_request("long", PROMPTS[4], GREEDY)  # 50 tokens: four chunks
+    core.add_request("queued", PROMPTS[1], GREEDY)
+    core.step()
+    assert core.hand_over("long")[0] is Handover.NOT_YET  # still in its prompt
+    outcome, request, _ = core.hand_over("queued")
+    assert outcome is Handover.NO_KV and request is not None and request.output_token_ids == []
+    assert core.hand_over("queued")[0] is Handover.UNKNOWN
+    while core.hand_over("long")[0] is Handover.NOT_YET:
+        core.step()
+    assert core.release("long") and core.kv.num_used_blocks == 0 and not core.has_unfinished
+
+
+def test_taking_a_stream_checks_what_was_sampled_elsewhere(tiny_llama: Path) -> None:
+    core = engine(tiny_llama, Role.DECODE)
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        core.add_request("r", PROMPTS[2], GREEDY, output_token_ids=[7, 10**6])
+    with pytest.raises(InvalidRequestError, match="max_tokens is reached"):
+        core.add_request("r", PROMPTS[2], GREEDY, output_token_ids=[7] * GREEDY.max_tokens)
+    assert not core.has_unfinished

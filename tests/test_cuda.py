@@ -212,7 +212,7 @@ def test_prefill_then_decode_through_kv_blocks_on_cuda(tiny_llama: Path) -> None
     for decode_device in (DEVICE, "cpu"):
         decode = engine(Role.DECODE, decode_device)
         for i, p in enumerate(batch):
-            decode.add_request(f"r{i}", p, params, first_token_id=first[f"r{i}"])
+            decode.add_request(f"r{i}", p, params, output_token_ids=[first[f"r{i}"]])
         decode.step()  # allocates blocks for the incoming KV
         for request_id, dest_blocks in decode.take_kv_to_receive():
             blocks = prefill.runner.read_blocks(prefill.kv.block_table(request_id))

@@ -45,7 +45,8 @@ async def complete_all(server: Server, max_tokens: int) -> list[str]:
 
 
 def test_requests_on_a_killed_prefill_worker_are_prefilled_again(tiny_llama: Path, offline: LLM) -> None:
-    server = Server(tiny_llama, "--prefill", "1", "--decode", "1")
+    # No replacement: the retries go to the decode worker, which prefills them itself.
+    server = Server(tiny_llama, "--prefill", "1", "--decode", "1", "--no-replace-failed")
     try:
         # Freeze the prefill worker so that every request is stuck on it, then kill it.
         os.kill(server.worker_pids["prefill-0"], signal.SIGSTOP)
@@ -87,7 +88,7 @@ def test_dropped_kv_transfers_are_counted_and_retried_not_recomputed_silently(
 
 
 def test_a_killed_decode_worker_ends_its_streams_with_an_error_and_is_avoided(tiny_llama: Path) -> None:
-    server = Server(tiny_llama, "--prefill", "1", "--decode", "2")
+    server = Server(tiny_llama, "--prefill", "1", "--decode", "2", "--no-replace-failed")
     try:
 
         async def stream(prompt: str, started: asyncio.Event) -> str:

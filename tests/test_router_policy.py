@@ -1,5 +1,6 @@
 """Routing decisions: pure functions, no sockets."""
 
+from pdserve.router import policy
 from pdserve.router.policy import DecodeView, PrefillView, choose_decode, choose_path, choose_prefill
 
 
@@ -28,3 +29,13 @@ def test_decode_goes_to_the_least_loaded_worker_with_room() -> None:
     # Nobody has room: still the least loaded rather than nothing (its scheduler will queue it).
     assert choose_decode(workers, blocks_needed=5000).worker_id == "d2"  # type: ignore[union-attr]
     assert choose_decode([]) is None
+
+
+def test_rebalance_moves_from_the_busiest_until_counts_differ_by_at_most_one() -> None:
+    assert policy.plan_rebalance({"a": 16, "b": 0}) == {"a": 8}
+    assert policy.plan_rebalance({"a": 9, "b": 0}) == {"a": 4}  # 5 and 4
+    assert policy.plan_rebalance({"a": 10, "b": 6, "c": 2}) == {"a": 4}  # 6, 6, 6
+    assert policy.plan_rebalance({"a": 7, "b": 7, "c": 0}) == {"a": 2, "b": 2}  # 5, 5, 4
+    assert policy.plan_rebalance({"a": 3, "b": 2}) == {}  # balanced enough: a move costs a gap
+    assert policy.plan_rebalance({"a": 5}) == {}
+    assert policy.plan_rebalance({}) == {}

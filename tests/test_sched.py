@@ -8,7 +8,7 @@ import pytest
 from pdserve.config import Role
 from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sched import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.sched import Handover, Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.sampling_params import SamplingParams
 
 EOS = 0
@@ -162,7 +162,7 @@ def test_prefill_role_stops_after_first_token_and_holds_blocks_until_release() -
     assert updated[0].status is RequestStatus.PREFILLED and updated[0].output_token_ids == [42]
     assert not s.has_unfinished
     assert s.kv.block_table("a") == [0, 1, 2]  # the prompt's 10 tokens, held
-    assert s.stats().num_prefilled_held == 1
+    assert s.stats().num_held == 1
     assert s.schedule().is_empty  # never decodes
     assert s.release("a") and not s.release("a")
     assert_no_leak(s)
@@ -262,10 +262,15 @@ def test_bad_arguments() -> None:
     s.add_request(req("a", 2))
     with pytest.raises(ValueError, match="already"):
         s.add_request(req("a", 2))
-    with pytest.raises(ValueError, match="decode-role"):
-        s.add_request(req("b", 2, remote_kv=True))
+    with pytest.raises(ValueError, match="must carry the tokens"):
+        s.add_request(req("b", 2, remote_kv=True))  # remote KV without the tokens sampled there
     s.abort("a")
     assert_no_leak(s)
+    prefill = make(role=Role.PREFILL)
+    moved = req("c", 2, remote_kv=True)
+    moved.output_token_ids.append(3)
+    with pytest.raises(ValueError, match="prefill-role"):
+        prefill.add_request(moved)
 
 
 def test_stats_count_queued_prompt_tokens() -> None:
@@ -326,4 +331,51 @@ def test_prefill_role_does_not_stall_when_a_short_prompt_cannot_start() -> None:
     assert not s.has_unfinished
     for rid in ("long", "short"):
         s.release(rid)
+    assert_no_leak(s)
+
+
+def test_hand_over_holds_a_decoding_request_until_release() -> None:
+    s = make()
+    s.add_request(req("a", 6, max_tokens=8))
+    run_step(s)  # the prompt, and its first token
+    run_step(s)  # a decode step
+    assert s.hand_over("a") is Handover.HELD
+    request = s.held["a"]
+    assert request.status is RequestStatus.MIGRATED and request.num_tokens_to_compute == 1
+    assert s.stats().num_held == 1 and s.kv.num_used_blocks == s.kv.blocks_for_tokens(7)
+    assert not s.has_unfinished and s.schedule().is_empty  # it is not scheduled here any more
+    assert s.hand_over("a") is Handover.UNKNOWN  # already held
+    assert s.release("a") and not s.release("a")
+    assert_no_leak(s)
+
+
+def test_hand_over_waits_for_a_prompt_and_for_incoming_kv() -> None:
+    s = make(role=Role.DECODE, chunk_size=4, max_num_batched_tokens=4)
+    s.add_request(req("long", 10))
+    incoming = req("in", 5, remote_kv=True)
+    incoming.output_token_ids += [9, 9]  # moved here after two tokens elsewhere
+    s.add_request(incoming)
+    run_step(s)
+    assert s.hand_over("long") is Handover.NOT_YET  # mid-prompt
+    [(_, blocks)] = s.admit_remote_kv()
+    assert len(blocks) == s.kv.blocks_for_tokens(6)  # prompt + outputs, but the last
+    assert s.hand_over("in") is Handover.NOT_YET  # its KV is on its way
+    s.remote_kv_done("in", ok=True)
+    assert incoming.num_computed_tokens == 6
+    assert s.hand_over("in") is Handover.HELD
+    while s.hand_over("long") is Handover.NOT_YET:
+        run_step(s)
+    s.release("in")
+    s.release("long")
+    assert_no_leak(s)
+
+
+def test_a_queued_request_is_handed_back_with_nothing_to_move() -> None:
+    s = make(max_num_seqs=1)
+    s.add_request(req("running", 3))
+    s.add_request(req("queued", 3))
+    run_step(s)
+    assert s.hand_over("queued") is Handover.NO_KV
+    assert s.get("queued") is None and s.hand_over("nope") is Handover.UNKNOWN
+    drain(s)
     assert_no_leak(s)

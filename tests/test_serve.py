@@ -46,6 +46,13 @@ def test_the_command_line_wins_over_the_config_file_which_wins_over_defaults(tmp
     assert serve.worker_config(tuned, "prefill", "p").engine.chunk_size == 128
     small = options("--chunk-size", "64", config=config)
     assert serve.worker_config(small, "prefill", "p").engine.chunk_size == 64  # already smaller
+    # Pool bounds default to the start counts; a pool may start empty if it may grow.
+    assert serve.pool_bounds(o, "decode") == (1, 1)
+    elastic = options("--prefill", "0", "--prefill-max", "2", "--decode-min", "0", config=config)
+    assert [(s.name, s.replicas, s.min, s.max) for s in serve.pool_specs(elastic)] == [
+        ("prefill", 0, 0, 2),
+        ("decode", 1, 0, 1),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -54,9 +61,16 @@ def test_the_command_line_wins_over_the_config_file_which_wins_over_defaults(tmp
         ('model = "m"\nprefil = 1\n', (), "unknown option 'prefil'"),
         ('model = "m"\nprefill = "one"\n', (), "prefill must be a int"),
         ("model = [", (), "not valid TOML"),
-        ('model = "m"\n', ("--prefill", "1"), "needs --prefill >= 1 and --decode >= 1"),
+        (
+            'model = "m"\n',
+            ("--prefill", "1"),
+            "needs --prefill >= 1 (or --prefill-max >= 1) and --decode >= 1",
+        ),
         ('model = "m"\n', ("--colocated", "2", "--prefill", "1"), "either --colocated"),
         ('model = "m"\n', ("--colocated", "1", "--transport", "udp"), "--transport must be"),
+        ('model = "m"\ndecode = 2\nprefill = 1\ndecode-max = 1\n', (), "pool decode: need 0 <= --decode-min"),
+        ('model = "m"\n', ("--colocated", "2", "--colocated-min", "3"), "3 <= 2 <= 2"),
+        ('model = "m"\n', ("--prefill", "1", "--decode", "1", "--drain-timeout", "0"), "--drain-timeout"),
     ],
 )
 def test_bad_options_are_refused_before_anything_starts(

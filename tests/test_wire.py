@@ -12,10 +12,14 @@ def test_every_message_round_trips() -> None:
     params = wire.WireSamplingParams.from_params(
         SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop_token_ids=[2], logprobs=1)
     )
-    handle = wire.KVHandle("p0", "shm", "pdserve-kv-1", [3, 4], 30, 1e9)
+    handle = wire.KVHandle("p0", "shm", "pdserve-kv-1", [3, 4], 30, 1e9, "r2")
     messages: list[wire.Message] = [
         wire.AddRequest("r1", [1, 2, 3], params),
-        wire.AddRequest("r2", [1, 2], params, first_token_id=9, kv=handle),
+        wire.AddRequest("r2", [1, 2], params, output_token_ids=[9], kv=handle),
+        wire.AddRequest("r3.2", [1, 2], params, output_token_ids=[9, 8, 7], kv=handle, sampler_state=b"\x01"),
+        wire.Migrate(["r1", "r3"]),
+        wire.Migrated("r3", [9, 8, 7], handle, b"\x01\x02"),
+        wire.Migrated("r4", []),
         wire.Abort("r1"),
         wire.Release("r2"),
         wire.Shutdown(),

@@ -104,7 +104,7 @@ def hand_over(
     decode: Worker, request_id: str, prompt: list[int], params: wire.WireSamplingParams, first: wire.Tokens
 ) -> None:
     """What the router does with a prefill worker's answer: the request goes to the decode worker."""
-    decode.send(wire.AddRequest(request_id, prompt, params, first_token_id=first.token_ids[0], kv=first.kv))
+    decode.send(wire.AddRequest(request_id, prompt, params, output_token_ids=first.token_ids, kv=first.kv))
 
 
 @pytest.fixture(params=TRANSPORTS)

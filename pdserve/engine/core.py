@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import KVAllocator, ModelRunner
-from pdserve.engine.sched import Scheduler, SchedulerConfig, SchedulerStats
+from pdserve.engine.sched import Handover, Scheduler, SchedulerConfig, SchedulerStats
 from pdserve.errors import InvalidRequestError
 from pdserve.models.config import ModelConfig
 from pdserve.models.llama import LlamaForCausalLM
@@ -148,16 +149,45 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
-        first_token_id: int | None = None,
+        output_token_ids: Sequence[int] = (),
+        sampler_state: bytes | None = None,
     ) -> None:
-        """Queue a request. `first_token_id` (decode role): its prompt KV will arrive from a prefill
-        worker, which already sampled this first token."""
+        """Queue a request. `output_token_ids`: tokens it already sampled on another worker (the
+        first token from a prefill worker, or all of a stream's tokens so far when it moves here);
+        the KV of every token but the last will arrive from that worker (`take_kv_to_receive`).
+        `sampler_state`: where its sampling generator stood there (`hand_over`)."""
         self.validate(prompt_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
-        if first_token_id is not None:
-            request.output_token_ids.append(first_token_id)
+        if output_token_ids:
+            self._validate_outputs(list(output_token_ids), params, len(prompt_token_ids))
+            request.output_token_ids.extend(output_token_ids)
             request.remote_kv = True
+            request.sampler_state = sampler_state
         self.scheduler.add_request(request)
+
+    def _validate_outputs(self, outputs: list[int], params: SamplingParams, num_prompt: int) -> None:
+        vocab = self.model_config.vocab_size
+        for token in outputs:
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+                raise InvalidRequestError(f"output token id {token!r} is outside the vocabulary [0, {vocab})")
+        if len(outputs) >= params.max_tokens:
+            raise InvalidRequestError(f"{len(outputs)} tokens already sampled: max_tokens is reached")
+        if num_prompt + len(outputs) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"{num_prompt + len(outputs)} tokens do not leave room in this engine's context "
+                f"({self.max_model_len} tokens)"
+            )
+
+    def hand_over(self, request_id: str) -> tuple[Handover, Request | None, bytes | None]:
+        """Stop a request here so another worker can continue it (`Scheduler.hand_over`).
+        Returns what happened, the request (HELD or NO_KV) and its sampling generator's state."""
+        request = self.scheduler.get(request_id)
+        outcome = self.scheduler.hand_over(request_id)
+        if outcome not in (Handover.HELD, Handover.NO_KV):
+            return outcome, None, None
+        state = self.runner.generator_state(request_id)
+        self.runner.release(request_id)
+        return outcome, request, state
 
     def abort(self, request_id: str) -> bool:
         request = self.scheduler.abort(request_id)
@@ -173,7 +203,7 @@ class EngineCore:
         return request is not None
 
     def release(self, request_id: str) -> bool:
-        """Prefill role: free the blocks of a prefilled request once its KV has been taken."""
+        """Free the blocks of a held request (prefilled, or handed over) once its KV is taken."""
         return self.scheduler.release(request_id)
 
     def kv_received(self, request_id: str, ok: bool) -> EngineOutput | None:

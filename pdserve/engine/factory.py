@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,10 +19,16 @@ from pdserve.models.loader import generation_eos_ids, iter_weights, load_config,
 logger = logging.getLogger(__name__)
 
 
-def build_engine(config: EngineConfig, kv_allocator: KVAllocator | None = None) -> tuple[EngineCore, Any]:
+def build_engine(
+    config: EngineConfig,
+    kv_allocator: KVAllocator | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+) -> tuple[EngineCore, Any]:
     """Returns the engine core and the model's tokenizer (with its chat template).
 
-    `kv_allocator` places the KV cache (in shared memory for the `shm` transport)."""
+    `kv_allocator` places the KV cache (in shared memory for the `shm` transport). With
+    `eos_token_ids` given (a worker: the router has the tokenizer) no tokenizer is loaded (None is
+    returned for it): loading one with transformers takes seconds of every worker's start."""
     started = time.perf_counter()
     if config.threads is not None:
         torch.set_num_threads(config.threads)
@@ -36,8 +43,12 @@ def build_engine(config: EngineConfig, kv_allocator: KVAllocator | None = None) 
         model.load_weights(iter_weights(source))
     model.to(dtype)  # the RoPE tables are not parameters: they stay float32, as in HF
     model.eval()
-    tokenizer = load_tokenizer(source)
-    eos_ids = generation_eos_ids(source, model_config, tokenizer)
+    tokenizer = None
+    if eos_token_ids is None:
+        tokenizer = load_tokenizer(source)
+        eos_ids = generation_eos_ids(source, model_config, tokenizer)
+    else:
+        eos_ids = tuple(eos_token_ids)
     if device.type == "cpu":
         # Build (first time on this machine, ~10-20 s) or load the CPU kernel now, at start-up,
         # rather than stalling the first decode step of the first request.

@@ -21,6 +21,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"  # blocks taken back; will be recomputed from scratch
     PREFILLED = "prefilled"  # prefill role: done, blocks held for a decode worker to pull
+    MIGRATED = "migrated"  # stopped here to continue elsewhere: blocks held for that worker to pull
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
@@ -47,6 +48,7 @@ _FINISH_REASON = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
     RequestStatus.PREFILLED: "prefilled",
+    RequestStatus.MIGRATED: "migrated",
 }
 
 
@@ -60,12 +62,16 @@ class Request:
     # When the scheduler first gave it blocks: arrival -> here is its queue time on this engine.
     first_scheduled_time: float | None = None
     # Tokens sampled elsewhere before this engine saw the request (the first token from a prefill
-    # worker). They count as outputs; their KV has not been computed here yet.
+    # worker; every token so far of a stream that moved here). They count as outputs.
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    # Decode role: the prompt's KV comes from another worker instead of being computed here.
+    # The KV of every token but the last comes from another worker instead of being computed here
+    # (a prefill worker's prompt, or a stream that moved here from another decode worker).
     remote_kv: bool = False
+    # The sampling generator's state where the request stopped on another worker (opaque to this
+    # layer): a seeded stream that moves goes on drawing the numbers it would have drawn there.
+    sampler_state: bytes | None = None
     num_preemptions: int = 0
     stop_reason: int | str | None = None
 

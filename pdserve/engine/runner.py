@@ -66,6 +66,14 @@ class ModelRunner:
         """Forget per-request state (the sampling generator) of a finished request."""
         self._generators.pop(request_id, None)
 
+    def generator_state(self, request_id: str) -> bytes | None:
+        """The request's sampling generator state (None if it has none: greedy, or not sampled
+        here yet), for the engine that continues the request to restore."""
+        generator = self._generators.get(request_id)
+        if generator is None:
+            return None
+        return bytes(generator.get_state().numpy().tobytes())
+
     # -- KV blocks in and out (for moving a request's KV between engines) ---------------------------
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """[num_layers, 2, len(block_ids), block_size, KVH, D] copy of the given blocks."""
@@ -185,5 +193,9 @@ class ModelRunner:
             if generator is None:
                 seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
                 generator = torch.Generator(device=self.device).manual_seed(seed)
+                if request.sampler_state is not None:  # it moved here: go on where it stopped
+                    state = torch.frombuffer(bytearray(request.sampler_state), dtype=torch.uint8)
+                    generator.set_state(state)
+                    request.sampler_state = None
                 self._generators[request_id] = generator
         return SamplingRow(params, generator, request.prompt_token_ids, request.output_token_ids)

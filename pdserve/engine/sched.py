@@ -7,9 +7,14 @@ One step at a time under a token budget. Three roles:
   next chunk of a longer one (see `_schedule_short_prompts`). A request ends after its first
   sampled token and keeps its KV blocks (status PREFILLED) until `release()` says the decode side
   has them.
-- `decode`: decodes the running batch. A request whose prompt KV comes from another worker gets
+- `decode`: decodes the running batch. A request whose KV comes from another worker gets
   blocks first (`SchedulerOutput.kv_to_receive`); once the caller reports the KV arrived, those
   tokens simply count as computed. Short prompts may still be prefilled locally.
+
+A request that is decoding can be handed over to another engine (`hand_over`): it stops being
+scheduled here and keeps its blocks (status MIGRATED) until `release()`, exactly as a prefilled
+request does; the other engine takes it with its outputs so far and pulls those blocks. `decode`
+and `mixed` engines both take such requests.
 
 When blocks run out, the latest-arrived request not yet scheduled this step is preempted: its
 blocks are freed and it is recomputed from scratch later (prompt + tokens generated so far).
@@ -18,6 +23,7 @@ Nothing here knows about torch, processes or sockets.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -74,12 +80,21 @@ class SchedulerOutput:
         return not self.chunks
 
 
+class Handover(enum.Enum):
+    """What `Scheduler.hand_over` did with a request."""
+
+    HELD = "held"  # stopped; its blocks are held (KV of every token but the last) until release
+    NO_KV = "no_kv"  # it had no KV here yet (waiting, or preempted): removed, start it elsewhere
+    NOT_YET = "not_yet"  # mid-prompt, or its KV is still arriving: ask again after a step
+    UNKNOWN = "unknown"  # not here, finished, or already held
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     num_running: int
     num_waiting: int
     num_receiving_kv: int
-    num_prefilled_held: int
+    num_held: int  # requests whose blocks are held for another worker (prefilled or migrated)
     queued_prompt_tokens: int
     kv_blocks_used: int
     kv_blocks_free: int
@@ -93,7 +108,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.receiving: dict[str, Request] = {}  # decode role: blocks allocated, KV in flight
-        self.prefilled: dict[str, Request] = {}  # prefill role: done, blocks held until release
+        # Done here, blocks held until `release()`: prefilled prompts, streams handed over.
+        self.held: dict[str, Request] = {}
         self._requests: dict[str, Request] = {}
         self.num_preemptions = 0
 
@@ -101,12 +117,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in this scheduler")
-        if request.remote_kv and self.config.role is not Role.DECODE:
-            raise ValueError("only a decode-role scheduler accepts requests whose KV arrives from outside")
+        if request.remote_kv and self.config.role is Role.PREFILL:
+            raise ValueError("a prefill-role scheduler does not take requests whose KV arrives from outside")
         if request.remote_kv and not request.output_token_ids:
-            raise ValueError(
-                "a request with remote KV must carry the first token sampled by the prefill side"
-            )
+            raise ValueError("a request with remote KV must carry the tokens sampled before it came here")
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self.waiting.append(request)
@@ -134,22 +148,46 @@ class Scheduler:
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         self.receiving.pop(request_id, None)
-        self.prefilled.pop(request_id, None)
+        self.held.pop(request_id, None)
         request.status = status
         self.kv.free(request_id)
         return request
 
     def release(self, request_id: str) -> bool:
-        """Prefill role: the decode side holds the KV now (or the lease expired); free the blocks."""
-        request = self.prefilled.pop(request_id, None)
+        """A held request's KV has been taken by another worker (or its lease expired): free it."""
+        request = self.held.pop(request_id, None)
         if request is None:
             return False
         self._requests.pop(request_id, None)
         self.kv.free(request_id)
         return True
 
+    def hand_over(self, request_id: str) -> Handover:
+        """Stop a request here so that another engine can continue it (see the module doc).
+
+        Only between steps: a request is HELD once it is decoding (its KV covers every token but
+        the last sampled one, which the next engine computes first)."""
+        request = self._requests.get(request_id)
+        if request is None or request.status in (RequestStatus.PREFILLED, RequestStatus.MIGRATED):
+            return Handover.UNKNOWN
+        if request.status is RequestStatus.RUNNING:
+            if request.num_tokens_to_compute != 1 or not request.output_token_ids:
+                return Handover.NOT_YET  # still in its prompt
+            self.running.remove(request)
+            request.status = RequestStatus.MIGRATED
+            self.held[request_id] = request
+            return Handover.HELD
+        if request.status is RequestStatus.WAITING_FOR_REMOTE_KV or request.remote_kv:
+            return Handover.NOT_YET  # its KV is on its way: move it once it has arrived
+        # Waiting or preempted: nothing of it is computed here.
+        self.waiting.remove(request)
+        del self._requests[request_id]
+        self.kv.free(request_id)
+        request.status = RequestStatus.MIGRATED
+        return Handover.NO_KV
+
     def remote_kv_done(self, request_id: str, ok: bool) -> Request | None:
-        """Decode role: the prompt KV for `request_id` has arrived (ok) or failed to (not ok).
+        """Decode role: the KV for `request_id` has arrived (ok) or failed to (not ok).
 
         On failure the request ends with FINISHED_ERROR and its blocks are freed; the caller says
         so loudly and the router retries. Returns the request, or None if it is no longer here."""
@@ -161,7 +199,7 @@ class Scheduler:
             self.kv.free(request_id)
             request.status = RequestStatus.FINISHED_ERROR
             return request
-        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_computed_tokens = request.num_tokens - 1  # all but the last sampled token
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return request
@@ -185,7 +223,7 @@ class Scheduler:
 
     def _start_receiving(self, request: Request, kv_to_receive: list[tuple[str, list[int]]]) -> bool:
         """Blocks for a remote-KV request at the head of the queue; False if there are none free."""
-        if self.kv.allocate(request.request_id, request.num_prompt_tokens) is None:
+        if self.kv.allocate(request.request_id, request.num_tokens - 1) is None:
             return False
         self.waiting.popleft()
         request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
@@ -265,7 +303,7 @@ class Scheduler:
             elif self.config.role is Role.PREFILL:
                 self.running.remove(request)
                 request.status = RequestStatus.PREFILLED
-                self.prefilled[request.request_id] = request
+                self.held[request.request_id] = request
         return updated
 
     def stats(self) -> SchedulerStats:
@@ -275,7 +313,7 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_receiving_kv=len(self.receiving),
-            num_prefilled_held=len(self.prefilled),
+            num_held=len(self.held),
             queued_prompt_tokens=queued,
             kv_blocks_used=self.kv.num_used_blocks,
             kv_blocks_free=self.kv.num_free_blocks,

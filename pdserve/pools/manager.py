@@ -1,10 +1,16 @@
-"""The pool manager: each pool's workers started, watched and stopped through a cluster backend.
-No torch.
+"""The pool manager: each pool's workers started, drained and stopped while serving. No torch.
 
-A pool (`prefill`, `decode` or `colocated`) has bounds (min, max) and a target number of replicas.
-The manager starts workers through the `ClusterBackend` (which returns once a worker has reported
-its addresses), adds each to the router's `WorkerSet` (`starting` until it says Ready over its RPC
-connection), and removes a worker when it ends, so its metric series go with it.
+A pool (`prefill`, `decode` or `colocated`) has bounds (min, max) and a target number of replicas,
+and the manager keeps it there: it starts workers through the `ClusterBackend` (which returns once a
+worker has reported its addresses), adds each to the router's `WorkerSet` (`starting` until it says
+Ready over its RPC connection), drains the ones the pool no longer needs, and removes a worker when
+it ends, so its metric series go with it. A worker that dies is replaced; one that fails to start
+is retried after a growing pause, and the pool says why (`last_error`).
+
+Drain loses nothing (`pdserve.pools.drain`): a draining worker takes no new request; a prefill
+worker stops once the KV it holds has been pulled; a decode or colocated worker's streams move to
+the others of its pool. Rebalance moves streams from the busiest workers to the idlest (a worker
+that just started takes its share at once).
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from typing import Any
 from pdserve.cluster.base import ClusterBackend, WorkerExit, WorkerHandle, WorkerStartError
 from pdserve.config import WorkerConfig
 from pdserve.errors import PdserveError
+from pdserve.pools import drain
+from pdserve.router import policy
+from pdserve.router.dispatch import STREAM_POOLS
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import WorkerLink, WorkerSet, WorkerState
 
@@ -52,7 +61,14 @@ class Pool:
     next_index: int = 0  # worker ids are never reused: decode-0, decode-1, ...
     starting: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     handles: dict[str, WorkerHandle] = field(default_factory=dict)
+    drains: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     last_error: str | None = None
+    failures: int = 0  # starts that failed in a row (reset by one that works)
+    retry_at: float = 0.0  # no new start before this (monotonic), after a failure
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
 
 class PoolManager:
@@ -65,6 +81,9 @@ class PoolManager:
         *,
         start_timeout: float = 600.0,
         stop_timeout: float = 15.0,
+        drain_timeout: float = 60.0,
+        rebalance_on_start: bool = True,
+        replace_failed: bool = True,
     ) -> None:
         self.backend = backend
         self.workers = workers
@@ -72,11 +91,18 @@ class PoolManager:
         self.pools = {p.name: Pool(p, p.replicas) for p in pools}
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
+        self.drain_timeout = drain_timeout
+        # A stream pool's worker that comes up while serving takes its share of the streams.
+        self.rebalance_on_start = rebalance_on_start
+        # A worker that dies is replaced (the pool keeps its target), or the pool shrinks by one.
+        self.replace_failed = replace_failed
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._serving = False  # the initial workers are up: from now on the pools are kept
         self._closing = False
+        self._keeper: asyncio.Task[None] | None = None
         backend.set_exit_callback(self._on_exit)
         for pool in self.pools.values():
-            metrics.pool_target.labels(pool.spec.name).set(pool.target)
+            metrics.pool_target.labels(pool.name).set(pool.target)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     async def start(self, abort: Callable[[], str | None] | None = None) -> None:
@@ -96,10 +122,12 @@ class PoolManager:
                 raise PdserveError(f"start-up stopped: {reason}")
             waiting = [w.worker_id for w in self.workers.links.values() if w.state is WorkerState.STARTING]
             if not waiting:
-                return
+                break
             if time.monotonic() > deadline:
                 raise PdserveError(f"workers not ready after {self.start_timeout:g} s: {', '.join(waiting)}")
             await asyncio.sleep(0.05)
+        self._serving = True
+        self._keeper = self._spawn(self._keep(), "pool-keeper")
 
     async def close(self) -> None:
         """Stop every worker (what is starting too) and forget them."""
@@ -116,14 +144,156 @@ class PoolManager:
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
         return task
 
-    # -- starting and stopping workers ------------------------------------------------------------------
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # a bug: say so, loudly
+            logger.error("pool task %s failed", task.get_name(), exc_info=task.exception())
+
+    async def _keep(self) -> None:
+        """Every half second: each pool back to its target (after a failed start, not before its
+        pause is over)."""
+        while True:
+            for pool in self.pools.values():
+                self._reconcile(pool)
+            await asyncio.sleep(0.5)
+
+    # -- the admin API --------------------------------------------------------------------------------
+    def scale(self, pool_name: str, replicas: object) -> dict[str, Any]:
+        """PUT /pools/{pool}: start or drain workers until the pool has `replicas`."""
+        pool = self._pool(pool_name)
+        if not isinstance(replicas, int) or isinstance(replicas, bool):
+            raise PoolError(f"replicas must be an integer, got {replicas!r}")
+        if replicas < pool.spec.min:
+            raise PoolError(f"pool {pool.name}: replicas {replicas} is below its min {pool.spec.min}")
+        if replicas > pool.spec.max:
+            raise PoolError(f"pool {pool.name}: replicas {replicas} is above its max {pool.spec.max}")
+        if replicas != pool.target:
+            logger.info("pool %s: target %d -> %d", pool.name, pool.target, replicas)
+        self._set_target(pool, replicas)
+        pool.failures, pool.retry_at = 0, 0.0  # an operator asked: try again now
+        self._reconcile(pool)
+        return self._describe_pool(pool)
+
+    def drain(self, worker_id: str, *, force: bool = False, replace: bool = False) -> dict[str, Any]:
+        """POST /workers/{id}/drain: drain that worker, then stop it. The pool's target goes down by
+        one, or stays (`replace`: a new worker takes its place)."""
+        link = self.workers.links.get(worker_id)
+        if link is None:
+            raise PoolError(f"unknown worker {worker_id!r}")
+        pool = self._pool(link.pool)
+        if link.draining:
+            return self._describe_worker(link, pool.handles.get(worker_id))
+        if not replace:
+            if pool.target - 1 < pool.spec.min:
+                raise PoolError(
+                    f"pool {pool.name}: draining {worker_id} would take it below its min {pool.spec.min} "
+                    "(ask for replace, or lower the pool's min)"
+                )
+            others = [w for w in self.workers.up(pool.name) if w is not link]
+            if not others and not force:
+                raise PoolError(
+                    f"{worker_id} is the last worker of pool {pool.name} that is up: draining it leaves "
+                    "the pool empty (ask for force to do it anyway)"
+                )
+            self._set_target(pool, pool.target - 1)
+        self._begin_drain(pool, link)
+        if replace:
+            self._reconcile(pool)
+        return self._describe_worker(link, pool.handles.get(worker_id))
+
+    def rebalance(self, pool_name: str) -> dict[str, Any]:
+        """POST /pools/{pool}/rebalance: move streams from the busiest workers to the idlest."""
+        pool = self._pool(pool_name)
+        if pool.name not in STREAM_POOLS:
+            raise PoolError(
+                f"pool {pool.name} holds no streams to move (only {' and '.join(STREAM_POOLS)} do)"
+            )
+        links = {w.worker_id: w for w in self.workers.up(pool.name)}
+        plan = policy.plan_rebalance({w: len(link.streams()) for w, link in links.items()})
+        moved: dict[str, int] = {}
+        for worker_id, count in plan.items():
+            link = links[worker_id]
+            # The newest streams have the most tokens still to come and the least KV to move.
+            newest = sorted(link.streams(), key=lambda leg: leg.opened_at, reverse=True)[:count]
+            moved[worker_id] = drain.ask_to_move(link, newest, "rebalance")
+        if moved:
+            logger.info("pool %s: rebalance moves %s", pool.name, moved)
+        return {"pool": pool.name, "moved": moved}
+
+    def _pool(self, name: str) -> Pool:
+        pool = self.pools.get(name)
+        if pool is None:
+            raise PoolError(f"unknown pool {name!r} (this server has: {', '.join(self.pools)})")
+        return pool
+
+    def _set_target(self, pool: Pool, target: int) -> None:
+        pool.target = target
+        self.metrics.pool_target.labels(pool.name).set(target)
+
+    # -- keeping a pool at its target ---------------------------------------------------------------
+    def _reconcile(self, pool: Pool) -> None:
+        if self._closing or not self._serving:
+            return
+        supply = [
+            w
+            for w in self.workers.in_pool(pool.name)
+            if not w.draining and w.state is not WorkerState.STOPPED
+        ]
+        if len(supply) < pool.target:
+            if time.monotonic() < pool.retry_at:
+                return
+            for _ in range(pool.target - len(supply)):
+                self._start_worker(pool)
+        elif len(supply) > pool.target:
+            # The cheapest to give up first: one still starting, one that is down, the least busy.
+            order = {WorkerState.STARTING: 0, WorkerState.DOWN: 1, WorkerState.UP: 2}
+            supply.sort(key=lambda w: (order.get(w.state, 3), len(w.legs), -w.opened_at))
+            for link in supply[: len(supply) - pool.target]:
+                self._begin_drain(pool, link)
+
+    def _begin_drain(self, pool: Pool, link: WorkerLink) -> None:
+        was_starting = link.state is WorkerState.STARTING
+        self.workers.drain_worker(link.worker_id)
+        starting = pool.starting.pop(link.worker_id, None)
+        if starting is not None:
+            starting.cancel()  # the backend stops what it had started
+        if was_starting:  # not up yet: nothing to drain, just stop it
+            self._spawn(self._stop(pool, link, "cancelled"), f"stop-{link.worker_id}")
+            return
+        logger.info("worker %s: draining (%d streams)", link.worker_id, len(link.legs))
+        pool.drains[link.worker_id] = self._spawn(self._drain(pool, link), f"drain-{link.worker_id}")
+
+    async def _drain(self, pool: Pool, link: WorkerLink) -> None:
+        outcome = await drain.drain(
+            link, self.workers, self.drain_timeout, moves_streams=pool.name in STREAM_POOLS
+        )
+        await self._stop(pool, link, outcome)
+
+    async def _stop(self, pool: Pool, link: WorkerLink, outcome: str) -> None:
+        """After a drain: stop the worker and forget it. Past the drain timeout, what it still
+        holds ends here (its streams with an error event, its prompts prefilled again)."""
+        worker_id = link.worker_id
+        try:
+            reason = {"ok": "drained", "cancelled": "stopped before it started"}.get(
+                outcome, f"drain ended: {outcome}"
+            )
+            if outcome == "timeout":
+                reason = f"--drain-timeout ({self.drain_timeout:g} s) passed while draining"
+            self.metrics.worker_drains.labels(pool.name, outcome).inc()
+            await self.workers.remove_worker(worker_id, reason)
+            await self.backend.stop_worker(worker_id, graceful=True, timeout=self.stop_timeout)
+            logger.info("worker %s: %s; stopped", worker_id, reason)
+        finally:
+            pool.drains.pop(worker_id, None)
+
+    # -- starting workers ---------------------------------------------------------------------------
     def _start_worker(self, pool: Pool) -> str:
-        worker_id = f"{pool.spec.name}-{pool.next_index}"
+        worker_id = f"{pool.name}-{pool.next_index}"
         pool.next_index += 1
-        self.workers.add_worker(worker_id, pool.spec.name)
+        self.workers.add_worker(worker_id, pool.name)
         pool.starting[worker_id] = self._spawn(self._run_start(pool, worker_id), f"start-{worker_id}")
         return worker_id
 
@@ -131,28 +301,48 @@ class PoolManager:
         try:
             handle = await self.backend.start_worker(pool.spec.config(worker_id), self.start_timeout)
         except WorkerStartError as exc:
-            pool.last_error = str(exc)
-            logger.error("pool %s: %s", pool.spec.name, exc)
+            self._start_failed(pool, str(exc))
             await self.workers.remove_worker(worker_id, f"failed to start: {exc}")
             return
         finally:
             pool.starting.pop(worker_id, None)
         link = self.workers.links.get(worker_id)
-        if link is None or link.state is WorkerState.STOPPED:  # removed while it started
+        if link is None or link.draining:  # drained or removed while it started
             await self.backend.stop_worker(worker_id, graceful=True, timeout=self.stop_timeout)
             return
         pool.handles[worker_id] = handle
         link.connect(handle.rpc_address)
+        deadline = time.monotonic() + self.start_timeout
+        while link.state is WorkerState.STARTING and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if link.state is not WorkerState.UP:
+            return  # it ended, or never said Ready over its connection: its exit (or reconcile) follows
+        pool.failures, pool.last_error = 0, None
+        if self._serving and self.rebalance_on_start and pool.name in STREAM_POOLS:
+            self.rebalance(pool.name)
+
+    def _start_failed(self, pool: Pool, error: str) -> None:
+        pool.last_error = error
+        pool.failures += 1
+        pause = min(60.0, 2.0 ** (pool.failures - 1))
+        pool.retry_at = time.monotonic() + pause
+        logger.error("pool %s: %s (next try in %g s)", pool.name, error, pause if self._serving else 0)
 
     def _on_exit(self, exit: WorkerExit) -> None:
-        """A worker ended (asked to or not): its link goes, and with it its metric series."""
+        """A worker ended (asked to or not): its link goes, and with it its metric series. The pool
+        is brought back to its target by the keeper."""
         for pool in self.pools.values():
             pool.handles.pop(exit.worker_id, None)
         if self._closing:
             return
         link = self.workers.links.get(exit.worker_id)
-        if link is not None and not exit.expected:
-            logger.error("worker %s %s", exit.worker_id, exit.reason)
+        if not exit.expected and link is not None:
+            pool = self.pools[link.pool]
+            if self.replace_failed and not link.draining:
+                logger.error("worker %s %s: a new one takes its place", exit.worker_id, exit.reason)
+            elif not link.draining:
+                logger.error("worker %s %s: pool %s shrinks by one", exit.worker_id, exit.reason, pool.name)
+                self._set_target(pool, max(0, pool.target - 1))
         self._spawn(self.workers.remove_worker(exit.worker_id, exit.reason), f"remove-{exit.worker_id}")
 
     # -- what GET /pools shows ------------------------------------------------------------------------
@@ -160,8 +350,9 @@ class PoolManager:
         return {"pools": {name: self._describe_pool(pool) for name, pool in self.pools.items()}}
 
     def _describe_pool(self, pool: Pool) -> dict[str, Any]:
-        links = self.workers.in_pool(pool.spec.name)
+        links = self.workers.in_pool(pool.name)
         return {
+            "pool": pool.name,
             "target": pool.target,
             "min": pool.spec.min,
             "max": pool.spec.max,
@@ -174,6 +365,7 @@ class PoolManager:
         load = link.load
         view: dict[str, Any] = {
             "id": link.worker_id,
+            "pool": link.pool,
             "state": link.state.value,
             "detail": link.detail,
             "streams": len(link.legs),
@@ -182,7 +374,7 @@ class PoolManager:
             "kv_blocks_used": load.kv_blocks_used if load else None,
             "kv_blocks_free": load.kv_blocks_free if load else None,
             "queued_prompt_tokens": load.queued_prompt_tokens if load else None,
-            "held_leases": load.num_prefilled_held if load else None,
+            "held_leases": load.num_held if load else None,
         }
         if handle is not None:
             view.update(rpc_address=handle.rpc_address, node=handle.node, **handle.details)

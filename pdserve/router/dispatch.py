@@ -11,6 +11,12 @@ already streamed, with the remaining token budget. Each retry is logged with the
 counted (`pdserve_request_retries_total`). A decode worker that dies after it streamed tokens ends
 the stream with an error (its KV is gone). Every wait has a timeout. Whatever happens, every leg
 still open on a worker is aborted when the request ends, so no KV block is left behind.
+
+A stream moves (its worker drains, or the pool rebalances): the worker answers `Migrate` with
+`Migrated` and holds the stream's blocks under a lease; the stream continues on another worker,
+which pulls those blocks and goes on from the next token, exactly as after a remote prefill. The
+client sees one stream. If the move cannot happen (no other worker, a failed pull), the stream is
+prefilled again from prompt + tokens so far, as after any failure (counted, logged).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
+from typing import Literal, overload
 
 import msgspec
 
@@ -76,8 +83,43 @@ class RequestState:
     request_id: str
     path: str = "none"
     retries: int = 0
+    migrations: int = 0
     outcome: str = "aborted"  # until the request ends otherwise (a client that left, say)
     legs: list[Leg] = field(default_factory=list)
+    last_token_at: float | None = None  # monotonic time of the last token streamed
+    _next_leg: int = 0
+
+    def new_leg_id(self) -> str:
+        """`<request id>.<n>`: one per attempt (its prefill and decode legs share it) and per move."""
+        leg_id = f"{self.request_id}.{self._next_leg}"
+        self._next_leg += 1
+        return leg_id
+
+
+@dataclass
+class _Attempt:
+    """One try at the request, from `start` tokens into it: a retry continues from what the
+    client has seen, so those tokens become prompt."""
+
+    leg_id: str
+    tokens: list[int]  # the request's prompt + the `start` tokens streamed before this attempt
+    params: wire.WireSamplingParams  # max_tokens: what was left at its start
+    emitted: list[int]  # every token of the request streamed so far (shared, it grows)
+    start: int
+
+    @property
+    def outputs(self) -> list[int]:
+        """The tokens this attempt has streamed."""
+        return self.emitted[self.start :]
+
+
+@dataclass
+class _Move:
+    """A stream moving to another worker, until its KV is there and its next token out."""
+
+    reason: str  # drain | rebalance
+    since: float  # its last token on the old worker
+    counted: bool = False
 
 
 class Dispatcher:
@@ -141,32 +183,32 @@ class Dispatcher:
     async def _attempt(
         self, state: RequestState, prompt: list[int], emitted: list[int], params: wire.WireSamplingParams
     ) -> AsyncIterator[TokenEvent]:
-        # A retry continues from what the client has seen: those tokens become prompt.
-        tokens = prompt + emitted
-        attempt_params = msgspec.structs.replace(params, max_tokens=params.max_tokens - len(emitted))
-        leg_id = f"{state.request_id}.{state.retries}"
+        attempt = _Attempt(
+            leg_id=state.new_leg_id(),
+            tokens=prompt + emitted,
+            params=msgspec.structs.replace(params, max_tokens=params.max_tokens - len(emitted)),
+            emitted=emitted,
+            start=len(emitted),
+        )
+        tokens, leg_id = attempt.tokens, attempt.leg_id
         prefill = self._pick_prefill(len(tokens))
         if prefill is None:
             decode = self._pick_decode()
             state.path = "colocated" if decode.pool == "colocated" else "local_prefill"
-            leg = self._open(
-                state, decode, leg_id, len(tokens), wire.AddRequest(leg_id, tokens, attempt_params)
-            )
-            async for event in self._stream(state, leg, kv_pending=False):
+            leg = self._open(state, decode, len(tokens), wire.AddRequest(leg_id, tokens, attempt.params))
+            async for event in self._stream(state, attempt, leg, kv_pending=False):
                 yield event
             return
 
         state.path = "remote_prefill"
-        pleg = self._open(
-            state, prefill, leg_id, len(tokens), wire.AddRequest(leg_id, tokens, attempt_params)
-        )
+        pleg = self._open(state, prefill, len(tokens), wire.AddRequest(leg_id, tokens, attempt.params))
         sent_at = time.monotonic()
         answer = await self._next(
             pleg, self.config.prefill_timeout, "the first token from the prefill worker"
         )
         if isinstance(answer, WorkerDown):
             raise _Retry("prefill_worker_down", f"prefill worker {answer.worker_id} went down")
-        if isinstance(answer, wire.KVPulled) or answer.finish_reason == "error":
+        if not isinstance(answer, wire.Tokens) or answer.finish_reason == "error":
             pleg.done = True
             raise _Retry(
                 "prefill_failed", f"prefill worker {prefill.worker_id}: {getattr(answer, 'error', '')}"
@@ -174,6 +216,7 @@ class Dispatcher:
         if answer.queue_seconds is not None:
             self.metrics.queue_time.labels("prefill").observe(answer.queue_seconds)
             self.metrics.prefill_time.observe(max(0.0, time.monotonic() - sent_at - answer.queue_seconds))
+        state.last_token_at = time.monotonic()
         if answer.finish_reason != "prefilled" or answer.kv is None:
             pleg.done = True  # the first token ended it (EOS, max_tokens=1): nothing to decode
             yield TokenEvent(answer.token_ids, answer.finish_reason, answer.stop_reason)
@@ -181,78 +224,150 @@ class Dispatcher:
         yield TokenEvent(answer.token_ids)  # the first token goes to the client now
 
         decode = self._pick_decode()
-        first_token = answer.token_ids[0]
         dleg = self._open(
             state,
             decode,
-            leg_id,
             0,
-            wire.AddRequest(leg_id, tokens, attempt_params, first_token_id=first_token, kv=answer.kv),
+            wire.AddRequest(leg_id, tokens, attempt.params, output_token_ids=answer.token_ids, kv=answer.kv),
         )
         async for event in self._stream(
-            state, dleg, kv_pending=True, prefill_leg=pleg, transport=answer.kv.transport
+            state, attempt, dleg, kv_pending=True, source_leg=pleg, transport=answer.kv.transport
         ):
             yield event
 
     async def _stream(
         self,
         state: RequestState,
+        attempt: _Attempt,
         leg: Leg,
         *,
         kv_pending: bool,
-        prefill_leg: Leg | None = None,
+        source_leg: Leg | None = None,
         transport: str = "",
     ) -> AsyncIterator[TokenEvent]:
-        worker = leg.link.worker_id
+        """The tokens of `leg`, and of the legs it moves to. `source_leg`: the leg whose blocks the
+        current one pulls (released once they have arrived)."""
         streamed = 0
         kv_failed = False
-        while True:
-            # Locally prefilled, the first token waits for the queue and the whole prompt too.
-            first_local = streamed == 0 and not kv_pending
-            timeout = self.config.prefill_timeout if first_local else self.config.token_timeout
-            event = await self._next(leg, timeout, f"the next token from worker {worker}")
-            if isinstance(event, wire.KVPulled):
-                self._kv_pulled(state, event, prefill_leg, transport)
-                kv_failed = not event.ok
-                continue
-            if isinstance(event, WorkerDown):
-                if streamed == 0:
-                    raise _Retry("decode_worker_down", f"worker {worker} went down before its first token")
-                raise RequestFailed(f"worker {worker} went down mid-stream ({event.reason})")
-            if event.finish_reason == "error":
-                leg.done = True
-                if kv_pending and (kv_failed or streamed == 0):
-                    raise _Retry("kv_transfer_failed", f"worker {worker}: {event.error}")
-                raise RequestFailed(f"worker {worker} failed the request: {event.error}")
-            if streamed == 0 and event.queue_seconds is not None:
-                self.metrics.queue_time.labels(leg.link.pool).observe(event.queue_seconds)
-            streamed += len(event.token_ids)
-            if event.finish_reason is not None:
-                leg.done = True
-            yield TokenEvent(event.token_ids, event.finish_reason, event.stop_reason)
-            if event.finish_reason is not None:
-                return
+        move: _Move | None = None
+        try:
+            while True:
+                worker = leg.link.worker_id
+                # Locally prefilled, the first token waits for the queue and the whole prompt too.
+                first_local = streamed == 0 and not kv_pending
+                timeout = self.config.prefill_timeout if first_local else self.config.token_timeout
+                event = await self._next(leg, timeout, f"the next token from worker {worker}")
+                if isinstance(event, wire.KVPulled):
+                    self._kv_pulled(state, event, source_leg, transport, "stream" if move else "prompt")
+                    kv_failed = not event.ok
+                    if move is not None and event.ok:
+                        self._settle(move, "ok")
+                    continue
+                if isinstance(event, wire.Migrated):
+                    if move is not None:  # moved again before its next token: the first move worked
+                        self._settle(move, "ok")
+                    move = _Move(leg.move_reason or "rebalance", state.last_token_at or time.monotonic())
+                    source_leg, leg = leg, self._move(state, attempt, leg, event, move.reason)
+                    transport = event.kv.transport if event.kv else transport
+                    kv_pending, kv_failed, streamed = True, False, 0
+                    continue
+                if isinstance(event, WorkerDown):
+                    if streamed == 0:
+                        raise _Retry(
+                            "decode_worker_down", f"worker {worker} went down before its first token"
+                        )
+                    raise RequestFailed(f"worker {worker} went down mid-stream ({event.reason})")
+                if event.finish_reason == "error":
+                    leg.done = True
+                    if kv_pending and (kv_failed or streamed == 0):
+                        raise _Retry("kv_transfer_failed", f"worker {worker}: {event.error}")
+                    raise RequestFailed(f"worker {worker} failed the request: {event.error}")
+                if streamed == 0 and event.queue_seconds is not None:
+                    self.metrics.queue_time.labels(leg.link.pool).observe(event.queue_seconds)
+                if event.token_ids:
+                    now = time.monotonic()
+                    if move is not None:  # the first token after a move: the gap the move made
+                        self._settle(move, "ok")
+                        self.metrics.migration_gap.observe(now - move.since)
+                        move = None
+                    state.last_token_at = now
+                streamed += len(event.token_ids)
+                if event.finish_reason is not None:
+                    leg.done = True
+                yield TokenEvent(event.token_ids, event.finish_reason, event.stop_reason)
+                if event.finish_reason is not None:
+                    return
+        except _Retry:
+            if move is not None:  # it could not move, or its pull failed: prefilled again
+                self._settle(move, "reprefilled")
+            raise
+        except RequestFailed:
+            if move is not None:
+                self._settle(move, "failed")
+            raise
+
+    def _settle(self, move: _Move, outcome: str) -> None:
+        """Count a move once, by how it ended."""
+        if not move.counted:
+            move.counted = True
+            self.metrics.migrations.labels(move.reason, outcome).inc()
+
+    def _move(
+        self, state: RequestState, attempt: _Attempt, leg: Leg, event: wire.Migrated, reason: str
+    ) -> Leg:
+        """Continue a stream that stopped on `leg`'s worker on another one; returns the new leg.
+        Raises _Retry (prefill it again from prompt + tokens so far) when it cannot."""
+        source = leg.link.worker_id
+
+        def fall_back(retry_reason: str, why: str) -> _Retry:
+            logger.warning(
+                "request %s: cannot move it from %s (%s): prefilled again", state.request_id, source, why
+            )
+            return _Retry(retry_reason, why)
+
+        if event.kv is None:
+            leg.done = True  # nothing of it was computed there: the worker forgot it
+            raise fall_back("moved_before_start", f"worker {source} had not started it")
+        if event.output_token_ids != attempt.outputs:  # cannot happen unless a message was lost
+            raise fall_back("move_mismatch", f"worker {source} and the router disagree on its tokens")
+        target = self._pick_decode(exclude=leg.link, pools=(leg.link.pool,), required=False)
+        if target is None:
+            raise fall_back("no_move_target", f"no other {leg.link.pool} worker is up")
+        state.migrations += 1
+        leg_id = state.new_leg_id()
+        logger.info(
+            "request %s: moving from %s to %s (%s)", state.request_id, source, target.worker_id, reason
+        )
+        message = wire.AddRequest(
+            leg_id,
+            attempt.tokens,
+            attempt.params,
+            output_token_ids=attempt.outputs,
+            kv=event.kv,
+            sampler_state=event.sampler_state,
+        )
+        return self._open(state, target, 0, message)
 
     def _kv_pulled(
-        self, state: RequestState, event: wire.KVPulled, prefill_leg: Leg | None, transport: str
+        self, state: RequestState, event: wire.KVPulled, source_leg: Leg | None, transport: str, kind: str
     ) -> None:
-        # The decode side has the KV (or gave up on it): the prefill side's blocks can go.
-        if prefill_leg is not None and not prefill_leg.done:
-            if prefill_leg.link.connected:
-                prefill_leg.link.send(wire.Release(prefill_leg.leg_id))
-            prefill_leg.close(abort=False)
+        # The puller has the KV (or gave up on it): the holder's blocks can go.
+        if source_leg is not None and not source_leg.done:
+            if source_leg.link.connected:
+                source_leg.link.send(wire.Release(source_leg.leg_id))
+            source_leg.close(abort=False)
         if event.ok:
-            self.metrics.kv_transfer_time.labels(transport).observe(event.seconds)
-            self.metrics.kv_transfer_bytes.labels(transport).observe(event.nbytes)
+            self.metrics.kv_transfer_time.labels(transport, kind).observe(event.seconds)
+            self.metrics.kv_transfer_bytes.labels(transport, kind).observe(event.nbytes)
         else:
-            self.metrics.kv_transfer_failures.labels(transport).inc()
+            self.metrics.kv_transfer_failures.labels(transport, kind).inc()
             logger.error("request %s: KV transfer failed (%s): %s", state.request_id, transport, event.error)
 
     # -- helpers ------------------------------------------------------------------------------------------
     def _open(
-        self, state: RequestState, link: WorkerLink, leg_id: str, prompt_tokens: int, message: wire.AddRequest
+        self, state: RequestState, link: WorkerLink, prompt_tokens: int, message: wire.AddRequest
     ) -> Leg:
-        leg = link.open_leg(leg_id, prompt_tokens)
+        leg = link.open_leg(message.request_id, prompt_tokens)
         state.legs.append(leg)
         if not link.send(message):
             leg.close(abort=False)
@@ -282,8 +397,21 @@ class Dispatcher:
         chosen = policy.choose_prefill(views)
         return links[chosen.worker_id] if chosen else None
 
-    def _pick_decode(self) -> WorkerLink:
-        links = {w.worker_id: w for w in self.workers.up(*STREAM_POOLS)}
+    @overload
+    def _pick_decode(
+        self, exclude: WorkerLink | None = ..., pools: tuple[str, ...] = ..., required: Literal[True] = ...
+    ) -> WorkerLink: ...
+
+    @overload
+    def _pick_decode(
+        self, exclude: WorkerLink | None = ..., pools: tuple[str, ...] = ..., *, required: Literal[False]
+    ) -> WorkerLink | None: ...
+
+    def _pick_decode(
+        self, exclude: WorkerLink | None = None, pools: tuple[str, ...] = STREAM_POOLS, required: bool = True
+    ) -> WorkerLink | None:
+        """The worker to stream from (not `exclude`); None, or Unavailable if `required`."""
+        links = {w.worker_id: w for w in self.workers.up(*pools) if w is not exclude}
         views = [
             policy.DecodeView(
                 w.worker_id,
@@ -295,5 +423,7 @@ class Dispatcher:
         ]
         chosen = policy.choose_decode(views)
         if chosen is None:
-            raise Unavailable("no decode worker is up: the decode pool is empty")
+            if required:
+                raise Unavailable("no decode worker is up: the decode pool is empty")
+            return None
         return links[chosen.worker_id]

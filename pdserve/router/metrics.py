@@ -49,10 +49,12 @@ class RouterMetrics:
             "Prefill on the prefill pool: scheduled to first token, RPC included",
         )
         self.kv_transfer_time = histogram(
-            "pdserve_kv_transfer_seconds", "One request's KV pull by a decode worker", ("transport",)
+            "pdserve_kv_transfer_seconds",
+            "One KV pull by a decode worker: a prefilled prompt's (kind=prompt) or a moving stream's (kind=stream)",
+            ("transport", "kind"),
         )
         self.kv_transfer_bytes = histogram(
-            "pdserve_kv_transfer_bytes", "Bytes of one request's KV pull", ("transport",), _BYTES_BUCKETS
+            "pdserve_kv_transfer_bytes", "Bytes of one KV pull", ("transport", "kind"), _BYTES_BUCKETS
         )
         self.requests = Counter(
             "pdserve_requests",
@@ -65,7 +67,10 @@ class RouterMetrics:
             "pdserve_request_retries", "Re-prefills of a request, by reason", ("reason",), registry=r
         )
         self.kv_transfer_failures = Counter(
-            "pdserve_kv_transfer_failures", "KV pulls that failed or timed out", ("transport",), registry=r
+            "pdserve_kv_transfer_failures",
+            "KV pulls that failed or timed out",
+            ("transport", "kind"),
+            registry=r,
         )
         self.prompt_tokens = Counter(
             "pdserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r

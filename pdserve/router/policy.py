@@ -59,3 +59,23 @@ def choose_decode(workers: list[DecodeView], blocks_needed: int = 0) -> DecodeVi
         return (w.active_requests, used, w.worker_id)
 
     return min(candidates, key=load)
+
+
+def plan_rebalance(streams: dict[str, int]) -> dict[str, int]:
+    """How many streams to move off each worker so that the pool's counts differ by at most one:
+    worker id -> streams to move away. The busiest give first; nothing moves in a balanced pool.
+
+    A stream that moves costs one KV transfer and one gap of a step or two; it pays back from then
+    on with a shorter step on a smaller batch, so only real imbalance is worth it."""
+    counts = dict(streams)
+    moves: dict[str, int] = {}
+    if len(counts) < 2:
+        return moves
+    while True:
+        busiest = max(counts, key=lambda w: (counts[w], w))
+        idlest = min(counts, key=lambda w: (counts[w], w))
+        if counts[busiest] - counts[idlest] <= 1:
+            return moves
+        counts[busiest] -= 1
+        counts[idlest] += 1
+        moves[busiest] = moves.get(busiest, 0) + 1

@@ -50,7 +50,7 @@ class WorkerDown:
     reason: str
 
 
-LegEvent = wire.Tokens | wire.KVPulled | WorkerDown
+LegEvent = wire.Tokens | wire.KVPulled | wire.Migrated | WorkerDown
 
 
 @dataclass(eq=False)
@@ -62,6 +62,8 @@ class Leg:
     events: asyncio.Queue[LegEvent] = field(default_factory=asyncio.Queue)
     prompt_tokens: int = 0  # counted in the link's queued prompt tokens until the first token
     done: bool = False  # the worker holds nothing for it any more (finished, released, aborted)
+    move_reason: str | None = None  # asked to move (drain, rebalance): the Migrate is sent
+    opened_at: float = field(default_factory=time.monotonic)
 
     def close(self, abort: bool) -> None:
         """Stop listening; with `abort`, tell the worker to drop the request and free its blocks."""
@@ -89,6 +91,7 @@ class WorkerLink:
         self.ready: wire.Ready | None = None
         self.load: wire.Load | None = None
         self.state = WorkerState.STARTING
+        self.opened_at = time.monotonic()
         self.detail = "starting"  # why it is in its state, for people (GET /pools, /health, logs)
         self.draining = False  # asked to drain: it stays out of service even if it reconnects
         self.legs: dict[str, Leg] = {}
@@ -100,6 +103,7 @@ class WorkerLink:
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self.last_message_at = time.monotonic()
+        self.load_at = 0.0  # when the last load report came
         # Legs dropped when the link went down: aborted on the worker once it answers again, in
         # case the process is the same one and still holds them.
         self.abandoned: set[str] = set()
@@ -190,6 +194,19 @@ class WorkerLink:
             raise error
         return True
 
+    def streams(self) -> list[Leg]:
+        """The legs streaming here that have not been asked to move."""
+        return [leg for leg in self.legs.values() if not leg.done and leg.move_reason is None]
+
+    def idle_since(self, moment: float) -> bool:
+        """A load report after `moment` says the worker holds nothing: no request, no block."""
+        load = self.load
+        return (
+            load is not None
+            and self.load_at > moment
+            and load.num_running == load.num_waiting == load.num_held == load.kv_blocks_used == 0
+        )
+
     def open_leg(self, leg_id: str, prompt_tokens: int = 0) -> Leg:
         leg = Leg(leg_id, self, prompt_tokens=prompt_tokens)
         self.legs[leg_id] = leg
@@ -229,9 +246,10 @@ class WorkerLink:
             ):
                 self._come_back(self.ready.role)  # it was only slow: it reports again
             self.load = message
+            self.load_at = time.monotonic()
             if self._on_load is not None:
                 self._on_load(self)
-        elif isinstance(message, wire.Tokens | wire.KVPulled):
+        elif isinstance(message, wire.Tokens | wire.KVPulled | wire.Migrated):
             leg = self.legs.get(message.request_id)
             if leg is None:
                 return  # a leg the router already closed (aborted, timed out): nothing waits
@@ -340,10 +358,16 @@ class WorkerSet:
         return link
 
     async def remove_worker(self, worker_id: str, reason: str = "stopped") -> None:
-        """Close the link for good (`stopped`) and forget the worker."""
+        """Close the link for good (`stopped`) and forget the worker; the others drop what they
+        keep to read its KV (an shm mapping would keep its memory alive)."""
         link = self.links.pop(worker_id, None)
-        if link is not None:
-            await link.close(reason)
+        if link is None:
+            return
+        await link.close(reason)
+        if link.ready is not None and link.ready.kv_address:
+            for other in self.links.values():
+                if other.connected:
+                    other.send(wire.Forget(link.ready.kv_address))
 
     async def _keep(self) -> None:
         """Every 0.5 s: greet the workers that are down (a hello lost in a reconnect would leave

@@ -116,6 +116,9 @@ class KVImporter(abc.ABC):
         """Backends that name the lease to the exporter override this; the others ignore the id."""
         return self._pull(address, src_blocks, dst_blocks, timeout)
 
+    def forget(self, address: str) -> None:  # noqa: B027 (optional hook)
+        """The worker at `address` is gone: drop what is kept for it (a mapping, connections)."""
+
     def close(self) -> None:  # noqa: B027 (optional hook)
         pass
 

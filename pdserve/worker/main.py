@@ -98,17 +98,18 @@ def main(argv: list[str] | None = None) -> int:
         segment = OwnedSegment(shape, dtype)
         return segment.tensor
 
-    # With shm a prefill worker's cache lives in shared memory so decode workers can copy out of
-    # it; the other transports serve it from ordinary memory.
-    allocator = allocate_in_shm if role is Role.PREFILL and config.transport == "shm" else None
+    # Every worker's KV can be read by another: a prefill worker's prompts, and the streams a
+    # decode (or mixed) worker hands over when it drains or rebalances. With shm the cache lives in
+    # shared memory, which the others copy out of; the other transports serve it from ordinary
+    # memory. Decode and mixed workers also pull KV in.
+    allocator = allocate_in_shm if config.transport == "shm" else None
     exporter: KVExporter | None = None
     importer: KVImporter | None = None
     try:
-        engine, _ = build_engine(config.engine, kv_allocator=allocator)
+        engine, _ = build_engine(config.engine, kv_allocator=allocator, eos_token_ids=config.eos_token_ids)
         kv_cache = engine.runner.kv_cache  # [L, 2, NB, BS, KVH, D]
-        if role is Role.PREFILL:
-            exporter = _make_exporter(config, kv_cache)
-        else:
+        exporter = _make_exporter(config, kv_cache)
+        if role is not Role.PREFILL:
             importer = _make_importer(config.transport, kv_cache, FaultInjector(config.kv_fault_rate))
         kv_address = segment.name if segment is not None else exporter.address if exporter else ""
         server = WorkerServer(engine, config, kv_address, importer, exporter=exporter, on_bound=_report_ready)

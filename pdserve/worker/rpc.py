@@ -129,13 +129,22 @@ class RpcEndpoint:
                 return False
             self._owners[message.request_id] = identity
             return True
+        if isinstance(message, wire.Migrate):
+            mine = [r for r in message.request_ids if self._owners.get(r) == identity]
+            if len(mine) < len(message.request_ids):
+                logger.debug(
+                    "worker %s: ignored moves of requests it does not hold for this peer", self.worker_id
+                )
+            if mine:
+                self._inbox.put(wire.Migrate(mine))
+            return False
         request_id = getattr(message, "request_id", None)
         if request_id is None:
             return True  # Shutdown
         owner = self._owners.get(request_id)
         if owner != identity:
             # Another peer's request (or one already over): a stray or a forged command.
-            logger.warning("worker %s: ignored %s for %s from a peer that does not own it",
+            logger.debug("worker %s: ignored %s for %s from a peer that does not own it",
                            self.worker_id, type(message).__name__, request_id)  # fmt: skip
             return False
         if isinstance(message, wire.Abort | wire.Release):

@@ -7,6 +7,8 @@
   is work, and emits `Tokens` and periodic `Load` messages.
 - Decode role: KV pulls run on a small thread pool (they copy into blocks the running batch does
   not touch); their outcome comes back to the engine thread through the same queue.
+- Any role: blocks another worker will pull stay under a lease (a prefilled prompt; a stream that
+  is moving away, `Migrate`) until that worker's router sends Release, or the lease runs out.
 
 Every timeout is explicit: the lease on prefilled blocks, the KV pull timeout, the idle wait.
 """
@@ -24,8 +26,9 @@ from dataclasses import dataclass
 import zmq
 
 from pdserve import wire
-from pdserve.config import Role, WorkerConfig
+from pdserve.config import WorkerConfig
 from pdserve.engine.core import EngineCore, EngineOutput
+from pdserve.engine.sched import Handover
 from pdserve.errors import InvalidRequestError
 from pdserve.transfer.base import KVExporter, KVImporter, TransferError
 from pdserve.worker.rpc import FINAL, MORE, RpcEndpoint
@@ -79,6 +82,7 @@ class WorkerServer:
         )
         self._leases: dict[str, float] = {}  # prefill role: request id -> monotonic expiry
         self._pending_kv: dict[str, wire.KVHandle] = {}  # decode role: request id -> its source
+        self._to_move: set[str] = set()  # asked to move (Migrate) and not handed over yet
         # Decode role: pulls submitted and not yet reported back. An Abort for one of them waits
         # for the pull to end: freeing its blocks while the pull still writes into them could
         # corrupt the KV of whichever request gets those blocks next.
@@ -150,9 +154,11 @@ class WorkerServer:
                 engine.admit_remote_kv()
             if self._start_pulls():
                 self._await_pulls(time.monotonic() + self.config.kv_join_wait)
+            self._hand_over()
             if engine.has_unfinished:
                 for out in engine.step():
                     self._emit(out)
+                self._hand_over()  # right after their tokens: the next step would not wait
             self._expire_leases()
             now = time.monotonic()
             if now - last_load >= self.config.load_interval:
@@ -182,8 +188,11 @@ class WorkerServer:
                 )
         elif isinstance(item, wire.AddRequest):
             self._add(item)
+        elif isinstance(item, wire.Migrate):
+            self._to_move.update(item.request_ids)
         elif isinstance(item, wire.Abort):
             self._pending_kv.pop(item.request_id, None)
+            self._to_move.discard(item.request_id)
             if item.request_id in self._pulls_in_flight:
                 self._abort_after_pull.add(item.request_id)
                 return
@@ -195,6 +204,9 @@ class WorkerServer:
             self._leases.pop(item.request_id, None)
             self._lease_ended(item.request_id)
             engine.release(item.request_id)
+        elif isinstance(item, wire.Forget):
+            if self.importer is not None and item.kv_address != self.kv_address:
+                self.importer.forget(item.kv_address)
         elif isinstance(item, wire.Shutdown):
             self._stop.set()
 
@@ -202,12 +214,23 @@ class WorkerServer:
         try:
             params = msg.params.to_params()
             if msg.kv is not None:
-                if self.importer is None or self.engine.config.role is not Role.DECODE:
+                if self.importer is None:
                     raise InvalidRequestError("this worker does not take KV from other workers")
-                if msg.first_token_id is None:
-                    raise InvalidRequestError("a request with remote KV needs the first token")
+                if not msg.output_token_ids:
+                    raise InvalidRequestError("a request with remote KV needs the tokens sampled so far")
+                if msg.kv.num_tokens != len(msg.prompt_token_ids) + len(msg.output_token_ids) - 1:
+                    raise InvalidRequestError(
+                        f"the KV handle holds {msg.kv.num_tokens} tokens, the request needs "
+                        f"{len(msg.prompt_token_ids) + len(msg.output_token_ids) - 1}"
+                    )
+            elif msg.output_token_ids:
+                raise InvalidRequestError("tokens sampled elsewhere come with their KV")
             self.engine.add_request(
-                msg.request_id, msg.prompt_token_ids, params, first_token_id=msg.first_token_id
+                msg.request_id,
+                msg.prompt_token_ids,
+                params,
+                output_token_ids=msg.output_token_ids,
+                sampler_state=msg.sampler_state,
             )
         except (InvalidRequestError, ValueError) as exc:
             self._send(wire.Tokens(msg.request_id, [], "error", error=str(exc)), final=True)
@@ -241,42 +264,65 @@ class WorkerServer:
 
     def _pull(self, request_id: str, handle: wire.KVHandle, dst_blocks: list[int]) -> None:
         assert self.importer is not None
-        # The shm copy reads the prefill cache without a lease check of its own: start it only
+        # The shm copy reads the other cache without a lease check of its own: start it only
         # with time to finish well before the blocks may be freed and reused over there.
         if handle.lease_expires_at - time.time() < min(self.config.kv_pull_timeout, 5.0):
-            self._inbox.put(_KVDone(request_id, False, "the prefill worker's lease expires too soon"))
+            self._inbox.put(
+                _KVDone(request_id, False, f"the lease on worker {handle.worker_id} expires too soon")
+            )
             return
         started = time.perf_counter()
         try:
-            # The same request id on both workers names the prefill side's lease (tcp, nixl).
             nbytes = self.importer.pull(
                 handle.address,
                 handle.block_ids,
                 dst_blocks,
                 self.config.kv_pull_timeout,
-                request_id=request_id,
+                request_id=handle.lease_id,  # names the holder's lease (tcp, nixl check it)
             )
         except TransferError as exc:
             self._inbox.put(_KVDone(request_id, False, str(exc), 0, time.perf_counter() - started))
             return
         self._inbox.put(_KVDone(request_id, True, None, nbytes, time.perf_counter() - started))
 
+    # -- handing streams over -------------------------------------------------------------------------
+    def _hand_over(self) -> None:
+        """The requests asked to move that now can: each is answered with Migrated."""
+        for request_id in list(self._to_move):
+            outcome, request, sampler_state = self.engine.hand_over(request_id)
+            if outcome is Handover.NOT_YET:
+                continue
+            self._to_move.discard(request_id)
+            if request is None:  # finished, aborted or already held: its own messages say so
+                continue
+            outputs = list(request.output_token_ids)
+            if outcome is Handover.NO_KV:
+                self._send(wire.Migrated(request_id, outputs), final=True)
+                continue
+            kv = self._hold(request_id, request.num_tokens - 1)
+            self._send(wire.Migrated(request_id, outputs, kv, sampler_state))
+
+    def _hold(self, request_id: str, num_tokens: int) -> wire.KVHandle:
+        """Keep a request's blocks for another worker to pull, under a lease."""
+        self._leases[request_id] = time.monotonic() + self.config.lease_seconds
+        table = self.engine.kv.block_table(request_id)
+        block_ids = list(table[: self.engine.kv.blocks_for_tokens(num_tokens)])
+        self._lease_started(request_id, block_ids)
+        return wire.KVHandle(
+            worker_id=self.config.worker_id,
+            transport=self.config.transport,
+            address=self.kv_address,
+            block_ids=block_ids,
+            num_tokens=num_tokens,
+            lease_expires_at=time.time() + self.config.lease_seconds,
+            lease_id=request_id,
+        )
+
     # -- outputs --------------------------------------------------------------------------------------
     def _emit(self, out: EngineOutput) -> None:
         kv = None
         if out.finish_reason == "prefilled":
-            expires = time.monotonic() + self.config.lease_seconds
-            self._leases[out.request_id] = expires
-            block_ids = list(self.engine.kv.block_table(out.request_id))
-            self._lease_started(out.request_id, block_ids)
-            kv = wire.KVHandle(
-                worker_id=self.config.worker_id,
-                transport=self.config.transport,
-                address=self.kv_address,
-                block_ids=block_ids,
-                num_tokens=len(self.engine.scheduler.prefilled[out.request_id].prompt_token_ids),
-                lease_expires_at=time.time() + self.config.lease_seconds,
-            )
+            kv = self._hold(out.request_id, len(self.engine.scheduler.held[out.request_id].prompt_token_ids))
         logprobs = None
         if out.new_logprobs is not None:
             logprobs = [(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs]
@@ -332,7 +378,7 @@ class WorkerServer:
             queued_prompt_tokens=stats.queued_prompt_tokens,
             kv_blocks_used=stats.kv_blocks_used,
             kv_blocks_free=stats.kv_blocks_free,
-            num_prefilled_held=stats.num_prefilled_held,
+            num_held=stats.num_held,
             last_step_ms=step.step_seconds * 1000 if step else 0.0,
         )
 

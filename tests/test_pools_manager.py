@@ -1,0 +1,217 @@
+"""Pools that grow and shrink while serving, with a real server and real workers: scaled up and
+down many times under load without losing a request, a block, a process, a shared-memory segment
+or a metric series; a worker that dies while starting is a clear error and a pool that says so; a
+dead worker is replaced; a rebalance moves streams onto a worker that just started."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from serving import Server, alive
+from test_pools_drain import PROMPTS, offline, poll, run_streams
+
+from pdserve.transfer.shm import leftover_segments
+
+# Short prompts go to the decode worker itself, longer ones through the prefill pool.
+LOAD_PROMPTS = [
+    [11 + (j * 5 + i) % 200 for j in range(n)] for i, n in enumerate((4, 9, 40, 120, 260, 33, 700, 15))
+]
+LOAD_TOKENS = 48
+
+
+def series(server: Server) -> Counter[str]:
+    """How many series of each kind /metrics has that follow the workers: per worker (their names
+    left out: they change) and per pool and state. (Counters of events gain a label set the first
+    time such an event happens, and keep it: those do not grow with churn.)"""
+    return Counter(
+        re.sub(r'worker="[^"]*"', "worker=_", line.rsplit(" ", 1)[0])
+        for line in server.metrics().splitlines()
+        if "worker=" in line or line.startswith("pdserve_pool_")
+    )
+
+
+class Load:
+    """Requests in a loop from a thread until stopped; each answer checked against the offline
+    engine's. Every request must complete: none may be lost to a worker that comes or goes."""
+
+    def __init__(self, server: Server, expected: list[str], concurrency: int = 3) -> None:
+        self.server, self.expected = server, expected
+        self.done = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run(concurrency)))
+        self._thread.start()
+
+    async def _run(self, concurrency: int) -> None:
+        async def one_loop(k: int) -> None:
+            i = k
+            while not self._stop.is_set():
+                prompt = i % len(LOAD_PROMPTS)
+                try:
+                    answer = await self.server.async_client.completions.create(
+                        model=self.server.model,
+                        prompt=LOAD_PROMPTS[prompt],
+                        max_tokens=LOAD_TOKENS,
+                        temperature=0.0,
+                        extra_body={"ignore_eos": True},
+                    )
+                    if answer.choices[0].text != self.expected[prompt]:
+                        self.failures.append(f"prompt {prompt}: wrong text")
+                except Exception as exc:
+                    self.failures.append(f"prompt {prompt}: {exc!r}")
+                self.done += 1
+                i += concurrency
+
+        await asyncio.gather(*(one_loop(k) for k in range(concurrency)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+        assert not self._thread.is_alive()
+
+
+def test_both_pools_scaled_up_and_down_twenty_times_under_load_lose_nothing(tiny_llama: Path) -> None:
+    expected = offline(tiny_llama, LOAD_PROMPTS, LOAD_TOKENS)
+    server = Server(
+        tiny_llama, "--prefill", "1", "--decode", "1", "--prefill-max", "2", "--decode-max", "2",
+        "--num-kv-blocks", "256",
+    )  # fmt: skip
+    load = Load(server, expected)
+    try:
+        before: Counter[str] = Counter()
+        lines = 0
+        for cycle in range(20):
+            assert server.scale("prefill", 2).status_code == 200
+            assert server.scale("decode", 2).status_code == 200
+            if cycle % 4 == 3:  # now and then: down again while the new workers still start
+                time.sleep(0.3)
+            else:
+                server.wait_pool("prefill", up=2, starting=0)
+                server.wait_pool("decode", up=2, starting=0)
+            had = {w["id"]: w.get("pid") for pool in ("prefill", "decode") for w in server.workers(pool)}
+            assert server.scale("prefill", 1).status_code == 200
+            assert server.scale("decode", 1).status_code == 200
+            left = server.wait_pool("prefill", up=1, starting=0, draining=0)
+            left += server.wait_pool("decode", up=1, starting=0, draining=0)
+            assert len(left) == 2
+            for worker_id, pid in had.items():  # whatever left the pools is gone for good
+                if worker_id not in {w["id"] for w in left} and pid is not None:
+                    server.wait_for(lambda p=pid: not alive(p), 20, f"{worker_id} stopped")
+                    # A worker stopped while it started is killed: its resource tracker then
+                    # removes its segment, a moment after it died.
+                    server.wait_for(
+                        lambda p=pid: leftover_segments(p) == [], 10, f"{worker_id}'s segment gone"
+                    )
+            if cycle == 0:
+                before, lines = series(server), len(server.metrics().splitlines())
+        load.stop()
+        assert load.failures == [] and load.done > 20
+        server.wait_kv_free()
+        for worker in server.workers("prefill") + server.workers("decode"):
+            # No mapping of a gone worker's KV segment is kept: it would keep its memory alive.
+            maps = Path(f"/proc/{worker['pid']}/maps").read_text().splitlines()
+            assert [m for m in maps if "pdserve-kv-" in m and "(deleted)" in m] == []
+        # The same series as after the first cycle: the workers that came and went left none.
+        after = series(server)
+        assert after == before
+        assert sum(n for name, n in after.items() if "worker=" in name) == 2 * 7  # 7 gauges a worker
+        # Nothing else grows with the churn: at most the label sets of events seen for the first
+        # time since (a kind of drain or move: a few lines each, a bounded number of them).
+        assert len(server.metrics().splitlines()) <= lines + 40
+        assert server.metric("pdserve_worker_drains_total", outcome="timeout") == 0
+        assert server.metric("pdserve_requests_total", outcome="error") == 0
+        assert server.metric("pdserve_worker_drains_total") == 40  # ok, or cancelled while starting
+    finally:
+        load.stop()
+        assert server.stop() == 0  # every worker ever seen is gone, and every segment
+
+
+def test_a_worker_that_dies_while_starting_is_reported_and_retried(tiny_llama: Path) -> None:
+    server = Server(tiny_llama, "--prefill", "1", "--decode", "1", "--decode-max", "2")
+    try:
+        assert server.scale("decode", 2).status_code == 200  # answers at once: the start goes on
+        server.wait_for(lambda: len(server.workers("decode")) == 2, 10, "decode-1 listed")
+        starting = [w for w in server.workers("decode") if w["state"] == "starting"]
+        assert [w["id"] for w in starting] == ["decode-1"]
+        pid = next(p for w, p in server._worker_pids().items() if w == "decode-1")
+        os.kill(pid, signal.SIGKILL)
+        server.wait_for(lambda: server.pools()["decode"]["last_error"] is not None, 20, "the error")
+        error = server.pools()["decode"]["last_error"]
+        assert "decode-1 killed by signal 9 (SIGKILL) while starting" in error
+        # The pool keeps its target: after a pause, a new worker starts and comes up.
+        workers = server.wait_pool("decode", up=2, starting=0, timeout=60)
+        assert sorted(w["id"] for w in workers) == ["decode-0", "decode-2"]
+        server.wait_for(lambda: server.pools()["decode"]["last_error"] is None, 5, "the error cleared")
+        answer = server.client.completions.create(model=server.model, prompt="hello", max_tokens=4)
+        assert answer.choices[0].finish_reason == "length"
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_worker_that_dies_is_replaced_or_the_pool_shrinks(tiny_llama: Path) -> None:
+    server = Server(tiny_llama, "--prefill", "1", "--decode", "2")
+    try:
+        server.kill_worker("decode-1")
+        server.wait_for(lambda: "decode-1" not in {w["id"] for w in server.workers("decode")}, 20, "gone")
+        workers = server.wait_pool("decode", up=2, starting=0, timeout=60)
+        assert sorted(w["id"] for w in workers) == ["decode-0", "decode-2"]
+        assert server.pools()["decode"]["target"] == 2
+    finally:
+        assert server.stop() == 0
+    server = Server(tiny_llama, "--prefill", "1", "--decode", "2", "--no-replace-failed")
+    try:
+        server.kill_worker("decode-1")
+        server.wait_for(lambda: "decode-1" not in {w["id"] for w in server.workers("decode")}, 20, "gone")
+        time.sleep(1.0)  # nothing else starts
+        assert [w["id"] for w in server.workers("decode")] == ["decode-0"]
+        assert server.pools()["decode"]["target"] == 1
+    finally:
+        assert server.stop() == 0
+
+
+def test_rebalance_moves_streams_onto_a_worker_that_started(tiny_llama_4k: Path) -> None:
+    max_tokens = 1500
+    expected = offline(tiny_llama_4k, PROMPTS, max_tokens)
+    server = Server(
+        tiny_llama_4k, "--prefill", "1", "--decode", "1", "--decode-max", "2", "--no-rebalance-on-start",
+        "--num-kv-blocks", "4096",
+    )  # fmt: skip
+    try:
+        moved: dict[str, int] = {}
+
+        async def during() -> None:
+            assert server.scale("decode", 2).status_code == 200
+            await poll(lambda: len(server.workers("decode", "up")) == 2, 60, "two decode workers up")
+            assert server.metric("pdserve_request_migrations_total") == 0  # not asked to
+            answer = server.http.post("/pools/decode/rebalance")
+            assert answer.status_code == 200
+            moved.update(answer.json()["moved"])
+
+        got = run_streams(server, PROMPTS, max_tokens, during)
+        assert got == expected
+        assert moved == {"decode-0": 8}  # 16 streams, half of them onto the new worker
+        assert server.metric("pdserve_request_migrations_total", reason="rebalance", outcome="ok") == 8
+        server.wait_kv_free()
+    finally:
+        assert server.stop() == 0
+
+
+def test_pool_gauges_follow_the_workers(tiny_llama: Path) -> None:
+    server = Server(tiny_llama, "--prefill", "1", "--decode", "2", "--decode-min", "1")
+    try:
+        assert re.search(r'pdserve_pool_workers\{pool="decode",state="up"\} 2\.0', server.metrics())
+        assert server.metric("pdserve_pool_target_replicas", pool="decode") == 2
+        assert server.scale("decode", 1).status_code == 200
+        server.wait_pool("decode", up=1, draining=0)
+        assert server.metric("pdserve_pool_workers", pool="decode", state="up") == 1
+        assert server.metric("pdserve_pool_target_replicas", pool="decode") == 1
+        assert 'worker="decode-1"' not in server.metrics()  # its series went with it
+    finally:
+        assert server.stop() == 0
