@@ -130,6 +130,8 @@ def one_move(server: Server, model: str, context: int, transport: str) -> dict[s
         "kv_seconds": delta["pdserve_kv_transfer_seconds_sum"],
         "kv_bytes": delta["pdserve_kv_transfer_bytes_sum"],
         "router_gap": delta["pdserve_migration_stream_gap_seconds_sum"],
+        "move_gap": max(gaps[BEFORE - 1 : BEFORE + 2]),  # the drain is asked for after token 32
+        "first_gap": gaps[0],  # the first token (prefill worker) to the second (decode worker)
         "max_gap": max(gaps),
         "itl_p50": statistics.median(gaps),
         "tokens": len(arrivals),
@@ -160,15 +162,20 @@ def main() -> int:
         finally:
             server.stop()
     print()
-    print("| transport | context | KV moved | its pull | router gap | worst gap | ITL p50 | worst / p50 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| transport | context | KV moved | its pull | move gap (router) | move gap (client) "
+        "| worst gap | ITL p50 | move gap / p50 | worst / p50 |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for transport, by_context in results.items():
         for context, runs in by_context.items():
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             print(
                 f"| {transport} | {context} | {med['kv_bytes'] / 2**20:.0f} MiB "
                 f"| {med['kv_seconds'] * 1000:.1f} ms | {med['router_gap'] * 1000:.0f} ms "
-                f"| {med['max_gap'] * 1000:.0f} ms | {med['itl_p50'] * 1000:.0f} ms "
+                f"| {med['move_gap'] * 1000:.0f} ms | {med['max_gap'] * 1000:.0f} ms "
+                f"| {med['itl_p50'] * 1000:.0f} ms "
+                f"| {statistics.median(r['move_gap'] / r['itl_p50'] for r in runs):.2f}x "
                 f"| {statistics.median(r['max_gap'] / r['itl_p50'] for r in runs):.2f}x |"
             )
     if args.out is not None:

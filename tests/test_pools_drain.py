@@ -143,6 +143,29 @@ def test_streams_move_off_a_draining_decode_worker_without_a_lost_token(
         assert server.stop() == 0  # and no worker process, no segment left
 
 
+def test_colocated_streams_move_the_same_way(tiny_llama_4k: Path) -> None:
+    max_tokens = 1500
+    expected = offline(tiny_llama_4k, PROMPTS, max_tokens)
+    server = Server(tiny_llama_4k, "--colocated", "1", "--colocated-max", "2", "--num-kv-blocks", "4096")
+    try:
+
+        async def during() -> None:
+            assert server.scale("colocated", 2).status_code == 200
+            await poll(lambda: len(server.workers("colocated", "up")) == 2, 60, "two colocated workers up")
+            await poll(lambda: server.metric("pdserve_request_migrations_total") > 0, 10, "a rebalance")
+            assert server.drain("colocated-0").status_code == 200
+
+        got = run_streams(server, PROMPTS, max_tokens, during)
+        assert got == expected
+        assert server.metric("pdserve_request_migrations_total", reason="drain", outcome="ok") > 0
+        assert server.metric("pdserve_request_migrations_total", outcome="reprefilled") == 0
+        server.wait_pool("colocated", up=1, draining=0)
+        assert [w["id"] for w in server.workers("colocated")] == ["colocated-1"]
+        server.wait_kv_free()
+    finally:
+        assert server.stop() == 0
+
+
 @pytest.mark.slow
 def test_smollm2_streams_move_when_decode_scales_up_and_its_first_worker_drains() -> None:
     """The issue's check on the real model: 16 streams of 256 tokens, decode 1 -> 2, then the

@@ -96,3 +96,10 @@ def test_blocks_are_copied_in_runs_consecutive_on_both_sides() -> None:
 
     assert _runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 7]) == [(4, 0, 3), (9, 3, 1), (10, 7, 1)]
     assert _runs([], []) == []
+
+
+def test_a_segment_larger_than_dev_shm_is_a_clear_error_at_once_not_a_sigbus_later() -> None:
+    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    with pytest.raises(SharedSegmentError, match=r"/dev/shm|shared-memory segment"):
+        OwnedSegment((free + 2**30,), torch.uint8)
+    assert leftover_segments(os.getpid()) == []  # nothing half-made is left

@@ -28,6 +28,7 @@ from pdserve.transfer.base import FaultInjector, KVImporter, TransferError, bloc
 
 SEGMENT_PREFIX = "pdserve-kv-"
 _SHM_DIR = Path("/dev/shm")
+_MADV_POPULATE_WRITE = 23  # not in Python's mmap module yet
 
 
 class SharedSegmentError(PdserveError):
@@ -49,17 +50,42 @@ class OwnedSegment:
                 f"cannot create a {nbytes / 2**20:.0f} MiB shared-memory segment for the KV cache "
                 f"(is /dev/shm large enough? `df -h /dev/shm`): {exc}"
             ) from exc
+        self._allocate(nbytes)
         # [shape] view over the segment; the segment is fresh, so already zero.
         self.tensor = torch.frombuffer(self._shm.buf, dtype=dtype, count=torch.Size(shape).numel()).view(
             shape
         )
+
+    def _allocate(self, nbytes: int) -> None:
+        """Give the segment its memory now. /dev/shm hands out pages on first touch: without this,
+        a segment larger than what /dev/shm has left would kill the worker with SIGBUS mid-request,
+        and the first KV written into each page (a prompt, a pull into a worker that just
+        started) would pay for allocating it: several times slower than the copy itself."""
+        fd = os.open(_SHM_DIR / self.name, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, max(nbytes, 1))
+        except OSError as exc:
+            self.close()
+            raise SharedSegmentError(
+                f"/dev/shm has no room for a {nbytes / 2**20:.0f} MiB KV cache segment "
+                f"(`df -h /dev/shm`; lower --kv-cache-memory-gib or --num-kv-blocks): {exc}"
+            ) from exc
+        finally:
+            os.close(fd)
+        # And map every page now (MADV_POPULATE_WRITE, Linux 5.14+: content unchanged), so that
+        # the first write to each page does not fault either; ~0.5 s a GiB at start, once.
+        mapping = getattr(self._shm, "_mmap", None)
+        if mapping is not None:
+            with contextlib.suppress(OSError, ValueError):
+                mapping.madvise(_MADV_POPULATE_WRITE)
 
     def close(self) -> None:
         """Drop the mapping and remove the segment. Safe to call twice."""
         shm, self._shm = self._shm, None
         if shm is None:
             return
-        del self.tensor  # the tensor holds an export of the buffer: release it before closing
+        if hasattr(self, "tensor"):
+            del self.tensor  # the tensor holds an export of the buffer: release it before closing
         # BufferError: a view is still alive somewhere; the unlink below still removes the name.
         with contextlib.suppress(BufferError):
             shm.close()
