@@ -55,6 +55,7 @@ TRANSPORTS = ("shm", "tcp", "nixl")
 # reports that it is ready (an inherited pipe fd): see pdserve.cluster.local and pdserve.worker.
 WORKER_CONFIG_ENV = "PDSERVE_WORKER_CONFIG"
 WORKER_READY_FD_ENV = "PDSERVE_READY_FD"
+WORKER_PARENT_ENV = "PDSERVE_PARENT_PID"  # the worker ends when that process does
 
 # The pools of a deployment and the engine role of their workers.
 POOL_ROLES: dict[str, Role] = {"prefill": Role.PREFILL, "decode": Role.DECODE, "colocated": Role.MIXED}

@@ -22,6 +22,8 @@ from typing import Any
 
 from pdserve.config import POOL_ROLES, TRANSPORTS, EngineConfig, WorkerConfig
 from pdserve.errors import PdserveError
+from pdserve.pools.manager import PoolSettings, PoolSpec
+from pdserve.router.app import RouterSettings
 from pdserve.router.dispatch import RouterConfig
 
 logger = logging.getLogger("pdserve.serve")
@@ -39,7 +41,7 @@ def _default(cls: Any, name: str) -> Any:
     return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
-_E, _W, _R = EngineConfig, WorkerConfig, RouterConfig
+_E, _W, _R, _P = EngineConfig, WorkerConfig, RouterConfig, PoolSettings
 
 OPTIONS: dict[str, tuple[type, Any, str]] = {
     "model": (str, None, "built-in name (smollm2-135m), a .gguf file or a Hugging Face folder"),
@@ -102,15 +104,19 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
         _default(_W, "kv_fault_rate"),
         "fault tests only: share of KV transfers to drop on purpose",
     ),
-    "ready_timeout": (float, 600.0, "seconds for a worker to load its model and report ready"),
+    "ready_timeout": (
+        float,
+        _default(_P, "start_timeout"),
+        "seconds for a worker to load its model and report ready",
+    ),
     "heartbeat_timeout": (
         float,
-        3.0,
+        _default(RouterSettings, "heartbeat_timeout"),
         "a worker whose connection is silent this long is taken out of service",
     ),
     "stall_timeout": (
         float,
-        60.0,
+        _default(RouterSettings, "stall_timeout"),
         "a worker that sends no load report this long (a hung engine) is taken out",
     ),
     "log_level": (str, _default(_W, "log_level"), "DEBUG, INFO, WARNING, ERROR"),
@@ -123,13 +129,17 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     "colocated_max": (int, None, "most colocated workers (default: --colocated)"),
     "drain_timeout": (
         float,
-        60.0,
+        _default(_P, "drain_timeout"),
         "seconds a draining worker has to hand over what it holds; what is left then ends with an error",
     ),
-    "replace_failed": (bool, True, "start a new worker in place of one that dies (else the pool shrinks)"),
+    "replace_failed": (
+        bool,
+        _default(_P, "replace_failed"),
+        "start a new worker in place of one that dies (else the pool shrinks)",
+    ),
     "rebalance_on_start": (
         bool,
-        True,
+        _default(_P, "rebalance_on_start"),
         "a decode (or colocated) worker that starts while serving takes its share of the running streams",
     ),
 }
@@ -259,8 +269,6 @@ def pool_bounds(o: dict[str, Any], pool: str) -> tuple[int, int]:
 
 
 def pool_specs(o: dict[str, Any], eos_token_ids: tuple[int, ...] | None = None) -> list[Any]:
-    from pdserve.pools.manager import PoolSpec
-
     return [
         PoolSpec(
             pool,
@@ -279,7 +287,7 @@ def run(o: dict[str, Any]) -> int:
     from pdserve.models.config import ModelConfig
     from pdserve.models.source import generation_eos_ids, resolve_model
     from pdserve.pools.manager import PoolManager
-    from pdserve.router.app import Router, RouterSettings
+    from pdserve.router.app import Router
     from pdserve.router.tokenizer import load_router_tokenizer
 
     logging.basicConfig(level=o["log_level"], format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -307,10 +315,12 @@ def run(o: dict[str, Any]) -> int:
         router.workers,
         router.metrics,
         specs,
-        start_timeout=o["ready_timeout"],
-        drain_timeout=o["drain_timeout"],
-        rebalance_on_start=o["rebalance_on_start"],
-        replace_failed=o["replace_failed"],
+        PoolSettings(
+            start_timeout=o["ready_timeout"],
+            drain_timeout=o["drain_timeout"],
+            rebalance_on_start=o["rebalance_on_start"],
+            replace_failed=o["replace_failed"],
+        ),
     )
     router.attach_pools(pools)
     config = uvicorn.Config(

@@ -147,7 +147,8 @@ class KVPulled(msgspec.Struct, frozen=True, tag="kv_pulled"):
 class Migrated(msgspec.Struct, frozen=True, tag="migrated"):
     """A request asked to move has stopped here. With `kv`, its blocks are held under that lease
     until Release (or expiry) and the router continues it elsewhere from `output_token_ids` (every
-    token it sampled here, in order); without, nothing of it was computed here (it was queued)."""
+    output of this leg so far, in order, those it came here with included); without, nothing of
+    it was computed here (it was queued)."""
 
     request_id: str
     output_token_ids: list[int]

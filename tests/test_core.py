@@ -178,3 +178,32 @@ def test_taking_a_stream_checks_what_was_sampled_elsewhere(tiny_llama: Path) -> 
     with pytest.raises(InvalidRequestError, match="max_tokens is reached"):
         core.add_request("r", PROMPTS[2], GREEDY, output_token_ids=[7] * GREEDY.max_tokens)
     assert not core.has_unfinished
+
+
+def test_a_seeded_stream_moved_twice_before_it_samples_again_keeps_its_generator(tiny_llama: Path) -> None:
+    params = SamplingParams(max_tokens=20, temperature=0.9, seed=3, ignore_eos=True)
+    alone = engine(tiny_llama, Role.DECODE)
+    alone.add_request("r", PROMPTS[3], params)
+    expected = run_to_end(alone)["r"]
+
+    a, b, c = (engine(tiny_llama, Role.DECODE, block_size=8) for _ in range(3))
+    a.add_request("r", PROMPTS[3], params)
+    got: list[int] = []
+    for _ in range(5):
+        got += [t for out in a.step() for t in out.new_token_ids]
+
+    def move(source: EngineCore, target: EngineCore) -> None:
+        _, request, state = source.hand_over("r")
+        assert request is not None and state is not None
+        target.add_request("r", request.prompt_token_ids, params, output_token_ids=got, sampler_state=state)
+        target.admit_remote_kv()
+        [(rid, dst)] = target.take_kv_to_receive()
+        src = source.kv.block_table(rid)[: source.kv.blocks_for_tokens(request.num_tokens - 1)]
+        target.runner.write_blocks(dst, source.runner.read_blocks(src))
+        target.kv_received(rid, ok=True)
+        source.release(rid)
+
+    move(a, b)
+    move(b, c)  # before b sampled anything: the state it came with goes on
+    got += run_to_end(c)["r"]
+    assert got == expected

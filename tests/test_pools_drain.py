@@ -143,6 +143,37 @@ def test_streams_move_off_a_draining_decode_worker_without_a_lost_token(
         assert server.stop() == 0  # and no worker process, no segment left
 
 
+def test_a_drain_with_replace_keeps_serving_until_the_replacement_takes_the_streams(
+    tiny_llama_4k: Path,
+) -> None:
+    max_tokens = 1500
+    expected = offline(tiny_llama_4k, PROMPTS[:6], max_tokens)
+    server = Server(tiny_llama_4k, "--prefill", "1", "--decode", "1", "--num-kv-blocks", "4096")
+    try:
+        seen: list[str] = []
+
+        async def during() -> None:
+            answer = server.drain("decode-0", replace=True)  # the only decode worker: no force needed
+            assert answer.status_code == 200 and answer.json()["state"] == "up"
+            assert server.pools()["decode"]["target"] == 1
+            while "decode-1" not in {w["id"] for w in server.workers("decode", "up")}:  # decode-0 serves on
+                reply = await server.async_client.completions.create(
+                    model=server.model, prompt="hi", max_tokens=2
+                )
+                seen.append(str(reply.choices[0].finish_reason))
+                await asyncio.sleep(0.2)
+
+        got = run_streams(server, PROMPTS[:6], max_tokens, during)
+        assert got == expected
+        assert seen and set(seen) == {"length"}  # never a 503 while it was replaced
+        assert server.metric("pdserve_request_migrations_total", outcome="ok") >= 6
+        server.wait_pool("decode", up=1, draining=0)
+        assert [w["id"] for w in server.workers("decode")] == ["decode-1"]
+        server.wait_kv_free()
+    finally:
+        assert server.stop() == 0
+
+
 def test_colocated_streams_move_the_same_way(tiny_llama_4k: Path) -> None:
     max_tokens = 1500
     expected = offline(tiny_llama_4k, PROMPTS, max_tokens)

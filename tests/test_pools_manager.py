@@ -155,6 +155,21 @@ def test_a_worker_that_dies_while_starting_is_reported_and_retried(tiny_llama: P
         assert server.stop() == 0
 
 
+def test_a_worker_that_dies_right_after_it_came_up_counts_as_a_failed_start(tiny_llama: Path) -> None:
+    server = Server(tiny_llama, "--prefill", "1", "--decode", "1", "--decode-max", "2")
+    try:
+        assert server.scale("decode", 2).status_code == 200
+        server.wait_pool("decode", up=2, starting=0)
+        os.kill(server._worker_pids()["decode-1"], signal.SIGKILL)
+        server.wait_for(lambda: server.pools()["decode"]["last_error"] is not None, 20, "the error")
+        assert "decode-1 killed by signal 9 (SIGKILL)" in server.pools()["decode"]["last_error"]
+        assert "after it started" in server.pools()["decode"]["last_error"]
+        workers = server.wait_pool("decode", up=2, starting=0, timeout=60)  # after a pause
+        assert sorted(w["id"] for w in workers) == ["decode-0", "decode-2"]
+    finally:
+        assert server.stop() == 0
+
+
 def test_a_worker_that_dies_is_replaced_or_the_pool_shrinks(tiny_llama: Path) -> None:
     server = Server(tiny_llama, "--prefill", "1", "--decode", "2")
     try:
@@ -215,3 +230,14 @@ def test_pool_gauges_follow_the_workers(tiny_llama: Path) -> None:
         assert 'worker="decode-1"' not in server.metrics()  # its series went with it
     finally:
         assert server.stop() == 0
+
+
+def test_the_control_plane_never_imports_torch() -> None:
+    import subprocess
+    import sys
+
+    modules = (
+        "pdserve.serve, pdserve.pools.manager, pdserve.pools.cli, pdserve.cluster.local, pdserve.router.app"
+    )
+    code = f"import sys, {modules}; heavy = {{'torch', 'transformers'}} & set(sys.modules); assert not heavy, heavy"
+    subprocess.run([sys.executable, "-c", code], check=True)

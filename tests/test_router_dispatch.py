@@ -198,3 +198,40 @@ def test_a_burst_over_the_in_flight_limit_gets_429s_never_500s(tiny_llama: Path)
         server.wait_kv_free()
     finally:
         server.stop()
+
+
+def test_what_a_frozen_worker_held_is_aborted_when_it_reconnects(tiny_llama_4k: Path) -> None:
+    # Frozen past the heartbeat timeout, the worker is taken out and its stream ends with an error;
+    # when it thaws it reconnects (the router keeps its identity) and is told to drop that stream,
+    # instead of decoding it to the end for nobody.
+    server = Server(
+        tiny_llama_4k,
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--heartbeat-timeout",
+        "1",
+        "--num-kv-blocks",
+        "4096",
+    )
+    decode = server.worker_pids["decode-0"]
+    try:
+        stream = server.client.completions.create(
+            model=server.model, prompt=PROMPTS[3], max_tokens=3500, temperature=0.0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        next(iter(stream))
+        os.kill(decode, signal.SIGSTOP)
+        with pytest.raises(openai.APIError, match="went down mid-stream"):
+            for _ in stream:
+                pass
+        os.kill(decode, signal.SIGCONT)
+        server.wait_pool("decode", up=1, timeout=20)
+        thawed = time.monotonic()
+        server.wait_kv_free(timeout=20)
+        # Decoding the remaining ~3000 tokens would take far longer than this.
+        assert time.monotonic() - thawed < 3.0
+    finally:
+        os.kill(decode, signal.SIGCONT)
+        server.stop()

@@ -7,8 +7,9 @@ address it got) as one JSON line to a pipe whose fd is in `PDSERVE_READY_FD`: no
 here and bound there later, so no other process can take it in between.
 
 Workers are pinned one per CPU where the OS allows (the least used CPU first), so that two
-workers on two cores do not fight. They die with the process that started them
-(PR_SET_PDEATHSIG on Linux), so even a SIGKILLed `pdserve serve` leaves no orphan; `stop_worker`
+workers on two cores do not fight. They die with the process that started them (each asks for
+PR_SET_PDEATHSIG first thing, see `pdserve.worker.main`), so even a SIGKILLed `pdserve serve`
+leaves no orphan; `stop_worker`
 sends SIGTERM (the worker then removes its shared-memory segment) and kills what does not stop in
 time. Nothing here blocks the event loop: processes are watched with `asyncio` subprocesses.
 """
@@ -32,7 +33,7 @@ import msgspec
 
 from pdserve import wire
 from pdserve.cluster.base import ClusterError, ExitCallback, WorkerExit, WorkerHandle, WorkerStartError
-from pdserve.config import WORKER_CONFIG_ENV, WORKER_READY_FD_ENV, WorkerConfig
+from pdserve.config import WORKER_CONFIG_ENV, WORKER_PARENT_ENV, WORKER_READY_FD_ENV, WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ def worker_command(config: WorkerConfig, python: str = sys.executable) -> tuple[
     on the command line is only a label for `ps`; the configuration is in the environment."""
     env = dict(os.environ)
     env[WORKER_CONFIG_ENV] = msgspec.json.encode(config).decode()
+    env[WORKER_PARENT_ENV] = str(os.getpid())
     return [python, "-m", "pdserve.worker", "--worker-id", config.worker_id], env
 
 
@@ -73,17 +75,6 @@ def start_worker_process(
         code = process.wait()
         raise WorkerStartError(f"worker {config.worker_id} {exit_reason(code)} before it was ready")
     return process, decode_ready(line)
-
-
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: ask the kernel for SIGTERM when the parent dies."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: stop_worker still stops the workers on every normal exit
 
 
 def exit_reason(returncode: int) -> str:
@@ -149,11 +140,7 @@ class LocalCluster:
             # A session of its own: Ctrl-C in the terminal reaches `pdserve serve` alone, which
             # lets running streams finish before it stops the workers itself.
             process = await asyncio.create_subprocess_exec(
-                *argv,
-                env=env,
-                pass_fds=(write_fd,),
-                start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                *argv, env=env, pass_fds=(write_fd,), start_new_session=True
             )
         except BaseException:
             os.close(read_fd)

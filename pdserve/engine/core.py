@@ -185,7 +185,8 @@ class EngineCore:
         outcome = self.scheduler.hand_over(request_id)
         if outcome not in (Handover.HELD, Handover.NO_KV):
             return outcome, None, None
-        state = self.runner.generator_state(request_id)
+        # Not sampled here yet (it moves on before its first step here): the state it came with.
+        state = self.runner.generator_state(request_id) or (request.sampler_state if request else None)
         self.runner.release(request_id)
         return outcome, request, state
 

@@ -54,6 +54,22 @@ class PoolSpec:
             )
 
 
+@dataclass(frozen=True)
+class PoolSettings:
+    start_timeout: float = 600.0  # a worker's model load and Ready, at most
+    stop_timeout: float = 15.0  # SIGTERM to SIGKILL
+    drain_timeout: float = 60.0  # a draining worker's time to hand over what it holds
+    # A stream pool's worker that comes up while serving takes its share of the streams.
+    rebalance_on_start: bool = True
+    # A worker that dies is replaced (the pool keeps its target), or the pool shrinks by one.
+    replace_failed: bool = True
+    # A worker down this long (its process alive but silent: hung) is killed, so it is replaced.
+    down_grace: float = 60.0
+    # A worker that dies this soon after it came up counts as a failed start (a pause before the
+    # next), so one that crashes on its first requests is not restarted in a tight loop.
+    settle_seconds: float = 30.0
+
+
 @dataclass
 class Pool:
     spec: PoolSpec
@@ -62,6 +78,7 @@ class Pool:
     starting: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     handles: dict[str, WorkerHandle] = field(default_factory=dict)
     drains: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    replacing: set[str] = field(default_factory=set)  # to be drained once a replacement is up
     last_error: str | None = None
     failures: int = 0  # starts that failed in a row (reset by one that works)
     retry_at: float = 0.0  # no new start before this (monotonic), after a failure
@@ -78,25 +95,21 @@ class PoolManager:
         workers: WorkerSet,
         metrics: RouterMetrics,
         pools: list[PoolSpec],
-        *,
-        start_timeout: float = 600.0,
-        stop_timeout: float = 15.0,
-        drain_timeout: float = 60.0,
-        rebalance_on_start: bool = True,
-        replace_failed: bool = True,
+        settings: PoolSettings | None = None,
     ) -> None:
         self.backend = backend
         self.workers = workers
         self.metrics = metrics
         self.pools = {p.name: Pool(p, p.replicas) for p in pools}
-        self.start_timeout = start_timeout
-        self.stop_timeout = stop_timeout
-        self.drain_timeout = drain_timeout
-        # A stream pool's worker that comes up while serving takes its share of the streams.
-        self.rebalance_on_start = rebalance_on_start
-        # A worker that dies is replaced (the pool keeps its target), or the pool shrinks by one.
-        self.replace_failed = replace_failed
+        self.settings = settings = settings or PoolSettings()
+        self.start_timeout = settings.start_timeout
+        self.stop_timeout = settings.stop_timeout
+        self.drain_timeout = settings.drain_timeout
+        self.rebalance_on_start = settings.rebalance_on_start
+        self.replace_failed = settings.replace_failed
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._up_at: dict[str, float] = {}  # worker id -> when it came up
+        self._killing: set[str] = set()
         self._serving = False  # the initial workers are up: from now on the pools are kept
         self._closing = False
         self._keeper: asyncio.Task[None] | None = None
@@ -130,7 +143,9 @@ class PoolManager:
         self._keeper = self._spawn(self._keep(), "pool-keeper")
 
     async def close(self) -> None:
-        """Stop every worker (what is starting too) and forget them."""
+        """Stop every worker (what is starting too) and forget them. Twice is fine."""
+        if self._closing:
+            return
         self._closing = True
         for task in list(self._tasks):
             task.cancel()
@@ -154,11 +169,34 @@ class PoolManager:
 
     async def _keep(self) -> None:
         """Every half second: each pool back to its target (after a failed start, not before its
-        pause is over)."""
+        pause is over); a worker down for too long is killed (then replaced); a pool whose
+        workers have run for a while forgets its failed starts."""
         while True:
+            now = time.monotonic()
             for pool in self.pools.values():
+                self._kill_hung(pool, now)
+                up = [now - self._up_at.get(w.worker_id, now) for w in self.workers.up(pool.name)]
+                if pool.failures and up and min(up) > self.settings.settle_seconds:
+                    pool.failures = 0
                 self._reconcile(pool)
             await asyncio.sleep(0.5)
+
+    def _kill_hung(self, pool: Pool, now: float) -> None:
+        """A worker whose process lives but has been down (silent) for `down_grace` is killed: its
+        exit then takes it out and the pool replaces it."""
+        for link in self.workers.in_pool(pool.name):
+            hung = link.state is WorkerState.DOWN and now - link.state_since > self.settings.down_grace
+            if hung and link.worker_id not in self._killing:
+                self._killing.add(link.worker_id)
+                logger.error(
+                    "worker %s: down for %.0f s (%s): killing it",
+                    link.worker_id,
+                    now - link.state_since,
+                    link.detail,
+                )
+                self._spawn(
+                    self.backend.stop_worker(link.worker_id, graceful=False), f"kill-{link.worker_id}"
+                )
 
     # -- the admin API --------------------------------------------------------------------------------
     def scale(self, pool_name: str, replicas: object) -> dict[str, Any]:
@@ -184,7 +222,15 @@ class PoolManager:
         if link is None:
             raise PoolError(f"unknown worker {worker_id!r}")
         pool = self._pool(link.pool)
-        if link.draining:
+        if link.draining or worker_id in pool.replacing:
+            return self._describe_worker(link, pool.handles.get(worker_id))
+        if replace and link.state is WorkerState.UP:
+            # It serves on until its replacement is up (the pool never has fewer workers up than
+            # its target), then drains: its streams then have somewhere to go.
+            pool.replacing.add(worker_id)
+            link.detail = "to be drained once its replacement is up"
+            self._reconcile(pool)
+            self._spawn(self._replace_then_drain(pool, link), f"replace-{worker_id}")
             return self._describe_worker(link, pool.handles.get(worker_id))
         if not replace:
             if pool.target - 1 < pool.spec.min:
@@ -204,6 +250,17 @@ class PoolManager:
             self._reconcile(pool)
         return self._describe_worker(link, pool.handles.get(worker_id))
 
+    async def _replace_then_drain(self, pool: Pool, link: WorkerLink) -> None:
+        def replaced() -> bool:  # the pool is at its target without the workers being replaced
+            others = [w for w in self.workers.up(pool.name) if w.worker_id not in pool.replacing]
+            return len(others) >= max(pool.target, 1)
+
+        while not replaced() and link.worker_id in self.workers.links:
+            await asyncio.sleep(drain.POLL_SECONDS)
+        pool.replacing.discard(link.worker_id)
+        if link.worker_id in self.workers.links and not link.draining:
+            self._begin_drain(pool, link)
+
     def rebalance(self, pool_name: str) -> dict[str, Any]:
         """POST /pools/{pool}/rebalance: move streams from the busiest workers to the idlest."""
         pool = self._pool(pool_name)
@@ -216,8 +273,10 @@ class PoolManager:
         moved: dict[str, int] = {}
         for worker_id, count in plan.items():
             link = links[worker_id]
-            # The newest streams have the most tokens still to come and the least KV to move.
-            newest = sorted(link.streams(), key=lambda leg: leg.opened_at, reverse=True)[:count]
+            # The newest requests have the most tokens still to come and the least KV to move;
+            # one whose KV is still arriving (it just came here) is left where it is.
+            settled = [leg for leg in link.streams() if not leg.receiving]
+            newest = sorted(settled, key=lambda leg: leg.request_started, reverse=True)[:count]
             moved[worker_id] = drain.ask_to_move(link, newest, "rebalance")
         if moved:
             logger.info("pool %s: rebalance moves %s", pool.name, moved)
@@ -240,7 +299,7 @@ class PoolManager:
         supply = [
             w
             for w in self.workers.in_pool(pool.name)
-            if not w.draining and w.state is not WorkerState.STOPPED
+            if not w.draining and w.state is not WorkerState.STOPPED and w.worker_id not in pool.replacing
         ]
         if len(supply) < pool.target:
             if time.monotonic() < pool.retry_at:
@@ -283,8 +342,11 @@ class PoolManager:
             if outcome == "timeout":
                 reason = f"--drain-timeout ({self.drain_timeout:g} s) passed while draining"
             self.metrics.worker_drains.labels(pool.name, outcome).inc()
-            await self.workers.remove_worker(worker_id, reason)
+            kv_address = link.ready.kv_address if link.ready else ""
+            await self.workers.remove_worker(worker_id, reason, forget=False)
             await self.backend.stop_worker(worker_id, graceful=True, timeout=self.stop_timeout)
+            # Only now: until it stopped, a late pull could have mapped its segment again.
+            self.workers.forget_kv(kv_address)
             logger.info("worker %s: %s; stopped", worker_id, reason)
         finally:
             pool.drains.pop(worker_id, None)
@@ -317,7 +379,8 @@ class PoolManager:
             await asyncio.sleep(0.02)
         if link.state is not WorkerState.UP:
             return  # it ended, or never said Ready over its connection: its exit (or reconcile) follows
-        pool.failures, pool.last_error = 0, None
+        pool.last_error = None
+        self._up_at[worker_id] = time.monotonic()
         if self._serving and self.rebalance_on_start and pool.name in STREAM_POOLS:
             self.rebalance(pool.name)
 
@@ -333,11 +396,18 @@ class PoolManager:
         is brought back to its target by the keeper."""
         for pool in self.pools.values():
             pool.handles.pop(exit.worker_id, None)
+        up_at = self._up_at.pop(exit.worker_id, None)
+        self._killing.discard(exit.worker_id)
         if self._closing:
             return
         link = self.workers.links.get(exit.worker_id)
         if not exit.expected and link is not None:
             pool = self.pools[link.pool]
+            if up_at is not None and time.monotonic() - up_at < self.settings.settle_seconds:
+                self._start_failed(
+                    pool,
+                    f"worker {exit.worker_id} {exit.reason} {time.monotonic() - up_at:.0f} s after it started",
+                )
             if self.replace_failed and not link.draining:
                 logger.error("worker %s %s: a new one takes its place", exit.worker_id, exit.reason)
             elif not link.draining:

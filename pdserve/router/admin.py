@@ -27,6 +27,9 @@ MAX_BODY = 4096  # an admin body is a few fields
 
 
 class PoolControl(Protocol):
+    async def close(self) -> None:
+        """Stop every worker (the router is shutting down); twice is fine."""
+
     def describe(self) -> dict[str, Any]: ...
 
     def scale(self, pool: str, replicas: object) -> dict[str, Any]: ...

@@ -101,6 +101,8 @@ class Router:
             logger.info("router ready: %d workers", len(self.workers.links))
             yield
         finally:
+            if self.pools is not None:  # first: nothing may start a worker once the links go
+                await self.pools.close()
             await self.workers.close()
 
     # -- endpoints ----------------------------------------------------------------------------------------

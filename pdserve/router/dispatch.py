@@ -87,6 +87,7 @@ class RequestState:
     outcome: str = "aborted"  # until the request ends otherwise (a client that left, say)
     legs: list[Leg] = field(default_factory=list)
     last_token_at: float | None = None  # monotonic time of the last token streamed
+    created_at: float = field(default_factory=time.monotonic)
     _next_leg: int = 0
 
     def new_leg_id(self) -> str:
@@ -223,7 +224,7 @@ class Dispatcher:
             return
         yield TokenEvent(answer.token_ids)  # the first token goes to the client now
 
-        decode = self._pick_decode()
+        decode = self._pick_decode(blocks_needed=len(answer.kv.block_ids) + 1)
         dleg = self._open(
             state,
             decode,
@@ -330,7 +331,12 @@ class Dispatcher:
             raise fall_back("moved_before_start", f"worker {source} had not started it")
         if event.output_token_ids != attempt.outputs:  # cannot happen unless a message was lost
             raise fall_back("move_mismatch", f"worker {source} and the router disagree on its tokens")
-        target = self._pick_decode(exclude=leg.link, pools=(leg.link.pool,), required=False)
+        target = self._pick_decode(
+            exclude=leg.link,
+            pools=(leg.link.pool,),
+            blocks_needed=len(event.kv.block_ids) + 1,
+            required=False,
+        )
         if target is None:
             raise fall_back("no_move_target", f"no other {leg.link.pool} worker is up")
         state.migrations += 1
@@ -367,7 +373,12 @@ class Dispatcher:
     def _open(
         self, state: RequestState, link: WorkerLink, prompt_tokens: int, message: wire.AddRequest
     ) -> Leg:
-        leg = link.open_leg(message.request_id, prompt_tokens)
+        leg = link.open_leg(
+            message.request_id,
+            prompt_tokens,
+            receiving=message.kv is not None,
+            request_started=state.created_at,
+        )
         state.legs.append(leg)
         if not link.send(message):
             leg.close(abort=False)
@@ -399,18 +410,32 @@ class Dispatcher:
 
     @overload
     def _pick_decode(
-        self, exclude: WorkerLink | None = ..., pools: tuple[str, ...] = ..., required: Literal[True] = ...
+        self,
+        exclude: WorkerLink | None = ...,
+        pools: tuple[str, ...] = ...,
+        blocks_needed: int = ...,
+        required: Literal[True] = ...,
     ) -> WorkerLink: ...
 
     @overload
     def _pick_decode(
-        self, exclude: WorkerLink | None = ..., pools: tuple[str, ...] = ..., *, required: Literal[False]
+        self,
+        exclude: WorkerLink | None = ...,
+        pools: tuple[str, ...] = ...,
+        blocks_needed: int = ...,
+        *,
+        required: Literal[False],
     ) -> WorkerLink | None: ...
 
     def _pick_decode(
-        self, exclude: WorkerLink | None = None, pools: tuple[str, ...] = STREAM_POOLS, required: bool = True
+        self,
+        exclude: WorkerLink | None = None,
+        pools: tuple[str, ...] = STREAM_POOLS,
+        blocks_needed: int = 0,
+        required: bool = True,
     ) -> WorkerLink | None:
-        """The worker to stream from (not `exclude`); None, or Unavailable if `required`."""
+        """The worker to stream from (not `exclude`), preferring one whose last report shows room
+        for `blocks_needed` KV blocks; None, or Unavailable if `required`."""
         links = {w.worker_id: w for w in self.workers.up(*pools) if w is not exclude}
         views = [
             policy.DecodeView(
@@ -421,7 +446,7 @@ class Dispatcher:
             )
             for w in links.values()
         ]
-        chosen = policy.choose_decode(views)
+        chosen = policy.choose_decode(views, blocks_needed)
         if chosen is None:
             if required:
                 raise Unavailable("no decode worker is up: the decode pool is empty")

@@ -24,6 +24,7 @@ import contextlib
 import enum
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -63,7 +64,8 @@ class Leg:
     prompt_tokens: int = 0  # counted in the link's queued prompt tokens until the first token
     done: bool = False  # the worker holds nothing for it any more (finished, released, aborted)
     move_reason: str | None = None  # asked to move (drain, rebalance): the Migrate is sent
-    opened_at: float = field(default_factory=time.monotonic)
+    receiving: bool = False  # its KV is on its way to this worker (until KVPulled)
+    request_started: float = field(default_factory=time.monotonic)  # the request's, not the leg's
 
     def close(self, abort: bool) -> None:
         """Stop listening; with `abort`, tell the worker to drop the request and free its blocks."""
@@ -84,14 +86,16 @@ class WorkerLink:
         heartbeat_timeout: float = 3.0,
         on_load: Callable[[WorkerLink], None] | None = None,
         on_state: Callable[[WorkerLink], None] | None = None,
+        router_id: str = "",
     ) -> None:
         self.worker_id = worker_id
         self.pool = pool
+        self.routing_id = f"{router_id or uuid.uuid4().hex}/{worker_id}".encode()[:255]
         self.address: str | None = None  # known once the backend has started the worker
         self.ready: wire.Ready | None = None
         self.load: wire.Load | None = None
         self.state = WorkerState.STARTING
-        self.opened_at = time.monotonic()
+        self.opened_at = self.state_since = time.monotonic()
         self.detail = "starting"  # why it is in its state, for people (GET /pools, /health, logs)
         self.draining = False  # asked to drain: it stays out of service even if it reconnects
         self.legs: dict[str, Leg] = {}
@@ -130,6 +134,10 @@ class WorkerLink:
         self.address = address
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # The same identity across reconnects: the worker routes outputs, and accepts Abort and
+        # Release, by the identity of the peer that added a request, so after a dropped
+        # connection the router must still be that peer (the worker hands it over).
+        sock.setsockopt(zmq.ROUTING_ID, self.routing_id)
         # Queue nothing for a worker that is not connected: a send fails at once instead of
         # waiting for a process that may never come back.
         sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -207,8 +215,17 @@ class WorkerLink:
             and load.num_running == load.num_waiting == load.num_held == load.kv_blocks_used == 0
         )
 
-    def open_leg(self, leg_id: str, prompt_tokens: int = 0) -> Leg:
-        leg = Leg(leg_id, self, prompt_tokens=prompt_tokens)
+    def open_leg(
+        self,
+        leg_id: str,
+        prompt_tokens: int = 0,
+        *,
+        receiving: bool = False,
+        request_started: float | None = None,
+    ) -> Leg:
+        leg = Leg(leg_id, self, prompt_tokens=prompt_tokens, receiving=receiving)
+        if request_started is not None:
+            leg.request_started = request_started
         self.legs[leg_id] = leg
         self.queued_prompt_tokens += prompt_tokens
         return leg
@@ -255,6 +272,8 @@ class WorkerLink:
                 return  # a leg the router already closed (aborted, timed out): nothing waits
             if isinstance(message, wire.Tokens) and (message.token_ids or message.finish_reason):
                 self._settle_prompt(leg)
+            elif isinstance(message, wire.KVPulled):
+                leg.receiving = False
             leg.events.put_nowait(message)
 
     def _come_back(self, role: str) -> None:
@@ -310,6 +329,7 @@ class WorkerLink:
 
     def _set_state(self, state: WorkerState, detail: str) -> None:
         self.state, self.detail = state, detail
+        self.state_since = time.monotonic()
         self._notify_state()
 
     def _notify_state(self) -> None:
@@ -324,6 +344,7 @@ class WorkerSet:
         self, heartbeat_interval: float = 0.5, heartbeat_timeout: float = 3.0, stall_timeout: float = 60.0
     ) -> None:
         self.context = zmq.asyncio.Context()
+        self.router_id = uuid.uuid4().hex  # this router, as its workers know it
         self.links: dict[str, WorkerLink] = {}
         self._heartbeat = (heartbeat_interval, heartbeat_timeout)
         self.stall_timeout = stall_timeout
@@ -343,6 +364,7 @@ class WorkerSet:
             heartbeat_timeout=self._heartbeat[1],
             on_load=self.on_load,
             on_state=self.on_state,
+            router_id=self.router_id,
         )
         self.links[worker_id] = link
         link._notify_state()
@@ -357,17 +379,24 @@ class WorkerSet:
         link.drain()
         return link
 
-    async def remove_worker(self, worker_id: str, reason: str = "stopped") -> None:
-        """Close the link for good (`stopped`) and forget the worker; the others drop what they
-        keep to read its KV (an shm mapping would keep its memory alive)."""
+    async def remove_worker(self, worker_id: str, reason: str = "stopped", *, forget: bool = True) -> None:
+        """Close the link for good (`stopped`) and forget the worker. With `forget` (its process is
+        gone), the others drop what they keep to read its KV; else call `forget_kv` once it is."""
         link = self.links.pop(worker_id, None)
         if link is None:
             return
         await link.close(reason)
-        if link.ready is not None and link.ready.kv_address:
-            for other in self.links.values():
-                if other.connected:
-                    other.send(wire.Forget(link.ready.kv_address))
+        if forget and link.ready is not None:
+            self.forget_kv(link.ready.kv_address)
+
+    def forget_kv(self, kv_address: str) -> None:
+        """Every worker drops what it keeps to read the KV at this address (an shm mapping would
+        keep a gone worker's whole cache in memory)."""
+        if not kv_address:
+            return
+        for other in self.links.values():
+            if other.connected:
+                other.send(wire.Forget(kv_address))
 
     async def _keep(self) -> None:
         """Every 0.5 s: greet the workers that are down (a hello lost in a reconnect would leave

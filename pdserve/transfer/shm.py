@@ -144,10 +144,13 @@ class ShmImporter(KVImporter):
     def __init__(self, kv_cache: torch.Tensor, faults: FaultInjector | None = None) -> None:
         super().__init__(kv_cache, faults)
         self._segments: dict[str, AttachedSegment] = {}
+        self._gone: set[str] = set()  # forgotten: their worker ended, never map them again
         self._lock = threading.Lock()
 
     def _source(self, address: str) -> torch.Tensor:
         with self._lock:
+            if address in self._gone:
+                raise TransferError(f"KV segment {address} belongs to a worker that is gone")
             segment = self._segments.get(address)
             if segment is None:
                 layers, two, _, block_size, kv_heads, head_dim = self.kv_cache.shape
@@ -179,6 +182,7 @@ class ShmImporter(KVImporter):
         """Unmap a source that went away (its worker died), so its memory can be reclaimed."""
         with self._lock:
             segment = self._segments.pop(address, None)
+            self._gone.add(address)
         if segment is not None:
             segment.close()
 

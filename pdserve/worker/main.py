@@ -15,6 +15,7 @@ KV transports (`transport`, the same on every worker of a deployment):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from pdserve import wire
-from pdserve.config import WORKER_CONFIG_ENV, WORKER_READY_FD_ENV, Role, WorkerConfig
+from pdserve.config import WORKER_CONFIG_ENV, WORKER_PARENT_ENV, WORKER_READY_FD_ENV, Role, WorkerConfig
 
 if TYPE_CHECKING:  # the worker loads torch only after its configuration is valid
     import torch
@@ -75,7 +76,23 @@ def _report_ready(ready: wire.Ready) -> None:
         pipe.write(msgspec.json.encode(ready) + b"\n")
 
 
+def _die_with_parent() -> None:
+    """Ask the kernel for SIGTERM when the process that started us ends (Linux), so a SIGKILLed
+    `pdserve serve` leaves no worker behind. Done here rather than between fork and exec in the
+    parent, which is not safe in a process with threads; if the parent is already gone, stop."""
+    parent = os.environ.pop(WORKER_PARENT_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):
+        sys.exit(f"the process that started this worker ({parent}) is gone")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _die_with_parent()
     config = load_config(argv)
     logging.basicConfig(
         level=config.log_level, format=f"%(asctime)s %(levelname)s worker {config.worker_id}: %(message)s"

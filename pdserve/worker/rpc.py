@@ -62,6 +62,9 @@ class RpcEndpoint:
         # slow router delays its tokens but never loses them.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, 0)
+        # A peer that reconnects with the identity it had (a router after a dropped connection)
+        # takes that identity over: it is still the owner of what it added.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         try:
             sock.bind(self._bind)
             self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -108,6 +111,8 @@ class RpcEndpoint:
             if identity not in self._peers:
                 self._remember(identity)
                 self._send(sock, identity, ready)  # a new (or reconnected) peer: greet it first
+            else:
+                self._peers[identity] = self._peers.pop(identity)  # most recently heard last
             if not payload:  # a hello: the peer wants Ready (again)
                 self._send(sock, identity, ready)
                 continue
