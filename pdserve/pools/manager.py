@@ -152,9 +152,10 @@ class PoolManager:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        await self.backend.close()
+        # The links first: a worker that stops is then not reported as one that went down.
         for worker_id in list(self.workers.links):
-            await self.workers.remove_worker(worker_id, "the server is shutting down")
+            await self.workers.remove_worker(worker_id, "the server is shutting down", forget=False)
+        await self.backend.close()
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
