@@ -114,6 +114,10 @@ class Ready(msgspec.Struct, frozen=True, tag="ready"):
     kv_transport: str
     kv_address: str
     rpc_address: str  # the ZeroMQ address the worker bound
+    # Its engine's scheduling limits: the router's cost model steps them forward (0: not said).
+    chunk_size: int = 0
+    max_num_batched_tokens: int = 0
+    max_num_seqs: int = 0
 
 
 class Tokens(msgspec.Struct, frozen=True, tag="tokens"):
@@ -156,6 +160,19 @@ class Migrated(msgspec.Struct, frozen=True, tag="migrated"):
     sampler_state: bytes | None = None
 
 
+class StepSample(msgspec.Struct, frozen=True, array_like=True):
+    """One engine step: what it computed and how long it took (the cost model's data)."""
+
+    seconds: float
+    prefill_tokens: int
+    prefill_attention: int  # sum over prompt chunks of tokens x mean attended positions
+    decode_streams: int
+    decode_context: int  # sum of the decode streams' context lengths
+
+
+MAX_STEP_SAMPLES = 64  # per load report; a worker drops older ones (reports come every 0.1 s)
+
+
 class Load(msgspec.Struct, frozen=True, tag="load"):
     worker_id: str
     num_running: int
@@ -165,6 +182,9 @@ class Load(msgspec.Struct, frozen=True, tag="load"):
     kv_blocks_free: int
     num_held: int  # requests whose KV blocks are held for another worker to pull
     last_step_ms: float
+    steps: list[StepSample] = []  # the steps since the last report, oldest first
+    kv_blocks_total: int = 0
+    block_size: int = 0
 
 
 Message = (

@@ -29,6 +29,8 @@ def test_every_message_round_trips() -> None:
         wire.Tokens("r1", [5], "prefilled", kv=handle, logprobs=[(5, -0.1, {5: -0.1})]),
         wire.Tokens("r1", [], "error", error="KV transfer timed out"),
         wire.Load("p0", 1, 2, 300, 10, 90, 1, 12.5),
+        wire.Load("d0", 4, 0, 0, 40, 60, 0, 30.0, [wire.StepSample(0.03, 0, 0, 4, 1200)], 100, 16),
+        wire.Ready("d0", "decode", "m", 2048, 320, "tcp", "h:1", "tcp://h:2", 512, 2048, 64),
     ]
     for message in messages:
         assert wire.decode(wire.encode(message)) == message

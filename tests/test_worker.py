@@ -159,6 +159,34 @@ def test_prefill_to_decode_matches_offline(tiny_llama: Path, pair: tuple[Worker,
     assert prefill.last_load().kv_blocks_used == 0 and decode.last_load().kv_blocks_used == 0
 
 
+def test_load_reports_carry_each_step_for_the_cost_model(tiny_llama: Path) -> None:
+    worker = Worker(tiny_llama, "mixed", "m0")
+    try:
+        ready = worker.ready
+        assert isinstance(ready, wire.Ready)
+        assert (ready.chunk_size, ready.max_num_batched_tokens, ready.max_num_seqs) == (512, 2048, 64)
+        params = wire.WireSamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        worker.send(wire.AddRequest("r1", list(range(20, 60)), params))
+        steps: list[wire.StepSample] = []
+        deadline = time.monotonic() + 30
+        finished = False
+        while time.monotonic() < deadline and not (finished and len(steps) >= 6):
+            message = worker.recv()
+            if isinstance(message, wire.Tokens) and message.finish_reason:
+                finished = True
+            elif isinstance(message, wire.Load):
+                steps += message.steps
+                assert message.kv_blocks_total == 64 and message.block_size == 16
+        # One prompt step of 40 tokens (attending to 1..40: 40 * 20 on average), then five decode
+        # steps of one stream whose context grows by one each time; each step once, in order.
+        assert [s.prefill_tokens for s in steps] == [40, 0, 0, 0, 0, 0]
+        assert steps[0].prefill_attention == 40 * 20 and steps[0].decode_streams == 0
+        assert [s.decode_context for s in steps[1:]] == [41, 42, 43, 44, 45]
+        assert all(s.decode_streams == 1 and s.seconds > 0 for s in steps[1:])
+    finally:
+        assert worker.stop() == 0
+
+
 def test_failed_kv_pull_is_reported_not_recomputed(tiny_llama: Path) -> None:
     prefill = Worker(tiny_llama, "prefill", "p0")
     decode = Worker(tiny_llama, "decode", "d0", kv_fault_rate=1.0)
@@ -230,6 +258,21 @@ def test_sigterm_stops_the_worker_and_removes_its_segment(tiny_llama: Path) -> N
     assert worker.proc.wait(timeout=30) == 0
     worker.sock.close()
     assert segment not in leftover_segments()
+
+
+def test_a_burst_of_signals_still_stops_the_worker(tiny_llama: Path) -> None:
+    # A handler that took a lock could run while the main thread held it and wait on itself:
+    # the worker then outlived a SIGKILLed server (its parent-death SIGTERM came with others).
+    for attempt in range(3):
+        worker = Worker(tiny_llama, "decode", f"d{attempt}")
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and worker.proc.poll() is None:
+            os.kill(worker.proc.pid, signal.SIGTERM)  # some land while a handler runs
+            time.sleep(0.0002)
+        # 0, or SIGTERM's own exit if one lands after the handlers are gone (interpreter exit)
+        assert worker.proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        worker.sock.close()
+        assert worker.ready.kv_address not in leftover_segments()  # type: ignore[union-attr]
 
 
 def test_tcp_pull_after_release_is_refused(tiny_llama: Path) -> None:

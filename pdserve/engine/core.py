@@ -43,9 +43,16 @@ class EngineOutput:
 
 @dataclass
 class StepStats:
+    """One step, as the cost model sees it (pdserve.costmodel fits step time to these)."""
+
     num_batched_tokens: int
-    num_decode_tokens: int
+    num_decode_tokens: int  # = the decode streams of the step (one token each)
     step_seconds: float
+    num_prefill_tokens: int = 0  # prompt tokens of the step (its prompt chunks)
+    # Attention work: per prompt chunk, its tokens x the positions they attend to (on average);
+    # per decode stream, its context. Prefill attention grows with the square of the prompt.
+    prefill_attention: int = 0
+    decode_context: int = 0
 
 
 def pick_device(name: str) -> torch.device:
@@ -263,9 +270,14 @@ class EngineCore:
                     queue_seconds=request.queue_seconds,
                 )
             )
+        decodes = [c for c in out.chunks if c.is_decode]
+        prompts = [c for c in out.chunks if not c.is_decode]
         self.last_step = StepStats(
             num_batched_tokens=out.num_batched_tokens,
-            num_decode_tokens=sum(1 for c in out.chunks if c.is_decode),
+            num_decode_tokens=len(decodes),
             step_seconds=time.perf_counter() - started,
+            num_prefill_tokens=sum(c.num_tokens for c in prompts),
+            prefill_attention=sum(c.num_tokens * (c.start + (c.num_tokens + 1) // 2) for c in prompts),
+            decode_context=sum(c.start + 1 for c in decodes),
         )
         return outputs

@@ -131,9 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         kv_address = segment.name if segment is not None else exporter.address if exporter else ""
         server = WorkerServer(engine, config, kv_address, importer, exporter=exporter, on_bound=_report_ready)
 
-        def on_signal(signum: int, _frame: object) -> None:
-            logger.info("signal %d: stopping", signum)
-            server.stop()
+        def on_signal(_signum: int, _frame: object) -> None:
+            server.stop_from_signal()  # no lock, no logging here: see stop_from_signal
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)

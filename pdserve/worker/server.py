@@ -59,6 +59,8 @@ class WorkerServer:
         """`kv_address`: where this worker's KV can be read ("" if nowhere); `on_bound`: called
         with the Ready message once the RPC socket is bound (the cluster backend waits for it)."""
         self.engine = engine
+        self._steps: list[wire.StepSample] = []  # since the last load report
+        self._last_recorded: object = None
         self.config = config
         self.kv_address = kv_address
         self._on_bound = on_bound
@@ -68,6 +70,7 @@ class WorkerServer:
         self.exporter = exporter
         self._inbox: queue.Queue[wire.Message | _KVDone] = queue.Queue()
         self._stop = threading.Event()
+        self._stop_requested = False  # set by a signal handler (stop_from_signal)
         # Engine thread -> RPC thread: an inproc PUSH/PULL pair, so a new token wakes the RPC
         # thread at once (no polling interval between a token and the router).
         self._outbox_address = f"inproc://pdserve-outbox-{id(self)}"
@@ -124,6 +127,13 @@ class WorkerServer:
     def stop(self) -> None:
         self._stop.set()
 
+    def stop_from_signal(self) -> None:
+        """From a signal handler: only a flag, which the engine loop turns into `stop()` within a
+        step. Event.set takes a lock, and a handler that runs while the main thread holds that
+        lock (inside Event.set or Queue.get) would wait on itself for ever: a worker that ignored
+        SIGTERM and outlived a SIGKILLed server."""
+        self._stop_requested = True
+
     def _ready(self, rpc_address: str) -> wire.Ready:
         return wire.Ready(
             worker_id=self.config.worker_id,
@@ -134,12 +144,19 @@ class WorkerServer:
             kv_transport=self.config.transport,
             kv_address=self.kv_address,
             rpc_address=rpc_address,
+            chunk_size=self.engine.config.chunk_size,
+            max_num_batched_tokens=self.engine.config.max_num_batched_tokens,
+            max_num_seqs=self.engine.config.max_num_seqs,
         )
 
     def _engine_loop(self) -> None:
         engine = self.engine
         last_load = 0.0
         while not self._stop.is_set():
+            if self._stop_requested:
+                logger.info("worker %s: stopping (signal)", self.config.worker_id)
+                self._stop.set()
+                break
             busy = engine.has_unfinished
             try:
                 item = self._inbox.get(timeout=0 if busy else 0.02)
@@ -158,6 +175,7 @@ class WorkerServer:
             if engine.has_unfinished:
                 for out in engine.step():
                     self._emit(out)
+                self._record_step()
                 self._hand_over()  # right after their tokens: the next step would not wait
             self._expire_leases()
             now = time.monotonic()
@@ -368,9 +386,27 @@ class WorkerServer:
         if self.exporter is not None:
             self.exporter.unregister(request_id)
 
+    def _record_step(self) -> None:
+        step = self.engine.last_step
+        if step is None or step is self._last_recorded:  # an empty step leaves the last one
+            return
+        self._last_recorded = step
+        self._steps.append(
+            wire.StepSample(
+                step.step_seconds,
+                step.num_prefill_tokens,
+                step.prefill_attention,
+                step.num_decode_tokens,
+                step.decode_context,
+            )
+        )
+        if len(self._steps) > wire.MAX_STEP_SAMPLES:
+            del self._steps[0]
+
     def _load(self) -> wire.Load:
         stats = self.engine.stats()
         step = self.engine.last_step
+        steps, self._steps = self._steps, []
         return wire.Load(
             worker_id=self.config.worker_id,
             num_running=stats.num_running,
@@ -380,6 +416,9 @@ class WorkerServer:
             kv_blocks_free=stats.kv_blocks_free,
             num_held=stats.num_held,
             last_step_ms=step.step_seconds * 1000 if step else 0.0,
+            steps=steps,
+            kv_blocks_total=stats.kv_blocks_used + stats.kv_blocks_free,
+            block_size=self.engine.config.block_size,
         )
 
     def _send(self, message: wire.Message, *, final: bool = False) -> None:
