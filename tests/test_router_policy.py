@@ -1,5 +1,6 @@
 """Routing decisions: pure functions, no sockets."""
 
+from pdserve.costmodel import Step, StepCostModel
 from pdserve.router import policy
 from pdserve.router.policy import DecodeView, PrefillView, choose_decode, choose_path, choose_prefill
 
@@ -39,3 +40,72 @@ def test_rebalance_moves_from_the_busiest_until_counts_differ_by_at_most_one() -
     assert policy.plan_rebalance({"a": 3, "b": 2}) == {}  # balanced enough: a move costs a gap
     assert policy.plan_rebalance({"a": 5}) == {}
     assert policy.plan_rebalance({}) == {}
+
+
+# -- the path, by the cost model -------------------------------------------------------------------
+def _machine() -> StepCostModel:
+    """A cost model fitted to a made-up worker: 20 ms a step, 2 ms a prompt token, 3 ms a stream."""
+    model = StepCostModel(min_samples=10)
+    for tokens in (32, 64, 128, 256, 512):
+        model.add(Step(tokens, 0), 0.02 + 0.002 * tokens)
+    for streams in (1, 4, 8, 16, 32):
+        model.add(Step(0, 0, streams, 0), 0.02 + 0.003 * streams)
+    return model
+
+
+IDLE_DECODE = policy.DecodeCandidate("d0", streams=0, context_per_stream=0, ahead=(), chunk=512, budget=2048)
+
+
+def test_before_the_model_is_ready_the_fixed_threshold_decides() -> None:
+    cold = StepCostModel()
+    prefill = policy.PrefillCandidate("p0", (), 256, 2048)
+    assert policy.choose_path_by_cost(cold, 10, prefill, IDLE_DECODE, None, 16).path == "local"
+    choice = policy.choose_path_by_cost(cold, 100, prefill, IDLE_DECODE, None, 16)
+    assert (choice.path, choice.reason, choice.predicted_ttft) == ("remote", "cold", None)
+    no_prefill = policy.choose_path_by_cost(_machine(), 5000, None, IDLE_DECODE, None, 16)
+    assert (no_prefill.path, no_prefill.reason) == ("local", "no_prefill_worker")
+
+
+def test_a_chat_goes_local_when_the_prefill_worker_is_busy_and_the_stall_fits() -> None:
+    model = _machine()
+    busy = policy.PrefillCandidate("p0", (2000, 2000), chunk=256, budget=256)  # one chunk a step
+    decode = policy.DecodeCandidate("d0", streams=4, context_per_stream=300, ahead=(), chunk=512, budget=2048)
+    choice = policy.choose_path_by_cost(
+        model, 120, busy, decode, itl_budget_s=1.0, local_prefill_threshold=16
+    )
+    assert (choice.path, choice.reason) == ("local", "cost_model")
+    assert choice.local_ttft is not None and choice.remote_ttft is not None
+    assert choice.local_ttft < choice.remote_ttft
+    assert choice.predicted_ttft == choice.local_ttft and choice.alone_s is not None
+
+
+def test_local_is_refused_when_its_stall_would_break_the_itl_budget() -> None:
+    model = _machine()
+    busy = policy.PrefillCandidate("p0", (2000, 2000), chunk=256, budget=256)
+    decode = policy.DecodeCandidate(
+        "d0", streams=16, context_per_stream=300, ahead=(), chunk=512, budget=2048
+    )
+    choice = policy.choose_path_by_cost(
+        model, 400, busy, decode, itl_budget_s=0.1, local_prefill_threshold=16
+    )
+    assert (choice.path, choice.reason) == ("remote", "stall")
+    assert choice.stall_s is not None and choice.stall_s > 0.1
+    # Without an ITL SLO the budget is 1.5x the worker's own step: still too much for 400 tokens.
+    default = policy.choose_path_by_cost(model, 400, busy, decode, None, 16)
+    assert default.reason == "stall"
+
+
+def test_an_idle_prefill_worker_takes_long_prompts() -> None:
+    model = _machine()
+    idle = policy.PrefillCandidate("p0", (), chunk=256, budget=2048)
+    decode = policy.DecodeCandidate("d0", streams=8, context_per_stream=300, ahead=(), chunk=512, budget=2048)
+    choice = policy.choose_path_by_cost(
+        model, 1500, idle, decode, itl_budget_s=0.5, local_prefill_threshold=16
+    )
+    assert (choice.path, choice.reason) == ("remote", "cost_model")
+
+
+def test_a_few_tokens_on_an_idle_decode_worker_go_local_as_the_threshold_did() -> None:
+    model = _machine()
+    idle = policy.PrefillCandidate("p0", (), chunk=256, budget=2048)
+    assert policy.choose_path_by_cost(model, 8, idle, IDLE_DECODE, None, 16).path == "local"

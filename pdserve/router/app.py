@@ -36,11 +36,13 @@ from pdserve.router.dispatch import (
     RequestFailed,
     RequestState,
     RouterConfig,
+    TokenEvent,
     Unavailable,
 )
 from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.workers import WorkerLink, WorkerSet, WorkerState
+from pdserve.signals import Signals
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,8 @@ class RouterSettings:
     config: RouterConfig = field(default_factory=RouterConfig)
     heartbeat_timeout: float = 3.0
     stall_timeout: float = 60.0  # no load report from a worker this long: taken out of service
+    signals_window: float = 30.0  # seconds of latency and demand the planner and /pools look at
+    cold_start_seconds: float = 5.0  # a worker's first steps are left out of the cost model
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -78,7 +82,13 @@ class Router:
         )
         self.workers.on_load = self._record_load
         self.workers.on_state = self._record_state
-        self.dispatcher = Dispatcher(self.workers, settings.config, self.metrics)
+        self.signals = Signals(settings.signals_window, settings.cold_start_seconds)
+        self.dispatcher = Dispatcher(self.workers, settings.config, self.metrics, self.signals)
+        slo = settings.config.slo
+        self.metrics.slo_percentile.set(slo.percentile)
+        for metric, value in (("ttft", slo.ttft_s), ("itl", slo.itl_s)):
+            if value is not None:
+                self.metrics.slo_seconds.labels(metric).set(value)
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -146,7 +156,10 @@ class Router:
         except Unavailable as exc:
             return self._reject(str(exc), "service_unavailable", 503)
         except Overloaded as exc:
-            return self._reject(str(exc), "rate_limit_exceeded", 429)
+            response = self._reject(str(exc), "rate_limit_exceeded", 429)
+            if exc.retry_after is not None:
+                response.headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+            return response
         if run.stream:
             return StreamingResponse(self._stream(run), media_type="text/event-stream")
         return await self._whole(request, run)
@@ -195,6 +208,7 @@ class Router:
                 f"({len(prompt_ids)} in the prompt, {max_tokens} to generate): lower max_tokens"
             )
         params = oa.sampling_params(req, max_tokens)  # raises InvalidRequestError (max_tokens < 1, ...)
+        self.dispatcher.check_slo(len(prompt_ids))  # raises Overloaded (--reject-on-slo-miss)
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         self.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -222,7 +236,7 @@ class Router:
         sent = 0
         try:
             async for event in events:
-                run.token_arrived(time.monotonic(), len(event.token_ids), self.metrics)
+                run.token_arrived(time.monotonic(), event, self.metrics, self.signals)
                 finish: str | None = event.finish_reason
                 stop_reason: int | str | None = event.stop_reason
                 for token in event.token_ids:
@@ -286,6 +300,17 @@ class Router:
             kind, status = _error_kind(exc)
             return _json(oa.error_body(str(exc), kind, status), status)
 
+    def describe_signals(self) -> dict[str, Any]:
+        """The "signals" section of GET /pools: latency percentiles, demand and KV use per pool."""
+        kv: dict[str, list[tuple[int, int]]] = {}
+        for w in self.workers.links.values():
+            if w.connected and w.load is not None:
+                kv.setdefault(w.pool, []).append(
+                    (w.load.kv_blocks_used, w.load.kv_blocks_used + w.load.kv_blocks_free)
+                )
+        kv_used = {pool: sum(u for u, _ in v) / max(1, sum(t for _, t in v)) for pool, v in kv.items()}
+        return self.signals.describe(time.monotonic(), dict(kv_used))
+
     # -- worker state into metrics --------------------------------------------------------------------------
     def _max_model_len(self) -> int | None:
         lengths = [w.ready.max_model_len for w in self.workers.links.values() if w.connected and w.ready]
@@ -303,6 +328,8 @@ class Router:
         m.worker_kv_free.labels(*labels).set(load.kv_blocks_free)
         m.worker_queued_prompt.labels(*labels).set(load.queued_prompt_tokens)
         m.worker_step.labels(*labels).set(load.last_step_ms / 1000)
+        if load.steps and link.up_at is not None:
+            self.signals.steps(load.steps, time.monotonic() - link.up_at)
 
     def _record_state(self, link: WorkerLink) -> None:
         m = self.metrics
@@ -351,14 +378,16 @@ class _Run:
     first_token_at: float | None = None
     last_token_at: float | None = None
 
-    def token_arrived(self, now: float, count: int, metrics: RouterMetrics) -> None:
+    def token_arrived(self, now: float, event: TokenEvent, metrics: RouterMetrics, signals: Signals) -> None:
+        count = len(event.token_ids)
         if not count:
             return
         if self.first_token_at is None:
             self.first_token_at = now
-            metrics.ttft.observe(now - self.arrived)
+            metrics.ttft.labels(event.pool).observe(now - self.arrived)
         elif self.last_token_at is not None:
-            metrics.itl.observe(now - self.last_token_at)
+            metrics.itl.labels(event.pool).observe(now - self.last_token_at)
+            signals.gap(event.pool, now - self.last_token_at, now)
         self.last_token_at = now
         metrics.generation_tokens.inc(count)
 

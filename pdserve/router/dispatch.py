@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Literal, overload
 
@@ -35,6 +35,8 @@ from pdserve.errors import PdserveError
 from pdserve.router import policy
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import Leg, LegEvent, WorkerDown, WorkerLink, WorkerSet
+from pdserve.signals import Signals
+from pdserve.slo import SLO
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,11 @@ class Unavailable(PdserveError):
 
 
 class Overloaded(PdserveError):
-    """Too many requests in flight (HTTP 429)."""
+    """Too many requests in flight, or an SLO the request would miss (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after  # seconds, for the Retry-After header
 
 
 class RequestFailed(PdserveError):
@@ -67,6 +73,11 @@ class RouterConfig:
     prefill_timeout: float = 300.0  # AddRequest -> first token on a prefill worker, queueing included
     token_timeout: float = 60.0  # the longest wait for the next token of a running stream
     max_in_flight: int = 512  # admitted requests; beyond this new ones get 429
+    slo: SLO = field(default_factory=SLO)
+    # 429 at admission when the pools are at their bounds and the predicted TTFT is above
+    # slo_reject_factor x the TTFT SLO.
+    reject_on_slo_miss: bool = False
+    slo_reject_factor: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,7 @@ class TokenEvent:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | None = None
+    pool: str = ""  # the pool of the worker that produced these tokens
 
 
 @dataclass
@@ -85,6 +97,7 @@ class RequestState:
     retries: int = 0
     migrations: int = 0
     outcome: str = "aborted"  # until the request ends otherwise (a client that left, say)
+    choice: policy.PathChoice | None = None  # the first attempt's path, and what was predicted
     legs: list[Leg] = field(default_factory=list)
     last_token_at: float | None = None  # monotonic time of the last token streamed
     created_at: float = field(default_factory=time.monotonic)
@@ -124,11 +137,43 @@ class _Move:
 
 
 class Dispatcher:
-    def __init__(self, workers: WorkerSet, config: RouterConfig, metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        workers: WorkerSet,
+        config: RouterConfig,
+        metrics: RouterMetrics,
+        signals: Signals | None = None,
+    ) -> None:
         self.workers = workers
         self.config = config
         self.metrics = metrics
+        self.signals = signals or Signals()
         self.in_flight = 0
+        # Whether every pool is at its bound (or its budget): set by whoever manages the pools.
+        # Without one, the pools are as they are: always at their bounds.
+        self.at_bounds: Callable[[], bool] = lambda: True
+
+    def check_slo(self, prompt_tokens: int) -> None:
+        """--reject-on-slo-miss: Overloaded (429, Retry-After) when the pools cannot grow and the
+        predicted TTFT is above slo_reject_factor x the SLO. Before the request waits, not after."""
+        slo = self.config.slo
+        if not self.config.reject_on_slo_miss or slo.ttft_s is None or not self.signals.cost.ready:
+            return
+        try:
+            choice, _, _ = self._choose_path(prompt_tokens)
+        except Unavailable:
+            return
+        predicted = choice.predicted_ttft
+        limit = self.config.slo_reject_factor * slo.ttft_s
+        if predicted is None or predicted <= limit or not self.at_bounds():
+            return
+        self.metrics.slo_rejections.inc()
+        wait = predicted - (choice.alone_s or 0.0)
+        raise Overloaded(
+            f"the predicted time to first token, {predicted:.1f} s, is above {self.config.slo_reject_factor:g}x "
+            f"the TTFT SLO ({slo.ttft_s * 1000:.0f} ms) and the pools are at their bounds; retry later",
+            retry_after=max(1.0, wait),
+        )
 
     def check_available(self) -> None:
         if not self.workers.up(*STREAM_POOLS):
@@ -148,6 +193,8 @@ class Dispatcher:
         self.in_flight += 1
         self.metrics.in_flight.inc()
         emitted: list[int] = []
+        stream_pool = "colocated" if self.workers.up("colocated") else "decode"
+        self.signals.stream_started(stream_pool)  # decode demand counts from admission
         try:
             while True:
                 try:
@@ -178,6 +225,7 @@ class Dispatcher:
                 leg.close(abort=True)  # a no-op for legs the worker is done with
             self.in_flight -= 1
             self.metrics.in_flight.dec()
+            self.signals.stream_ended(stream_pool)
             self.metrics.requests.labels(state.path, state.outcome).inc()
 
     # -- one attempt ------------------------------------------------------------------------------
@@ -192,15 +240,23 @@ class Dispatcher:
             start=len(emitted),
         )
         tokens, leg_id = attempt.tokens, attempt.leg_id
-        prefill = self._pick_prefill(len(tokens))
+        choice, prefill, local = self._choose_path(len(tokens))
+        self.metrics.path_choices.labels(choice.path, choice.reason).inc()
+        self.signals.paths[choice.path] += 1
+        if state.choice is None:
+            state.choice = choice
+        now = time.monotonic()
         if prefill is None:
-            decode = self._pick_decode()
+            assert local is not None
+            decode = local
+            self.signals.prompt_admitted(decode.pool, len(tokens), choice.alone_s, now)
             state.path = "colocated" if decode.pool == "colocated" else "local_prefill"
             leg = self._open(state, decode, len(tokens), wire.AddRequest(leg_id, tokens, attempt.params))
             async for event in self._stream(state, attempt, leg, kv_pending=False):
                 yield event
             return
 
+        self.signals.prompt_admitted("prefill", len(tokens), choice.alone_s, now)
         state.path = "remote_prefill"
         pleg = self._open(state, prefill, len(tokens), wire.AddRequest(leg_id, tokens, attempt.params))
         sent_at = time.monotonic()
@@ -214,15 +270,21 @@ class Dispatcher:
             raise _Retry(
                 "prefill_failed", f"prefill worker {prefill.worker_id}: {getattr(answer, 'error', '')}"
             )
+        now = time.monotonic()
         if answer.queue_seconds is not None:
+            compute = max(0.0, now - sent_at - answer.queue_seconds)
             self.metrics.queue_time.labels("prefill").observe(answer.queue_seconds)
-            self.metrics.prefill_time.observe(max(0.0, time.monotonic() - sent_at - answer.queue_seconds))
-        state.last_token_at = time.monotonic()
+            self.metrics.prefill_time.observe(compute)
+            self.metrics.ttft_breakdown.labels("prefill_queue").observe(answer.queue_seconds)
+            self.metrics.ttft_breakdown.labels("prefill_compute").observe(compute)
+        if not attempt.emitted:
+            self._first_token(state, "prefill", choice, now)
+        state.last_token_at = now
         if answer.finish_reason != "prefilled" or answer.kv is None:
             pleg.done = True  # the first token ended it (EOS, max_tokens=1): nothing to decode
-            yield TokenEvent(answer.token_ids, answer.finish_reason, answer.stop_reason)
+            yield TokenEvent(answer.token_ids, answer.finish_reason, answer.stop_reason, "prefill")
             return
-        yield TokenEvent(answer.token_ids)  # the first token goes to the client now
+        yield TokenEvent(answer.token_ids, pool="prefill")  # the first token goes to the client now
 
         decode = self._pick_decode(blocks_needed=len(answer.kv.block_ids) + 1)
         dleg = self._open(
@@ -235,6 +297,13 @@ class Dispatcher:
             state, attempt, dleg, kv_pending=True, source_leg=pleg, transport=answer.kv.transport
         ):
             yield event
+
+    def _first_token(self, state: RequestState, pool: str, choice: policy.PathChoice, now: float) -> None:
+        """The request's first token: into the signals, and next to what the cost model predicted."""
+        ttft = now - state.created_at
+        self.signals.first_token(pool, ttft, choice.alone_s, now)
+        if choice.predicted_ttft:
+            self.metrics.ttft_prediction_ratio.labels(choice.path).observe(ttft / choice.predicted_ttft)
 
     async def _stream(
         self,
@@ -251,6 +320,7 @@ class Dispatcher:
         streamed = 0
         kv_failed = False
         move: _Move | None = None
+        kv_arrived_at: float | None = None  # a prompt's KV (not a move's): for the TTFT breakdown
         try:
             while True:
                 worker = leg.link.worker_id
@@ -263,6 +333,9 @@ class Dispatcher:
                     kv_failed = not event.ok
                     if move is not None and event.ok:
                         self._settle(move, "ok")
+                    elif event.ok and streamed == 0:
+                        kv_arrived_at = time.monotonic()
+                        self.metrics.ttft_breakdown.labels("kv_transfer").observe(event.seconds)
                     continue
                 if isinstance(event, wire.Migrated):
                     if move is not None:  # moved again before its next token: the first move worked
@@ -291,11 +364,16 @@ class Dispatcher:
                         self._settle(move, "ok")
                         self.metrics.migration_gap.observe(now - move.since)
                         move = None
+                    if kv_arrived_at is not None:
+                        self.metrics.ttft_breakdown.labels("first_decode").observe(now - kv_arrived_at)
+                        kv_arrived_at = None
+                    if first_local and not attempt.emitted and state.choice is not None:
+                        self._first_token(state, leg.link.pool, state.choice, now)
                     state.last_token_at = now
                 streamed += len(event.token_ids)
                 if event.finish_reason is not None:
                     leg.done = True
-                yield TokenEvent(event.token_ids, event.finish_reason, event.stop_reason)
+                yield TokenEvent(event.token_ids, event.finish_reason, event.stop_reason, leg.link.pool)
                 if event.finish_reason is not None:
                     return
         except _Retry:
@@ -395,10 +473,27 @@ class Dispatcher:
         except TimeoutError:
             raise RequestFailed(f"timed out after {timeout:g} s waiting for {what}") from None
 
-    def _pick_prefill(self, prompt_tokens: int) -> WorkerLink | None:
+    def _choose_path(
+        self, prompt_tokens: int
+    ) -> tuple[policy.PathChoice, WorkerLink | None, WorkerLink | None]:
+        """(the choice, the prefill worker for a remote prefill, the decode worker for a local one).
+        Raises Unavailable when no decode worker is up."""
+        decode = self._pick_decode()
+        prefill = self._pick_prefill()
+        choice = policy.choose_path_by_cost(
+            self.signals.cost,
+            prompt_tokens,
+            _prefill_candidate(prefill) if prefill is not None else None,
+            _decode_candidate(decode),
+            self.config.slo.itl_s,
+            self.config.local_prefill_threshold,
+        )
+        if choice.path == "local":
+            return choice, None, decode
+        return choice, prefill, None
+
+    def _pick_prefill(self) -> WorkerLink | None:
         links = {w.worker_id: w for w in self.workers.up("prefill")}
-        if policy.choose_path(prompt_tokens, self.config.local_prefill_threshold, bool(links)) == "local":
-            return None
         views = [
             policy.PrefillView(
                 w.worker_id, w.queued_prompt_tokens, w.load.queued_prompt_tokens if w.load else 0
@@ -452,3 +547,54 @@ class Dispatcher:
                 raise Unavailable("no decode worker is up: the decode pool is empty")
             return None
         return links[chosen.worker_id]
+
+
+# Before a worker's Ready says them: the engine's defaults.
+_DEFAULT_CHUNK, _DEFAULT_BUDGET = 512, 2048
+_DEFAULT_CONTEXT = 256.0  # tokens per stream, before a load report says
+
+
+def _ahead(link: WorkerLink) -> tuple[int, ...]:
+    """Prompt tokens still to prefill on a worker, oldest first: the router's own legs, matched to
+    the worker's last report (what it has computed of the oldest; other routers' prompts)."""
+    ahead = [leg.prompt_tokens for leg in link.legs.values() if leg.prompt_tokens > 0]
+    reported = link.load.queued_prompt_tokens if link.load else sum(ahead)
+    extra = reported - sum(ahead)
+    if extra > 0:
+        ahead.append(extra)
+    else:
+        for i in range(len(ahead)):  # the oldest are the ones being computed
+            take = min(ahead[i], -extra)
+            ahead[i] -= take
+            extra += take
+            if extra >= 0:
+                break
+    return tuple(t for t in ahead if t > 0)
+
+
+def _limits(link: WorkerLink) -> tuple[int, int]:
+    ready = link.ready
+    chunk = ready.chunk_size if ready and ready.chunk_size else _DEFAULT_CHUNK
+    budget = ready.max_num_batched_tokens if ready and ready.max_num_batched_tokens else _DEFAULT_BUDGET
+    return chunk, budget
+
+
+def _prefill_candidate(link: WorkerLink) -> policy.PrefillCandidate:
+    chunk, budget = _limits(link)
+    return policy.PrefillCandidate(link.worker_id, _ahead(link), chunk, budget)
+
+
+def context_per_stream(link: WorkerLink) -> float:
+    """Tokens of KV per running request on the worker, from its last load report."""
+    load = link.load
+    if load is None or not load.num_running or not load.block_size:
+        return _DEFAULT_CONTEXT
+    return load.kv_blocks_used * load.block_size / load.num_running
+
+
+def _decode_candidate(link: WorkerLink) -> policy.DecodeCandidate:
+    chunk, budget = _limits(link)
+    streams = sum(1 for leg in link.legs.values() if not leg.done and leg.prompt_tokens == 0)
+    return policy.DecodeCandidate(
+        link.worker_id, streams, context_per_stream(link), _ahead(link), chunk, budget
+    )

@@ -31,9 +31,15 @@ class RouterMetrics:
         ) -> Histogram:
             return Histogram(name, doc, labels, registry=r, buckets=buckets)
 
-        self.ttft = histogram("pdserve_time_to_first_token_seconds", "Request arrival to its first token")
+        self.ttft = histogram(
+            "pdserve_time_to_first_token_seconds",
+            "Request arrival to its first token, by the pool that produced it",
+            ("pool",),
+        )
         self.itl = histogram(
-            "pdserve_inter_token_latency_seconds", "Gap between consecutive tokens of a stream"
+            "pdserve_inter_token_latency_seconds",
+            "Gap between consecutive tokens of a stream, by the pool that streamed it",
+            ("pool",),
         )
         self.tpot = histogram(
             "pdserve_time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1), per request"
@@ -106,6 +112,68 @@ class RouterMetrics:
         self.migration_gap = histogram(
             "pdserve_migration_stream_gap_seconds",
             "The gap a migration puts in a stream: its last token on the old worker to its first on the new",
+        )
+
+        # -- the planner and the cost model (pdserve.planner, pdserve.costmodel) ----------------------
+        self.ttft_breakdown = histogram(
+            "pdserve_ttft_breakdown_seconds",
+            "Where a remotely prefilled request's time goes, by part: prefill_queue (waiting on the "
+            "prefill worker), prefill_compute (its prompt, RPC included: the first token is out), "
+            "kv_transfer (the decode worker's pull), first_decode (KV in to the second token)",
+            ("part",),
+        )
+        self.path_choices = Counter(
+            "pdserve_path_choices",
+            "Each request's path (remote: prefill pool; local: prefilled by its decode worker) and why "
+            "(cost_model, stall: local was faster but would break the ITL budget, cold: the cost model "
+            "has too few samples so the fixed threshold decided, no_prefill_worker)",
+            ("path", "reason"),
+            registry=r,
+        )
+        self.ttft_prediction_ratio = histogram(
+            "pdserve_ttft_prediction_ratio",
+            "Observed TTFT / the TTFT the cost model predicted for the path it chose",
+            ("path",),
+            buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0),
+        )
+        self.slo_seconds = Gauge(
+            "pdserve_slo_seconds",
+            "The SLO the server is run against (--slo), by metric (ttft, itl)",
+            ("metric",),
+            registry=r,
+        )
+        self.slo_percentile = Gauge(
+            "pdserve_slo_percentile", "The percentile the SLOs are stated at (--slo-percentile)", registry=r
+        )
+        self.slo_rejections = Counter(
+            "pdserve_slo_rejections",
+            "Requests answered 429 at once because their predicted TTFT missed the SLO (--reject-on-slo-miss)",
+            registry=r,
+        )
+        self.planner_decisions = Counter(
+            "pdserve_planner_decisions",
+            "Planner changes to a pool's target, by direction (up, down) and reason (predictive, "
+            "reactive, move, idle)",
+            ("pool", "direction", "reason"),
+            registry=r,
+        )
+        self.planner_target = Gauge(
+            "pdserve_planner_target_replicas",
+            "The workers the planner wants in the pool (within its bounds and the budget)",
+            ("pool",),
+            registry=r,
+        )
+        self.planner_predicted = Gauge(
+            "pdserve_planner_predicted_seconds",
+            "The SLO percentile the cost model predicts for the pool at its current size (metric: ttft, itl)",
+            ("pool", "metric"),
+            registry=r,
+        )
+        self.planner_observed = Gauge(
+            "pdserve_planner_observed_seconds",
+            "The SLO percentile observed over the planner's window (metric: ttft, itl)",
+            ("pool", "metric"),
+            registry=r,
         )
 
         worker_labels = ("pool", "worker")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.costmodel import StepCostModel
+
 # Prompts of at most this many tokens are prefilled on the decode worker itself. A remote prefill
 # costs two RPC hops and a KV copy (about a millisecond on one host); a local prefill of a few
 # tokens costs the decode batch little more than one of its own steps, while a longer one stalls
@@ -79,3 +81,85 @@ def plan_rebalance(streams: dict[str, int]) -> dict[str, int]:
         counts[busiest] -= 1
         counts[idlest] += 1
         moves[busiest] = moves.get(busiest, 0) + 1
+
+
+# -- the path, by the cost model ----------------------------------------------------------------------
+# A local prefill may lengthen its decode worker's step by this factor when no ITL SLO is given.
+DEFAULT_STALL_FACTOR = 1.5
+# The remote path spares the decode worker's streams and the prefill pool is there for prompts: a
+# local prefill next to running streams must be faster by this margin to be worth its stall.
+LOCAL_MARGIN = 0.9
+
+
+@dataclass(frozen=True)
+class PrefillCandidate:
+    """The prefill worker a remote prefill would go to, as the cost model needs it."""
+
+    worker_id: str
+    ahead: tuple[int, ...]  # prompt tokens still to prefill there, oldest first
+    chunk: int
+    budget: int
+
+
+@dataclass(frozen=True)
+class DecodeCandidate:
+    """The decode (or colocated) worker a local prefill would run on."""
+
+    worker_id: str
+    streams: int  # decoding there now
+    context_per_stream: float
+    ahead: tuple[int, ...]  # prompts it is prefilling itself
+    chunk: int
+    budget: int
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    path: str  # remote | local
+    reason: str  # cost_model | stall | cold | no_prefill_worker | threshold
+    predicted_ttft: float | None = None  # of the chosen path
+    alone_s: float | None = None  # the prompt's own prefill time on an idle worker
+    remote_ttft: float | None = None
+    local_ttft: float | None = None
+    stall_s: float | None = None  # the longest step the local prefill would give its streams
+
+
+def choose_path_by_cost(
+    cost: StepCostModel,
+    prompt_tokens: int,
+    prefill: PrefillCandidate | None,
+    decode: DecodeCandidate,
+    itl_budget_s: float | None,
+    local_prefill_threshold: int,
+) -> PathChoice:
+    """Remote (prefill pool) or local (on `decode`): the faster predicted TTFT, local only when its
+    stall fits `itl_budget_s` (None: DEFAULT_STALL_FACTOR x that worker's step). Before the cost
+    model is ready the fixed threshold decides."""
+    if prefill is None:
+        return PathChoice("local", "no_prefill_worker")
+    if not cost.ready:
+        path = "local" if prompt_tokens <= local_prefill_threshold else "remote"
+        return PathChoice(path, "cold")
+    context = round(decode.streams * decode.context_per_stream)
+    alone = cost.prefill_alone_seconds(prompt_tokens, prefill.chunk, prefill.budget)
+    remote, _ = cost.prefill_finish_seconds(
+        prompt_tokens, prefill.ahead, chunk=prefill.chunk, budget=prefill.budget, short_first=True
+    )
+    local, longest = cost.prefill_finish_seconds(
+        prompt_tokens,
+        decode.ahead,
+        chunk=decode.chunk,
+        budget=decode.budget,
+        short_first=False,
+        decode_streams=decode.streams,
+        decode_context=context,
+    )
+    quiet = cost.decode_step_seconds(decode.streams, decode.context_per_stream)
+    budget = itl_budget_s if itl_budget_s is not None else DEFAULT_STALL_FACTOR * quiet
+    stall_ok = decode.streams == 0 or longest <= budget
+    # With streams to stall, local must win by a margin; on an idle worker a tie goes local (it
+    # saves the KV transfer before the second token).
+    faster = local < LOCAL_MARGIN * remote if decode.streams else local <= remote
+    path = "local" if faster and stall_ok else "remote"
+    reason = "stall" if faster and not stall_ok else "cost_model"
+    return PathChoice(path, reason, local if path == "local" else remote, alone, remote, local, longest)

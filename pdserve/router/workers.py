@@ -96,6 +96,7 @@ class WorkerLink:
         self.load: wire.Load | None = None
         self.state = WorkerState.STARTING
         self.opened_at = self.state_since = time.monotonic()
+        self.up_at: float | None = None  # when it first said Ready: its cold start counts from here
         self.detail = "starting"  # why it is in its state, for people (GET /pools, /health, logs)
         self.draining = False  # asked to drain: it stays out of service even if it reconnects
         self.legs: dict[str, Leg] = {}
@@ -280,6 +281,8 @@ class WorkerLink:
         if self.state not in (WorkerState.STARTING, WorkerState.DOWN):
             return
         self._set_state(WorkerState.DRAINING if self.draining else WorkerState.UP, "")
+        if self.up_at is None:
+            self.up_at = time.monotonic()
         logger.info("worker %s is %s (%s, %s)", self.worker_id, self.state.value, role, self.address)
         for leg_id in self.abandoned:
             self.send(wire.Abort(leg_id))

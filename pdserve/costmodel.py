@@ -1,0 +1,266 @@
+"""The cost model: how long an engine step takes, fitted online to the steps workers report, and
+what that predicts for a request's TTFT and for a stream's ITL. Pure Python (no torch, no numpy):
+the router's path choice and the planner share it.
+
+One step costs, in seconds,
+
+    c0 + c1 * prompt tokens + c2 * prompt attention + c3 * decode streams + c4 * decode context
+
+(prompt attention: per prompt chunk, its tokens times the positions they attend to; decode context:
+the sum of the decode streams' lengths). The coefficients are a least-squares fit over the last
+`window` steps, kept non-negative (a feature whose weight would come out negative is dropped and
+the rest refitted), so the model never predicts that more work is cheaper. Until it has
+`min_samples` steps it is not `ready` and its users fall back to fixed rules.
+
+TTFT is predicted by stepping a worker's scheduler rules forward over what is queued there
+(`prefill_finish_seconds`); the planner's queueing (wait at a percentile for a pool of k workers)
+is an M/M/1 wait per worker on top of each request's own service time (`pool_wait_quantile`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Features are scaled to about 1 for typical steps, so that the normal equations are well
+# conditioned: per 1k prompt tokens, per 1M attended positions, per 10 streams, per 10k context.
+_SCALE = (1.0, 1e-3, 1e-6, 0.1, 1e-4)
+_RIDGE = 1e-9
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one step computes (the features of the model)."""
+
+    prefill_tokens: int = 0
+    prefill_attention: int = 0
+    decode_streams: int = 0
+    decode_context: int = 0
+
+    def features(self) -> tuple[float, ...]:
+        raw = (1.0, self.prefill_tokens, self.prefill_attention, self.decode_streams, self.decode_context)
+        return tuple(value * scale for value, scale in zip(raw, _SCALE, strict=True))
+
+
+def chunk_attention(start: int, tokens: int) -> int:
+    """Attention work of a prompt chunk of `tokens` from position `start` (as the engine counts it)."""
+    return tokens * (start + (tokens + 1) // 2)
+
+
+class StepCostModel:
+    def __init__(self, window: int = 2000, min_samples: int = 30) -> None:
+        self.min_samples = min_samples
+        self._samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self._coef: tuple[float, ...] | None = None
+        self._dirty = False
+
+    def add(self, step: Step, seconds: float) -> None:
+        if seconds > 0 and math.isfinite(seconds):
+            self._samples.append((step.features(), seconds))
+            self._dirty = True
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._samples)
+
+    @property
+    def ready(self) -> bool:
+        return len(self._samples) >= self.min_samples
+
+    def coefficients(self) -> tuple[float, ...] | None:
+        """(c0 .. c4) in seconds per unit of each raw feature; None before `ready`."""
+        if not self.ready:
+            return None
+        if self._dirty or self._coef is None:
+            self._coef = _fit_non_negative(list(self._samples))
+            self._dirty = False
+        return tuple(c * s for c, s in zip(self._coef, _SCALE, strict=True))
+
+    def step_seconds(self, step: Step) -> float:
+        coef = self.coefficients()
+        if coef is None:
+            raise RuntimeError("the cost model has too few samples to predict (check `ready`)")
+        raw = (1.0, step.prefill_tokens, step.prefill_attention, step.decode_streams, step.decode_context)
+        return sum(c * x for c, x in zip(coef, raw, strict=True))
+
+    # -- predictions built on steps -----------------------------------------------------------------
+    def prefill_finish_seconds(
+        self,
+        prompt_tokens: int,
+        ahead: Sequence[int],
+        *,
+        chunk: int,
+        budget: int,
+        short_first: bool,
+        decode_streams: int = 0,
+        decode_context: int = 0,
+        max_steps: int = 400,
+    ) -> tuple[float, float]:
+        """(seconds until a new prompt of `prompt_tokens` has its first token, the longest step on
+        the way) on a worker with the prompts `ahead` (remaining tokens, oldest first) still to
+        prefill and `decode_streams` streams decoding in every step.
+
+        Follows the engine's scheduler: every step each prompt takes up to `chunk` tokens, oldest
+        first, within `budget` tokens; the prefill role (`short_first`) runs waiting prompts of at
+        most one chunk in a step of their own first. The step in progress is half done."""
+        remaining = [t for t in ahead if t > 0]
+        new = max(1, prompt_tokens)
+        elapsed = longest = 0.0
+        if remaining or decode_streams:  # a step is running when the request arrives
+            first = _first_step(remaining, chunk, budget, decode_streams, decode_context)
+            elapsed = 0.5 * self.step_seconds(first)
+        if short_first and new <= chunk:
+            shorts = [t for t in remaining if t <= chunk]  # short ones ahead go in the same step
+            step = Step(sum(shorts) + new, sum(chunk_attention(0, t) for t in [*shorts, new]))
+            seconds = self.step_seconds(step)
+            return elapsed + seconds, seconds
+        queue = [*remaining, new]
+        progress = [0] * len(queue)
+        for _ in range(max_steps):
+            tokens = attention = 0
+            left = budget - decode_streams
+            for i, total in enumerate(queue):
+                if left <= 0:
+                    break
+                take = min(chunk, total - progress[i], left)
+                if take <= 0:
+                    continue
+                tokens += take
+                attention += chunk_attention(progress[i], take)
+                progress[i] += take
+                left -= take
+            seconds = self.step_seconds(Step(tokens, attention, decode_streams, decode_context))
+            elapsed += seconds
+            longest = max(longest, seconds)
+            if progress[-1] >= new:
+                return elapsed, longest
+        # Past max_steps (a very deep queue): the rest at the rate of the last step.
+        left_tokens = sum(total - p for total, p in zip(queue, progress, strict=True))
+        return elapsed + left_tokens / max(1, tokens) * seconds, longest
+
+    def prefill_alone_seconds(self, prompt_tokens: int, chunk: int, budget: int) -> float:
+        """A prompt's own prefill time on an idle worker: what no number of workers can shorten."""
+        return self.prefill_finish_seconds(prompt_tokens, (), chunk=chunk, budget=budget, short_first=False)[
+            0
+        ]
+
+    def decode_step_seconds(self, streams: int, context_per_stream: float) -> float:
+        return self.step_seconds(Step(0, 0, streams, round(streams * context_per_stream)))
+
+    def max_streams_within(self, itl_s: float, context_per_stream: float, limit: int) -> int:
+        """The most streams one worker can decode with a step of at most `itl_s` (0 if not even one)."""
+        low, high = 0, max(0, limit)
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.decode_step_seconds(mid, context_per_stream) <= itl_s:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+
+def _first_step(
+    remaining: list[int], chunk: int, budget: int, decode_streams: int, decode_context: int
+) -> Step:
+    """The step a worker is running when a request arrives: a chunk of each prompt ahead."""
+    tokens = attention = 0
+    left = budget - decode_streams
+    for total in remaining:
+        take = min(chunk, total, max(0, left))
+        tokens += take
+        attention += chunk_attention(0, take)
+        left -= take
+    return Step(tokens, attention, decode_streams, decode_context)
+
+
+def pool_wait_quantile(
+    arrival_rate: float, service_seconds: float, workers: int, p: float, service_cv2: float = 1.0
+) -> float:
+    """The p-quantile of the wait before service in a pool of `workers`, each a single-server queue
+    with an even share of `arrival_rate` (requests/s), a mean service time of `service_seconds`
+    and a squared coefficient of variation of it of `service_cv2` (1: exponential, M/M/1; 0: all
+    alike). Mean wait from the Pollaczek-Khinchine formula, W = rho/(1-rho) * S * (1+cv2)/2; its
+    tail exponential, P(W > t) = rho * exp(-t rho / W) (exact for M/M/1). inf when the pool
+    cannot keep up."""
+    if arrival_rate <= 0 or service_seconds <= 0:
+        return 0.0
+    if workers < 1:
+        return math.inf
+    rho = arrival_rate * service_seconds / workers
+    if rho >= 1.0:
+        return math.inf
+    if rho <= 1.0 - p:
+        return 0.0
+    mean_if_waiting = service_seconds * (1.0 + service_cv2) / (2.0 * (1.0 - rho))  # W / rho
+    return mean_if_waiting * math.log(rho / (1.0 - p))
+
+
+def workers_for_wait(
+    arrival_rate: float,
+    service_seconds: float,
+    p: float,
+    wait_budget_s: float,
+    max_utilisation: float = 0.9,
+    service_cv2: float = 1.0,
+) -> int:
+    """The fewest workers whose p-quantile wait is within `wait_budget_s` and whose utilisation
+    stays at most `max_utilisation` (0 when there is no demand)."""
+    if arrival_rate <= 0 or service_seconds <= 0:
+        return 0
+    k = max(1, math.ceil(arrival_rate * service_seconds / max_utilisation))
+    while pool_wait_quantile(arrival_rate, service_seconds, k, p, service_cv2) > wait_budget_s and k < 10_000:
+        k += 1
+    return k
+
+
+def _fit_non_negative(samples: list[tuple[tuple[float, ...], float]]) -> tuple[float, ...]:
+    """Least squares with every coefficient >= 0 (active set: drop the most negative, refit)."""
+    active = list(range(len(_SCALE)))
+    while True:
+        coef = _least_squares(samples, active)
+        negative = [i for i in active if coef[i] < 0]
+        if not negative:
+            return coef
+        active.remove(min(negative, key=lambda i: coef[i]))
+        if not active:
+            return tuple(0.0 for _ in _SCALE)
+
+
+def _least_squares(samples: list[tuple[tuple[float, ...], float]], active: list[int]) -> tuple[float, ...]:
+    n = len(active)
+    ata = [[0.0] * n for _ in range(n)]
+    atb = [0.0] * n
+    for features, y in samples:
+        x = [features[i] for i in active]
+        for r in range(n):
+            xr = x[r]
+            atb[r] += xr * y
+            row = ata[r]
+            for c in range(n):
+                row[c] += xr * x[c]
+    for r in range(n):
+        ata[r][r] += _RIDGE * len(samples)
+    solution = _solve(ata, atb)
+    coef = [0.0] * len(_SCALE)
+    for slot, i in enumerate(active):
+        coef[i] = solution[slot]
+    return tuple(coef)
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (n <= 5). A singular column gets weight 0."""
+    n = len(b)
+    m = [[*row, b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-15:
+            continue
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col and m[r][col] != 0.0:
+                factor = m[r][col] / m[col][col]
+                for c in range(col, n + 1):
+                    m[r][c] -= factor * m[col][c]
+    return [m[i][n] / m[i][i] if abs(m[i][i]) >= 1e-15 else 0.0 for i in range(n)]

@@ -1,0 +1,69 @@
+"""Service-level objectives: what `--slo ttft=MS,itl=MS` and `--slo-percentile` mean. Pure Python.
+
+An SLO holds at percentile p (0.9 by default) when p of the requests meet it: TTFT (arrival to the
+first token) at or below `ttft_s`, every inter-token gap of their stream at or below `itl_s`
+(p of the gaps, over a window). Either may be absent; the planner and the path choice only reason
+about the ones given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from pdserve.errors import PdserveError
+
+DEFAULT_PERCENTILE = 0.9
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float | None = None
+    itl_s: float | None = None
+    percentile: float = DEFAULT_PERCENTILE
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "itl_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise PdserveError(f"the {name[:-2]} SLO must be > 0 ms, got {value * 1000:g}")
+        if not 0.5 <= self.percentile < 1.0:
+            raise PdserveError(f"the SLO percentile must be in [0.5, 1), got {self.percentile:g}")
+
+    @property
+    def given(self) -> bool:
+        return self.ttft_s is not None or self.itl_s is not None
+
+    def override(self, ttft_ms: float | None = None, itl_ms: float | None = None) -> SLO:
+        """This SLO with a pool's own values where it has them (`[pools.X]` in the config)."""
+        return replace(
+            self,
+            ttft_s=self.ttft_s if ttft_ms is None else ttft_ms / 1000,
+            itl_s=self.itl_s if itl_ms is None else itl_ms / 1000,
+        )
+
+    def describe(self) -> dict[str, float | None]:
+        return {"ttft_s": self.ttft_s, "itl_s": self.itl_s, "percentile": self.percentile}
+
+
+def parse_slo(text: str | None, percentile: float = DEFAULT_PERCENTILE) -> SLO:
+    """`ttft=500,itl=50` (milliseconds; either may be left out). Raises PdserveError."""
+    values: dict[str, float] = {}
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, number = item.partition("=")
+        name = name.strip().lower()
+        if not sep or name not in ("ttft", "itl"):
+            raise PdserveError(f"--slo: expected ttft=MS and/or itl=MS separated by commas, got {item!r}")
+        if name in values:
+            raise PdserveError(f"--slo: {name} is given twice")
+        try:
+            values[name] = float(number.strip().removesuffix("ms"))
+        except ValueError:
+            raise PdserveError(f"--slo: {name} must be a number of milliseconds, got {number!r}") from None
+    return SLO(
+        ttft_s=values["ttft"] / 1000 if "ttft" in values else None,
+        itl_s=values["itl"] / 1000 if "itl" in values else None,
+        percentile=percentile,
+    )

@@ -1,0 +1,141 @@
+"""The cost model: a non-negative least-squares fit of step time, and what it predicts. Pure."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from pdserve.costmodel import (
+    Step,
+    StepCostModel,
+    chunk_attention,
+    pool_wait_quantile,
+    workers_for_wait,
+)
+
+# A made-up machine: 5 ms a step, 40 us a prompt token, 2 ns per attended position, 0.5 ms a
+# stream, 1 us per token of context.
+TRUE = (0.005, 40e-6, 2e-9, 0.0005, 1e-6)
+
+
+def true_seconds(step: Step) -> float:
+    raw = (1, step.prefill_tokens, step.prefill_attention, step.decode_streams, step.decode_context)
+    return sum(c * x for c, x in zip(TRUE, raw, strict=True))
+
+
+def fitted(noise: float = 0.0, n: int = 400, seed: int = 0) -> StepCostModel:
+    rng = random.Random(seed)
+    model = StepCostModel()
+    for _ in range(n):
+        if rng.random() < 0.5:  # a prefill step
+            tokens = rng.randint(16, 512)
+            start = rng.choice([0, 256, 1024])
+            step = Step(tokens, chunk_attention(start, tokens))
+        else:  # a decode step
+            streams = rng.randint(1, 32)
+            step = Step(0, 0, streams, streams * rng.randint(50, 1500))
+        model.add(step, true_seconds(step) * (1 + rng.gauss(0, noise)))
+    return model
+
+
+def test_fit_recovers_the_machine_from_its_steps() -> None:
+    coef = fitted().coefficients()
+    assert coef is not None
+    for got, want in zip(coef, TRUE, strict=True):
+        assert got == pytest.approx(want, rel=0.02, abs=1e-7)
+
+
+def test_noisy_steps_still_predict_within_a_few_percent() -> None:
+    model = fitted(noise=0.1, n=1500)
+    for step in (Step(256, chunk_attention(0, 256)), Step(0, 0, 16, 16 * 800)):
+        assert model.step_seconds(step) == pytest.approx(true_seconds(step), rel=0.05)
+
+
+def test_not_ready_until_enough_samples_and_says_so() -> None:
+    model = StepCostModel(min_samples=30)
+    for _ in range(29):
+        model.add(Step(100, 5000), 0.01)
+    assert not model.ready and model.coefficients() is None
+    with pytest.raises(RuntimeError, match="too few samples"):
+        model.step_seconds(Step(1))
+    model.add(Step(100, 5000), 0.01)
+    assert model.ready
+
+
+def test_coefficients_never_negative_so_more_work_never_costs_less() -> None:
+    model = StepCostModel(min_samples=5)
+    # Decode steps whose time falls as streams grow (noise on a busy machine): a plain fit would
+    # give streams a negative weight.
+    for streams, seconds in [(1, 0.030), (2, 0.029), (4, 0.028), (8, 0.027), (16, 0.026), (32, 0.025)]:
+        model.add(Step(0, 0, streams, streams * 100), seconds)
+    coef = model.coefficients()
+    assert coef is not None and all(c >= 0 for c in coef)
+    assert model.decode_step_seconds(32, 100) >= model.decode_step_seconds(1, 100) - 1e-12
+
+
+def test_a_short_prompt_on_a_busy_prefill_worker_waits_only_for_the_step_in_progress() -> None:
+    model = fitted()
+    long_chunk = true_seconds(Step(256, chunk_attention(0, 256)))
+    ttft, _ = model.prefill_finish_seconds(100, (2000,), chunk=256, budget=2048, short_first=True)
+    own = true_seconds(Step(100, chunk_attention(0, 100)))
+    assert ttft == pytest.approx(0.5 * long_chunk + own, rel=0.05)
+
+
+def test_a_long_prompt_shares_steps_with_the_prompts_ahead() -> None:
+    model = fitted()
+    alone = model.prefill_alone_seconds(2048, 256, 2048)
+    behind_one, _ = model.prefill_finish_seconds(2048, (2048,), chunk=256, budget=2048, short_first=True)
+    behind_four, _ = model.prefill_finish_seconds(2048, (2048,) * 4, chunk=256, budget=2048, short_first=True)
+    assert alone < behind_one < behind_four
+    # Eight chunks of 256 fit the budget: four prompts ahead make every step about five chunks.
+    assert behind_four > 3 * alone
+
+
+def test_a_local_prefill_stalls_the_decode_streams_by_its_chunk() -> None:
+    model = fitted()
+    quiet = model.decode_step_seconds(8, 500)
+    ttft, longest = model.prefill_finish_seconds(
+        600, (), chunk=512, budget=2048, short_first=False, decode_streams=8, decode_context=4000
+    )
+    assert longest > quiet
+    assert longest == pytest.approx(true_seconds(Step(512, chunk_attention(0, 512), 8, 4000)), rel=0.05)
+    assert ttft > longest  # two chunks, plus half the step in progress
+
+
+def test_max_streams_within_an_itl_is_the_largest_batch_under_it() -> None:
+    model = fitted()
+    n = model.max_streams_within(0.030, 1000, limit=256)
+    assert model.decode_step_seconds(n, 1000) <= 0.030 < model.decode_step_seconds(n + 1, 1000)
+    assert model.max_streams_within(0.001, 1000, limit=256) == 0  # not even one
+    assert model.max_streams_within(10.0, 1000, limit=64) == 64
+
+
+def test_wait_quantile_grows_with_load_and_is_infinite_when_the_pool_cannot_keep_up() -> None:
+    service = 0.5
+    assert pool_wait_quantile(0.0, service, 1, 0.9) == 0.0
+    assert pool_wait_quantile(0.1, service, 1, 0.9) == 0.0  # rho 0.05: 90% never wait
+    light = pool_wait_quantile(1.0, service, 1, 0.9)
+    heavy = pool_wait_quantile(1.8, service, 1, 0.9)
+    assert 0 < light < heavy
+    assert math.isinf(pool_wait_quantile(2.0, service, 1, 0.9))
+    assert pool_wait_quantile(1.8, service, 2, 0.9) < heavy
+    # M/M/1: P(W > t) = rho exp(-(mu - lambda) t)
+    rho, mu, lam = 0.9, 2.0, 1.8
+    assert heavy == pytest.approx(math.log(rho / 0.1) / (mu - lam))
+
+
+def test_workers_for_wait_is_the_fewest_that_meet_it() -> None:
+    k = workers_for_wait(5.0, 0.5, 0.9, 0.2)
+    assert pool_wait_quantile(5.0, 0.5, k, 0.9) <= 0.2 < pool_wait_quantile(5.0, 0.5, k - 1, 0.9)
+    assert workers_for_wait(0.0, 0.5, 0.9, 0.2) == 0
+    assert workers_for_wait(1.0, 0.5, 0.9, 1e9, max_utilisation=0.5) == 1
+    assert workers_for_wait(1.9, 1.0, 0.9, 1e9, max_utilisation=0.9) == 3
+
+
+def test_service_times_that_vary_less_wait_less() -> None:
+    exponential = pool_wait_quantile(1.6, 0.5, 1, 0.9, service_cv2=1.0)
+    alike = pool_wait_quantile(1.6, 0.5, 1, 0.9, service_cv2=0.0)
+    assert alike == pytest.approx(exponential / 2)
+    assert workers_for_wait(1.6, 0.5, 0.9, 1.0, service_cv2=0.0) <= workers_for_wait(1.6, 0.5, 0.9, 1.0)

@@ -1,0 +1,70 @@
+"""Per-phase signals: windows, demand at admission, cold starts left out of the cost model."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve import wire
+from pdserve.signals import Signals, Window, quantile
+
+
+def test_window_forgets_what_is_older_than_its_span() -> None:
+    w = Window(10.0)
+    for t in range(20):
+        w.add(float(t), now=float(t))
+    assert w.values(19.0) == [float(t) for t in range(9, 20)]
+    assert w.values(19.0, span=2.0) == [17.0, 18.0, 19.0]
+    assert w.count_rate(19.0, span=5.0) == pytest.approx(6 / 5)
+    assert w.rate(19.0, span=2.0) == pytest.approx((17 + 18 + 19) / 2)
+    assert w.quantile(0.5, 19.0) == 14.0
+    assert w.mean(100.0) is None and w.quantile(0.9, 100.0) is None
+
+
+def test_quantile_is_nearest_rank() -> None:
+    values = list(range(1, 101))
+    assert quantile(values, 0.9) == 90
+    assert quantile(values, 0.99) == 99
+    assert quantile([5.0], 0.99) == 5.0
+    assert quantile([], 0.5) is None
+
+
+def test_demand_is_counted_at_admission_and_streams_until_they_end() -> None:
+    s = Signals(window_s=30.0)
+    for i in range(6):
+        s.prompt_admitted("prefill", 1000, 0.5, now=float(i))
+        s.stream_started("decode")
+    assert s.pool("prefill").prompts.count_rate(6.0, span=10.0) == pytest.approx(0.6)
+    assert s.pool("decode").streams == 6
+    for _ in range(8):  # more ends than starts never goes below zero
+        s.stream_ended("decode")
+    assert s.pool("decode").streams == 0
+
+
+def test_ttft_is_split_into_the_prompts_own_time_and_the_wait() -> None:
+    s = Signals()
+    s.first_token("prefill", 1.5, alone_s=1.2, now=1.0)
+    s.first_token("prefill", 0.1, alone_s=0.3, now=2.0)  # faster than predicted: no negative wait
+    assert s.pool("prefill").ttft.values(2.0) == [1.5, 0.1]
+    assert s.pool("prefill").ttft_excess.values(2.0) == pytest.approx([0.3, 0.0])
+
+
+def test_steps_of_a_worker_in_its_cold_start_stay_out_of_the_cost_model() -> None:
+    s = Signals(cold_start_s=5.0)
+    steps = [wire.StepSample(0.02, 0, 0, 4, 400) for _ in range(10)]
+    s.steps(steps, up_for_s=1.0)
+    assert s.cost.num_samples == 0 and s.cold_steps_skipped == 10
+    s.steps(steps, up_for_s=6.0)
+    assert s.cost.num_samples == 10
+
+
+def test_describe_shows_percentiles_demand_and_the_model() -> None:
+    s = Signals(window_s=30.0)
+    for i in range(10):
+        s.gap("decode", 0.01 * (i + 1), now=float(i))
+    s.paths["remote"] += 3
+    view = s.describe(10.0, {"decode": 0.25})
+    decode = view["pools"]["decode"]
+    assert decode["itl_s"] == {"p50": 0.05, "p90": pytest.approx(0.09), "p99": 0.1}
+    assert decode["kv_used"] == 0.25 and decode["ttft_s"] is None
+    assert view["paths"] == {"remote": 3}
+    assert view["cost_model"]["ready"] is False and view["cost_model"]["coefficients"] is None
