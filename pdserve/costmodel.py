@@ -50,7 +50,7 @@ def chunk_attention(start: int, tokens: int) -> int:
 
 
 class StepCostModel:
-    def __init__(self, window: int = 2000, min_samples: int = 30) -> None:
+    def __init__(self, window: int = 2000, min_samples: int = 12) -> None:
         self.min_samples = min_samples
         self._samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self._coef: tuple[float, ...] | None = None

@@ -22,9 +22,12 @@ from typing import Any
 
 from pdserve.config import POOL_ROLES, TRANSPORTS, EngineConfig, WorkerConfig
 from pdserve.errors import PdserveError
+from pdserve.planner.law import LawSettings
+from pdserve.planner.loop import MODES, PlannerSettings
 from pdserve.pools.manager import PoolSettings, PoolSpec
 from pdserve.router.app import RouterSettings
 from pdserve.router.dispatch import RouterConfig
+from pdserve.slo import DEFAULT_PERCENTILE, SLO, parse_slo
 
 logger = logging.getLogger("pdserve.serve")
 
@@ -142,7 +145,46 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
         _default(_P, "rebalance_on_start"),
         "a decode (or colocated) worker that starts while serving takes its share of the running streams",
     ),
+    # The planner and the SLOs (pdserve.planner; docs/operations.md).
+    "planner": (
+        str,
+        "off",
+        "slo: size each pool from its phase's pressure against --slo; off: pools stay put",
+    ),
+    "slo": (str, None, "SLOs in ms, e.g. ttft=1000,itl=100 (the planner, the path choice, admission)"),
+    "slo_percentile": (float, DEFAULT_PERCENTILE, "the percentile the SLOs hold at (0.9: p90)"),
+    "max_workers": (int, None, "the planner's worker budget over all pools (default: this host's CPUs)"),
+    "planner_interval": (float, _default(PlannerSettings, "interval_s"), "seconds between planner decisions"),
+    "planner_cooldown": (
+        float,
+        _default(LawSettings, "cooldown_s"),
+        "seconds after a pool's change before the planner changes it again (a breach may add sooner)",
+    ),
+    "planner_downscale_window": (
+        float,
+        _default(LawSettings, "downscale_window_s"),
+        "seconds a pool must want fewer workers, without a break, before the planner drains one",
+    ),
+    "reject_on_slo_miss": (
+        bool,
+        _default(_R, "reject_on_slo_miss"),
+        "answer 429 + Retry-After at once when the pools are at their bounds and the predicted TTFT "
+        "is above --slo-reject-factor x the TTFT SLO",
+    ),
+    "slo_reject_factor": (float, _default(_R, "slo_reject_factor"), "see --reject-on-slo-miss"),
 }
+
+# `[pools.NAME]` tables of the config file: a pool's own settings (mixed is colocated's old name).
+POOL_TABLE_KEYS: dict[str, type] = {
+    "chunk_size": int,
+    "max_num_batched_tokens": int,
+    "max_num_seqs": int,
+    "min": int,
+    "max": int,
+    "slo_ttft_ms": float,
+    "slo_itl_ms": float,
+}
+POOL_TABLE_ALIASES = {"mixed": "colocated"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -158,7 +200,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
     """Defaults, then the config file, then the command line. Raises PdserveError on bad input."""
-    options = {name: default for name, (_, default, _) in OPTIONS.items()}
+    options: dict[str, Any] = {name: default for name, (_, default, _) in OPTIONS.items()}
+    options["pools"] = {}
     if args.config is not None:
         options.update(_read_config(args.config))
     for name in OPTIONS:
@@ -179,6 +222,9 @@ def _read_config(path: Path) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
+        if name == "pools":
+            result["pools"] = _read_pool_tables(path, value)
+            continue
         if name not in OPTIONS:
             raise PdserveError(f"{path}: unknown option {key!r} (known: {', '.join(sorted(OPTIONS))})")
         kind = OPTIONS[name][0]
@@ -187,6 +233,35 @@ def _read_config(path: Path) -> dict[str, Any]:
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise PdserveError(f"{path}: {key} must be a {kind.__name__}, got {value!r}")
         result[name] = value
+    return result
+
+
+def _read_pool_tables(path: Path, tables: Any) -> dict[str, dict[str, Any]]:
+    if not isinstance(tables, dict):
+        raise PdserveError(f"{path}: pools must be tables, e.g. [pools.prefill]")
+    result: dict[str, dict[str, Any]] = {}
+    for pool_key, table in tables.items():
+        pool = POOL_TABLE_ALIASES.get(pool_key, pool_key)
+        if pool not in POOL_ROLES:
+            raise PdserveError(f"{path}: unknown pool [pools.{pool_key}] (pools: {', '.join(POOL_ROLES)})")
+        if not isinstance(table, dict):
+            raise PdserveError(f"{path}: [pools.{pool_key}] must be a table")
+        settings: dict[str, Any] = {}
+        for key, value in table.items():
+            name = key.replace("-", "_")
+            kind = POOL_TABLE_KEYS.get(name)
+            if kind is None:
+                raise PdserveError(
+                    f"{path}: [pools.{pool_key}] has unknown key {key!r} (known: {', '.join(POOL_TABLE_KEYS)})"
+                )
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise PdserveError(
+                    f"{path}: [pools.{pool_key}] {key} must be a {kind.__name__}, got {value!r}"
+                )
+            settings[name] = value
+        result[pool] = settings
     return result
 
 
@@ -213,6 +288,24 @@ def _check(o: dict[str, Any]) -> None:
             )
     if o["drain_timeout"] <= 0:
         raise PdserveError("--drain-timeout must be > 0")
+    unused = set(o["pools"]) - set(pool_replicas(o))
+    if unused:
+        raise PdserveError(
+            f"the config file sets [pools.{sorted(unused)[0]}], a pool this deployment does not have"
+        )
+    if o["planner"] not in MODES:
+        raise PdserveError(f"--planner must be one of {', '.join(MODES)}, got {o['planner']!r}")
+    slo = router_slo(o)
+    if o["planner"] == "slo" and not slo.given and not any(_pool_slo_given(o, p) for p in pool_replicas(o)):
+        raise PdserveError("--planner slo needs an SLO to plan for: --slo ttft=MS,itl=MS")
+    if o["reject_on_slo_miss"] and slo.ttft_s is None:
+        raise PdserveError("--reject-on-slo-miss needs a TTFT SLO: --slo ttft=MS")
+    if o["slo_reject_factor"] < 1:
+        raise PdserveError("--slo-reject-factor must be >= 1")
+    try:
+        planner_settings(o)
+    except ValueError as exc:
+        raise PdserveError(str(exc)) from None
     for pool in pool_replicas(o):  # a bad engine setting fails here, not in every worker
         try:
             worker_config(o, pool, "check")
@@ -232,9 +325,11 @@ def worker_config(
 ) -> WorkerConfig:
     """The configuration of a new worker of `pool`: the shared settings, then the pool's own."""
     role = POOL_ROLES[pool]
+    own = o["pools"].get(pool, {})
     chunk = o["chunk_size"]
     if pool == "prefill":  # the prefill pool's own chunk size (see DEFAULT_PREFILL_CHUNK_SIZE)
         chunk = o["prefill_chunk_size"] or min(o["chunk_size"], DEFAULT_PREFILL_CHUNK_SIZE)
+    chunk = own.get("chunk_size", chunk)
     engine = EngineConfig(
         model=o["model"],
         dtype=o["dtype"],
@@ -243,8 +338,8 @@ def worker_config(
         num_kv_blocks=o["num_kv_blocks"],
         kv_cache_memory_gib=o["kv_cache_memory_gib"],
         max_model_len=o["max_model_len"],
-        max_num_seqs=o["max_num_seqs"],
-        max_num_batched_tokens=o["max_num_batched_tokens"],
+        max_num_seqs=own.get("max_num_seqs", o["max_num_seqs"]),
+        max_num_batched_tokens=own.get("max_num_batched_tokens", o["max_num_batched_tokens"]),
         chunk_size=chunk,
         threads=o["threads"],
     )
@@ -262,10 +357,49 @@ def worker_config(
 
 
 def pool_bounds(o: dict[str, Any], pool: str) -> tuple[int, int]:
-    """(min, max) of a pool; each defaults to its start count."""
+    """(min, max) of a pool: the flags, else its [pools.X] table, else its start count (with
+    --planner slo: min 1 (0 if it starts empty) and max the worker budget)."""
     replicas = pool_replicas(o)[pool]
-    low, high = o[f"{pool}_min"], o[f"{pool}_max"]
-    return (replicas if low is None else low, replicas if high is None else high)
+    own = o["pools"].get(pool, {})
+    low = o[f"{pool}_min"] if o[f"{pool}_min"] is not None else own.get("min")
+    high = o[f"{pool}_max"] if o[f"{pool}_max"] is not None else own.get("max")
+    if o["planner"] == "slo":
+        default_low, default_high = min(replicas, 1), max(replicas, max_workers(o))
+    else:
+        default_low = default_high = replicas
+    return (default_low if low is None else low, default_high if high is None else high)
+
+
+def max_workers(o: dict[str, Any]) -> int:
+    import os
+
+    return o["max_workers"] if o["max_workers"] is not None else max(1, os.cpu_count() or 1)
+
+
+def router_slo(o: dict[str, Any]) -> SLO:
+    return parse_slo(o["slo"], o["slo_percentile"])
+
+
+def _pool_slo_given(o: dict[str, Any], pool: str) -> bool:
+    own = o["pools"].get(pool, {})
+    return "slo_ttft_ms" in own or "slo_itl_ms" in own
+
+
+def planner_settings(o: dict[str, Any]) -> PlannerSettings:
+    slo = router_slo(o)
+    pool_slos = {
+        pool: slo.override(o["pools"][pool].get("slo_ttft_ms"), o["pools"][pool].get("slo_itl_ms"))
+        for pool in pool_replicas(o)
+        if _pool_slo_given(o, pool)
+    }
+    return PlannerSettings(
+        mode=o["planner"],
+        slo=slo,
+        pool_slos=pool_slos,
+        interval_s=o["planner_interval"],
+        max_workers=max_workers(o),
+        law=LawSettings(cooldown_s=o["planner_cooldown"], downscale_window_s=o["planner_downscale_window"]),
+    )
 
 
 def pool_specs(o: dict[str, Any], eos_token_ids: tuple[int, ...] | None = None) -> list[Any]:
@@ -286,6 +420,7 @@ def run(o: dict[str, Any]) -> int:
     from pdserve.cluster.local import LocalCluster
     from pdserve.models.config import ModelConfig
     from pdserve.models.source import generation_eos_ids, resolve_model
+    from pdserve.planner.loop import Planner
     from pdserve.pools.manager import PoolManager
     from pdserve.router.app import Router
     from pdserve.router.tokenizer import load_router_tokenizer
@@ -305,6 +440,11 @@ def run(o: dict[str, Any]) -> int:
             prefill_timeout=o["prefill_timeout"],
             token_timeout=o["token_timeout"],
             max_in_flight=o["max_in_flight"],
+            slo=router_slo(o).override(
+                None, o["pools"].get("decode", o["pools"].get("colocated", {})).get("slo_itl_ms")
+            ),
+            reject_on_slo_miss=o["reject_on_slo_miss"],
+            slo_reject_factor=o["slo_reject_factor"],
         ),
         heartbeat_timeout=o["heartbeat_timeout"],
         stall_timeout=o["stall_timeout"],
@@ -323,6 +463,10 @@ def run(o: dict[str, Any]) -> int:
         ),
     )
     router.attach_pools(pools)
+    planner = Planner(planner_settings(o), router.signals, router.workers, pools, router.metrics)
+    router.dispatcher.at_bounds = planner.at_bounds
+    pools.describers["planner"] = planner.describe
+    pools.describers["signals"] = router.describe_signals
     config = uvicorn.Config(
         router.app,
         host=o["host"],
@@ -331,10 +475,10 @@ def run(o: dict[str, Any]) -> int:
         access_log=False,
         timeout_graceful_shutdown=5,
     )
-    return asyncio.run(_serve(_server_class()(config), pools))
+    return asyncio.run(_serve(_server_class()(config), pools, planner))
 
 
-async def _serve(server: Any, pools: Any) -> int:
+async def _serve(server: Any, pools: Any, planner: Any) -> int:
     """Start the pools (Ctrl-C or SIGTERM stops that too), serve until a signal, stop every worker."""
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()
@@ -349,9 +493,11 @@ async def _serve(server: Any, pools: Any) -> int:
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+        planner.start()
         await server.serve()  # its own signal handlers from here on
         return 0 if server.started else 1
     finally:
+        await planner.close()
         await pools.close()
 
 

@@ -85,9 +85,14 @@ class Server:
 
     # -- the admin API --------------------------------------------------------------------------------
     def pools(self) -> dict[str, Any]:
-        pools = self.http.get("/pools").json()["pools"]
+        return dict(self.admin_view()["pools"])
+
+    def admin_view(self) -> dict[str, Any]:
+        """The whole GET /pools answer (pools, planner, signals)."""
+        view: dict[str, Any] = self.http.get("/pools").json()
+        pools = view["pools"]
         self.seen_pids.update(w["pid"] for p in pools.values() for w in p["workers"] if "pid" in w)
-        return pools
+        return view
 
     def workers(self, pool: str, state: str | None = None) -> list[dict[str, Any]]:
         return [w for w in self.pools()[pool]["workers"] if state is None or w["state"] == state]

@@ -55,6 +55,30 @@ def test_the_command_line_wins_over_the_config_file_which_wins_over_defaults(tmp
     ]
 
 
+def test_pool_tables_set_each_pools_engine_bounds_and_slos(tmp_path: Path) -> None:
+    config = tmp_path / "pdserve.toml"
+    config.write_text(
+        'model = "m"\nprefill = 1\ndecode = 1\nslo = "ttft=800,itl=80"\nplanner = "slo"\nmax-workers = 4\n'
+        "[pools.prefill]\nchunk_size = 128\nmax-num-batched-tokens = 1024\nmax = 3\nslo_ttft_ms = 500\n"
+        "[pools.decode]\nmax_num_seqs = 16\nmin = 1\nslo-itl-ms = 60\n"
+    )
+    o = options(config=config)
+    prefill, decode = serve.worker_config(o, "prefill", "p"), serve.worker_config(o, "decode", "d")
+    assert (prefill.engine.chunk_size, prefill.engine.max_num_batched_tokens) == (128, 1024)
+    assert (decode.engine.chunk_size, decode.engine.max_num_seqs) == (512, 16)
+    # The planner's defaults: min 1, max the budget; a table or a flag wins.
+    assert serve.pool_bounds(o, "prefill") == (1, 3) and serve.pool_bounds(o, "decode") == (1, 4)
+    assert serve.pool_bounds(options("--prefill-max", "2", config=config), "prefill") == (1, 2)
+    planner = serve.planner_settings(o)
+    assert planner.mode == "slo" and planner.max_workers == 4
+    assert (planner.slo.ttft_s, planner.slo.itl_s) == (0.8, 0.08)
+    assert (planner.pool_slo("prefill").ttft_s, planner.pool_slo("prefill").itl_s) == (0.5, 0.08)
+    assert (planner.pool_slo("decode").ttft_s, planner.pool_slo("decode").itl_s) == (0.8, 0.06)
+    # Without the planner the bounds stay the start counts.
+    static = options("--planner", "off", config=config)
+    assert serve.pool_bounds(static, "decode") == (1, 1)
+
+
 @pytest.mark.parametrize(
     ("text", "argv", "fragment"),
     [
@@ -71,6 +95,15 @@ def test_the_command_line_wins_over_the_config_file_which_wins_over_defaults(tmp
         ('model = "m"\ndecode = 2\nprefill = 1\ndecode-max = 1\n', (), "pool decode: need 0 <= --decode-min"),
         ('model = "m"\n', ("--colocated", "2", "--colocated-min", "3"), "3 <= 2 <= 2"),
         ('model = "m"\n', ("--prefill", "1", "--decode", "1", "--drain-timeout", "0"), "--drain-timeout"),
+        ('model = "m"\n', ("--prefill", "1", "--decode", "1", "--planner", "pid"), "--planner must be"),
+        ('model = "m"\n', ("--prefill", "1", "--decode", "1", "--planner", "slo"), "needs an SLO"),
+        ('model = "m"\n', ("--prefill", "1", "--decode", "1", "--slo", "ttft=fast"), "milliseconds"),
+        ('model = "m"\n', ("--prefill", "1", "--decode", "1", "--slo", "e2e=5"), "ttft=MS and/or itl=MS"),
+        ('model = "m"\n', ("--colocated", "1", "--reject-on-slo-miss"), "needs a TTFT SLO"),
+        ('model = "m"\ncolocated = 1\n[pools.prefill]\nmin = 1\n', (), "does not have"),
+        ('model = "m"\ncolocated = 1\n[pools.gpu]\nmin = 1\n', (), "unknown pool [pools.gpu]"),
+        ('model = "m"\ncolocated = 1\n[pools.mixed]\nchunk = 1\n', (), "unknown key 'chunk'"),
+        ('model = "m"\ncolocated = 1\n[pools.mixed]\nmax = "2"\n', (), "max must be a int"),
     ],
 )
 def test_bad_options_are_refused_before_anything_starts(

@@ -113,6 +113,8 @@ class PoolManager:
         self._serving = False  # the initial workers are up: from now on the pools are kept
         self._closing = False
         self._keeper: asyncio.Task[None] | None = None
+        # More sections of GET /pools (the planner's, the router's signals): name -> its view.
+        self.describers: dict[str, Callable[[], Any]] = {}
         backend.set_exit_callback(self._on_exit)
         for pool in self.pools.values():
             metrics.pool_target.labels(pool.name).set(pool.target)
@@ -216,6 +218,20 @@ class PoolManager:
         self._reconcile(pool)
         return self._describe_pool(pool)
 
+    def targets(self) -> dict[str, tuple[int, int, int]]:
+        """Each pool's (target, min, max): what the planner plans from."""
+        return {name: (p.target, p.spec.min, p.spec.max) for name, p in self.pools.items()}
+
+    def set_planned_target(self, pool_name: str, replicas: int, reason: str) -> None:
+        """The planner's target for a pool (clamped to its bounds); workers start or drain as for
+        PUT /pools/{pool}. A failed start's pause is kept: the planner does not hammer a pool."""
+        pool = self._pool(pool_name)
+        replicas = min(max(replicas, pool.spec.min), pool.spec.max)
+        if replicas != pool.target:
+            logger.info("pool %s: target %d -> %d (%s)", pool.name, pool.target, replicas, reason)
+        self._set_target(pool, replicas)
+        self._reconcile(pool)
+
     def drain(self, worker_id: str, *, force: bool = False, replace: bool = False) -> dict[str, Any]:
         """POST /workers/{id}/drain: drain that worker, then stop it. The pool's target goes down by
         one, or stays (`replace`: a new worker takes its place)."""
@@ -308,9 +324,17 @@ class PoolManager:
             for _ in range(pool.target - len(supply)):
                 self._start_worker(pool)
         elif len(supply) > pool.target:
-            # The cheapest to give up first: one still starting, one that is down, the least busy.
+            # The cheapest to give up first: one still starting, one that is down, then the one
+            # with the least resident work (requests, then KV blocks), the newest of equals.
             order = {WorkerState.STARTING: 0, WorkerState.DOWN: 1, WorkerState.UP: 2}
-            supply.sort(key=lambda w: (order.get(w.state, 3), len(w.legs), -w.opened_at))
+            supply.sort(
+                key=lambda w: (
+                    order.get(w.state, 3),
+                    len(w.legs),
+                    w.load.kv_blocks_used if w.load else 0,
+                    -w.opened_at,
+                )
+            )
             for link in supply[: len(supply) - pool.target]:
                 self._begin_drain(pool, link)
 
@@ -418,7 +442,12 @@ class PoolManager:
 
     # -- what GET /pools shows ------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
-        return {"pools": {name: self._describe_pool(pool) for name, pool in self.pools.items()}}
+        view: dict[str, Any] = {
+            "pools": {name: self._describe_pool(pool) for name, pool in self.pools.items()}
+        }
+        for section, describe in self.describers.items():
+            view[section] = describe()
+        return view
 
     def _describe_pool(self, pool: Pool) -> dict[str, Any]:
         links = self.workers.in_pool(pool.name)

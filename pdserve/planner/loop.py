@@ -1,0 +1,262 @@
+"""The planner's loop: every `interval_s`, the pools' views from the signals, the control law's
+decisions (pdserve.planner.law), and the pool manager told the new targets. No torch.
+
+Every decision is logged with its reason and inputs and counted
+(`pdserve_planner_decisions_total{pool,direction,reason}`); each pool's wanted size and the
+predicted and observed SLO percentiles are gauges; the last decisions are in GET /pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pdserve.planner.law import DECODE_PHASE, Decision, LawMemory, LawSettings, PoolPlan, PoolView, decide
+from pdserve.router.dispatch import context_per_stream
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.workers import WorkerLink, WorkerSet, WorkerState
+from pdserve.signals import Signals
+from pdserve.slo import SLO
+
+logger = logging.getLogger(__name__)
+
+MODES = ("off", "slo")
+_DEFAULT_MAX_SEQS = 64
+
+
+class PoolTargets(Protocol):
+    """What the planner needs of the pool manager."""
+
+    def targets(self) -> dict[str, tuple[int, int, int]]:
+        """pool -> (target, min, max)."""
+        ...
+
+    def set_planned_target(self, pool: str, replicas: int, reason: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    mode: str = "off"
+    slo: SLO = field(default_factory=SLO)
+    pool_slos: Mapping[str, SLO] = field(default_factory=dict)  # [pools.X] overrides
+    interval_s: float = 5.0
+    max_workers: int = 2
+    stale_after_s: float = 3.0  # a worker's load report older than this: hold
+    law: LawSettings = field(default_factory=LawSettings)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"planner must be one of {MODES}, got {self.mode!r}")
+        if self.interval_s <= 0:
+            raise ValueError(f"planner interval must be > 0, got {self.interval_s}")
+        if self.max_workers < 1:
+            raise ValueError(f"max workers must be >= 1, got {self.max_workers}")
+
+    def pool_slo(self, pool: str) -> SLO:
+        return self.pool_slos.get(pool, self.slo)
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    at: float  # time.time()
+    decision: Decision
+
+    def describe(self) -> dict[str, Any]:
+        d = self.decision
+        return {
+            "at": self.at,
+            "pool": d.pool,
+            "from": d.old,
+            "to": d.new,
+            "direction": d.direction,
+            "reason": d.reason,
+            "detail": d.detail,
+        }
+
+
+class Planner:
+    def __init__(
+        self,
+        settings: PlannerSettings,
+        signals: Signals,
+        workers: WorkerSet,
+        pools: PoolTargets,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.settings = settings
+        self.signals = signals
+        self.workers = workers
+        self.pools = pools
+        self.metrics = metrics
+        self.memory = LawMemory()
+        self.plans: dict[str, PoolPlan] = {}
+        self.views: dict[str, PoolView] = {}
+        self.history: deque[DecisionRecord] = deque(maxlen=50)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self.settings.mode == "slo" and self._task is None:
+            self._task = asyncio.create_task(self._run(), name="planner")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.interval_s)
+            try:
+                self.step(time.monotonic())
+            except Exception:  # a bug in one decision must not end planning for good
+                logger.exception("planner: a decision failed")
+
+    # -- one decision ---------------------------------------------------------------------------------
+    def step(self, now: float) -> list[Decision]:
+        self.views = {name: self._view(name, t, now) for name, t in self.pools.targets().items()}
+        decisions, self.plans = decide(
+            self.views, self.settings.max_workers, self.memory, now, self.settings.law
+        )
+        for d in decisions:
+            view = self.views[d.pool]
+            logger.info(
+                "planner: pool %s %d -> %d (%s: %s) [prompts %.2f/s, service %s, ttft %s, wait %s, streams %d, "
+                "per worker %s, itl %s]",
+                d.pool,
+                d.old,
+                d.new,
+                d.reason,
+                d.detail,
+                view.request_rate,
+                _ms(view.service_s),
+                _ms(view.observed_ttft),
+                _ms(view.observed_wait),
+                view.streams,
+                view.stream_capacity,
+                _ms(view.observed_itl),
+            )
+            self.pools.set_planned_target(d.pool, d.new, f"planner: {d.reason}")
+            self.metrics.planner_decisions.labels(d.pool, d.direction, d.reason).inc()
+            self.history.append(DecisionRecord(time.time(), d))
+        for name, plan in self.plans.items():
+            self._gauges(name, plan, self.views[name])
+        return decisions
+
+    def _gauges(self, name: str, plan: PoolPlan, view: PoolView) -> None:
+        m = self.metrics
+        m.planner_target.labels(name).set(plan.desired)
+        for metric, predicted, observed in (
+            ("ttft", plan.predicted_ttft, view.observed_ttft),
+            ("itl", plan.predicted_itl, view.observed_itl),
+        ):
+            if predicted is not None:
+                m.planner_predicted.labels(name, metric).set(predicted)
+            if observed is not None:
+                m.planner_observed.labels(name, metric).set(observed)
+
+    def _view(self, name: str, bounds: tuple[int, int, int], now: float) -> PoolView:
+        target, low, high = bounds
+        links = [w for w in self.workers.in_pool(name) if w.state is not WorkerState.STOPPED]
+        up = [w for w in links if w.up]
+        starting = [w for w in links if w.state is WorkerState.STARTING and not w.draining]
+        fresh = all(now - w.load_at <= self._stale_after(w) for w in up)
+        slo = self.settings.pool_slo(name)
+        p = slo.percentile
+        span = max(10.0, 2 * self.settings.interval_s)  # demand: recent, so a step shows at once
+        react = max(15.0, 3 * self.settings.interval_s)  # observed percentiles
+        sig = self.signals.pool(name)
+        cost = self.signals.cost
+        contexts = [context_per_stream(w) for w in up if w.load is not None and w.load.num_running]
+        context = sum(contexts) / len(contexts) if contexts else 256.0
+        capacity: int | None = None
+        predicted_itl: float | None = None
+        if DECODE_PHASE[name] and up:
+            limit = min(
+                (w.ready.max_num_seqs if w.ready and w.ready.max_num_seqs else _DEFAULT_MAX_SEQS) for w in up
+            )
+            kv_tokens = [
+                w.load.kv_blocks_total * w.load.block_size for w in up if w.load and w.load.block_size
+            ]
+            if kv_tokens:
+                limit = min(limit, int(0.9 * min(kv_tokens) / max(context, 1.0)))
+            if cost.ready:
+                capacity = cost.max_streams_within(slo.itl_s, context, limit) if slo.itl_s else limit
+                per_worker = math.ceil(sig.streams / len(up)) if sig.streams else 0
+                predicted_itl = cost.decode_step_seconds(per_worker, context) if per_worker else None
+        services = sig.service.values(now, span) or sig.service.values(now)
+        mean = sum(services) / len(services) if services else None
+        cv2 = 1.0
+        if mean and len(services) >= 5:
+            cv2 = min(4.0, sum((x - mean) ** 2 for x in services) / len(services) / mean**2)
+        return PoolView(
+            name=name,
+            target=target,
+            up=len(up),
+            starting=len(starting),
+            min=low,
+            max=high,
+            fresh=fresh,
+            slo=slo,
+            request_rate=sig.prompts.count_rate(now, span),
+            service_s=mean,
+            service_cv2=cv2,
+            observed_ttft=sig.ttft.quantile(p, now, react),
+            observed_wait=sig.ttft_excess.quantile(p, now, react),
+            streams=sig.streams,
+            stream_capacity=capacity,
+            observed_itl=sig.itl.quantile(p, now, react),
+            predicted_itl=predicted_itl,
+            model_ready=cost.ready,
+        )
+
+    def _stale_after(self, link: WorkerLink) -> float:
+        """A worker reports between steps: one in a long step is busy, not stale."""
+        step = link.load.last_step_ms / 1000 if link.load else 0.0
+        return max(self.settings.stale_after_s, 3 * step + 1.0)
+
+    # -- what others ask ----------------------------------------------------------------------------------
+    def at_bounds(self) -> bool:
+        """No pool can grow: each is at its max, or the worker budget is spent (always, when off)."""
+        if self.settings.mode == "off":
+            return True
+        targets = self.pools.targets()
+        if sum(t for t, _, _ in targets.values()) >= self.settings.max_workers:
+            return True
+        return all(t >= high for t, _, high in targets.values())
+
+    def describe(self) -> dict[str, Any]:
+        pools = {}
+        for name, plan in self.plans.items():
+            view = self.views.get(name)
+            pools[name] = {
+                "desired": plan.desired,
+                "predicted": {"ttft_s": plan.predicted_ttft, "itl_s": plan.predicted_itl},
+                "observed": {
+                    "ttft_s": view.observed_ttft if view else None,
+                    "itl_s": view.observed_itl if view else None,
+                },
+                "reason": plan.reason,
+                "stale": not view.fresh if view else False,
+            }
+        return {
+            "mode": self.settings.mode,
+            "interval_s": self.settings.interval_s,
+            "max_workers": self.settings.max_workers,
+            "slo": self.settings.slo.describe(),
+            "pool_slos": {name: slo.describe() for name, slo in self.settings.pool_slos.items()},
+            "pools": pools,
+            "decisions": [r.describe() for r in reversed(self.history)],
+        }
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
