@@ -50,6 +50,14 @@ def test_two_started_configurations_and_a_running_endpoint_side_by_side(
     assert all(r.ok for records in runs.values() for r in records)
     summaries = json.loads((tmp_path / "summaries.json").read_text())
     assert summaries["median"]["dpd"]["overall"]["completed"] == 12
+    # Each run's timeline: the pools of each server sampled from GET /pools (at least at the start).
+    timelines = summaries["timelines"]
+    pools = {label: set(timelines[label][0]["pool_samples"][0]["pools"]) for label in runs}
+    assert pools == {"colocated": {"colocated"}, "dpd": {"prefill", "decode"}, "endpoint": {"colocated"}}
+    for label in runs:
+        assert timelines[label][0]["worker_seconds"]["total"] > 0
+        assert (tmp_path / f"timeline_{label}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "## Timeline (overall)" in report and "| worker-seconds |" in report
     assert not leftover_segments()  # the started configurations were stopped
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +126,44 @@ def test_import_is_lazy_and_plotting_avoids_pyplot(tmp_path: Path) -> None:
         "assert 'torch' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_timeline_plot_of_a_stepped_run(tmp_path: Path) -> None:
+    from test_bench_timeline import SLOS, stepped_run
+
+    from pdserve.bench.distributions import Step
+    from pdserve.bench.timeline import build_timeline
+
+    records, samples = stepped_run()
+    steps = [("chat", Step(40.0, 20.0, 3.0))]
+    timeline = build_timeline(records, 125.0, SLOS, 10.0, samples, steps, 2.0)
+    assert_png(plots.plot_timeline(timeline, tmp_path / "timeline.png"), 20_000)
+    # Redrawn from summary.json as written (JSON round trip), and with nothing to draw.
+    again = json.loads(json.dumps(timeline))
+    assert_png(plots.plot_timeline(again, tmp_path / "again.png", title="planner"), 20_000)
+    bare = build_timeline(records, 125.0, None, 10.0)  # no pools, no SLOs
+    assert_png(plots.plot_timeline(bare, tmp_path / "bare.png"))
+    assert_png(plots.plot_timeline(build_timeline([], 0.0), tmp_path / "empty.png"), 1000)
+
+
+def test_timelines_of_a_comparison_share_their_axes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_bench_timeline import SLOS, sample, stepped_run
+
+    from pdserve.bench.timeline import build_timeline
+
+    limits: dict[str, tuple[object, object]] = {}
+    save = plots._save
+
+    def recording_save(fig, path):  # type: ignore[no-untyped-def]
+        limits[path.name] = (fig.axes[0].get_xlim(), fig.axes[0].get_ylim())
+        return save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", recording_save)
+    records, samples = stepped_run()
+    planner = build_timeline(records, 125.0, SLOS, 10.0, samples)
+    static = build_timeline(records[:50], 60.0, SLOS, 10.0, [sample(0.0, decode=(4, ["up"] * 4))])
+    paths = plots.plot_timelines({"planner": planner, "static pools": static}, tmp_path)
+    assert [p.name for p in paths] == ["timeline_planner.png", "timeline_static_pools.png"]
+    for path in paths:
+        assert_png(path)
+    assert limits["timeline_planner.png"] == limits["timeline_static_pools.png"] == ((0.0, 125.0), (0.0, 5.0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 from pdserve.bench.report import median_summary, render_repeats, render_report, render_sweep
@@ -70,3 +71,37 @@ def test_the_sweep_table_marks_rates_a_ctrl_c_left_unrun() -> None:
     table = render_sweep(summaries, ["a", "b"], [1.0, 2.0], lambda label, scale: f"{label}@{scale:g}")
     assert "| 1 | 0.25 / 0.50 / 100 ms / 900 ms | 0.25 / 0.50 / 150 ms / 400 ms |" in table
     assert "| 2 | 0.25 / 0.50 / 200 ms / 950 ms | - |" in table
+
+
+def test_the_timeline_table_compares_worker_seconds_and_steps() -> None:
+    from test_bench_timeline import SLOS, sample, stepped_run
+
+    from pdserve.bench.distributions import Step
+    from pdserve.bench.report import render_timelines
+    from pdserve.bench.timeline import build_timeline
+
+    records, samples = stepped_run()
+    steps = [("chat", Step(40.0, 20.0, 3.0))]
+    planner = build_timeline(records, 125.0, SLOS, 10.0, samples, steps, 2.0)
+    # Static pools: two decode workers all along; every request within the SLOs.
+    fast = [
+        replace(r, chunk_times_s=[t - r.chunk_times_s[0] + r.sent_s + 0.2 for t in r.chunk_times_s])
+        for r in records
+    ]
+    static_samples = [sample(0.0, prefill=(1, ["up"]), decode=(2, ["up", "up"]))]
+    static = build_timeline(fast, 125.0, SLOS, 10.0, static_samples, steps, 2.0)
+    text = render_timelines({"static": [static], "planner": [planner]})
+    assert "## Timeline (overall)" in text and "| | static | planner |" in text
+    assert "| worker-seconds | 375 (prefill 125, decode 250) | 300 (prefill 125, decode 175) |" in text
+    assert "| SLO attainment, whole run | 100% | 56% |" in text  # 70 of 160 requests missed
+    assert "| step at 40 s for 20 s (chat x3): SLO attainment during | 100% | 0% |" in text
+    assert "| step at 40 s for 20 s (chat x3): recovery | 0 s | 30 s |" in text
+    assert (
+        "| step at 40 s for 20 s (chat x3): worker-seconds during / after | "
+        "60 (prefill 20, decode 40) / 195 (prefill 65, decode 130) | 55 (prefill 20, decode 35) / 165 (prefill 65, decode 100) |"
+    ) in text
+    # Repeats: a value per run. Nothing to show (no pools, no steps): no section.
+    text = render_timelines({"static": [static, static], "planner": [planner, static]})
+    assert "One value per run (runs 1 to 2)." in text and "| 30 s · 0 s |" in text
+    bare = build_timeline(records, 125.0, SLOS, 10.0)
+    assert render_timelines({"a": [bare], "b": [bare]}) == ""

@@ -121,6 +121,47 @@ def test_requests_past_the_drain_timeout_are_recorded_as_cancelled_with_what_cam
     server.wait_kv_free()
 
 
+def test_a_stepped_run_samples_the_pools_of_the_server(
+    server: Server, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """The timeline against a real `pdserve serve`: GET /pools sampled every 0.5 s while the load
+    runs (one prefill and one decode worker, up), the step's doubled arrivals in its window."""
+    done = bench(
+        server.url,
+        tiny_llama,
+        tmp_path,
+        "--workload",
+        "constant(rate=4) step(1, 1, 2) prompt=fixed(20) output=fixed(4)",
+        "--duration",
+        "3",
+        "--timeline-window",
+        "1",
+        "--pool-sample-interval",
+        "0.5",
+        "--slo",
+        "ttft=5000,itl=5000",
+    )
+    assert done.returncode == 0, done.stderr
+    timeline = json.loads((tmp_path / "summary.json").read_text())["timeline"]
+    end = timeline["end_s"]
+    samples = timeline["pool_samples"]
+    assert len(samples) >= 5 and samples[0]["t_s"] < 0.5 and samples[-1]["t_s"] <= end
+    for sample in samples:
+        assert set(sample["pools"]) == {"prefill", "decode"}
+        for pool in sample["pools"].values():
+            assert pool["target"] == 1 and pool["active"] == pool["workers"]["up"] == 1, sample
+    ws = timeline["worker_seconds"]
+    assert ws["pools"]["prefill"] == pytest.approx(end - samples[0]["t_s"])
+    assert ws["total"] == pytest.approx(2 * (end - samples[0]["t_s"]))
+    # constant(4): 3 arrivals in [0, 1) s, twice as many in the step [1, 2), 4 in [2, 3).
+    assert [w["sent"] for w in timeline["windows"][:3]] == [3, 8, 4]
+    [step] = timeline["steps"]
+    assert (step["at_s"], step["for_s"], step["label"], step["sent"]) == (1, 1, "default x2", 8)
+    assert "==== timeline (1 s windows" in done.stdout and "prefill 1/1 decode 1/1" in done.stdout
+    assert "step at 1 s for 1 s (default x2)" in done.stdout
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_an_unreachable_server_gives_error_records_not_a_crash(tiny_llama: Path, tmp_path: Path) -> None:
     done = bench(
         f"http://127.0.0.1:{free_port()}", tiny_llama, tmp_path, "--workload", "chat", "--max-requests", "3"
@@ -128,12 +169,20 @@ def test_an_unreachable_server_gives_error_records_not_a_crash(tiny_llama: Path,
     assert done.returncode == 0, done.stderr
     records = read_records(tmp_path / "records.jsonl")
     assert len(records) == 3 and all(r.error and "Connect" in r.error for r in records)
-    assert json.loads((tmp_path / "summary.json").read_text())["overall"]["errors"] == 3
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["overall"]["errors"] == 3
+    assert summary["timeline"]["pool_samples"] == [] and summary["timeline"]["worker_seconds"] is None
 
 
 def test_a_benchmark_must_be_bounded(tiny_llama: Path, tmp_path: Path) -> None:
     done = bench("http://127.0.0.1:1", tiny_llama, tmp_path, "--workload", "chat")
     assert done.returncode == 2 and "--max-requests or --duration" in done.stderr
+    done = bench("http://127.0.0.1:1", tiny_llama, tmp_path, "--max-requests", "1", "--timeline-window", "0")
+    assert done.returncode == 2 and "--timeline-window must be a number of seconds > 0, got 0" in done.stderr
+    done = bench(
+        "http://127.0.0.1:1", tiny_llama, tmp_path, "--max-requests", "1", "--pool-sample-interval", "-1"
+    )
+    assert done.returncode == 2 and "--pool-sample-interval must be a number of seconds >= 0" in done.stderr
 
 
 def start_bench(url: str, model: Path, out: Path, *args: str) -> subprocess.Popen[bytes]:

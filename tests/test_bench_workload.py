@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 import csv
+import itertools
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from pdserve.bench.distributions import Concurrency, Fixed, Poisson, SyntheticLengths, Uniform
+from pdserve.bench.distributions import (
+    Concurrency,
+    Constant,
+    Fixed,
+    Poisson,
+    Step,
+    Stepped,
+    SyntheticLengths,
+    Uniform,
+    WorkloadError,
+)
 from pdserve.bench.traces import load_lengths
 from pdserve.bench.workload import (
     NAMED_MIXES,
     WorkloadClass,
-    WorkloadError,
     build_workload,
     parse_workload,
 )
@@ -127,7 +138,7 @@ def test_a_lengths_only_csv_gets_drawn_arrivals_and_paired_rows() -> None:
         ),
         (
             "poison(2) prompt=fixed(1) output=fixed(1)",
-            "unknown arrival process 'poison' in 'poison(2)'; known: poisson, gamma, constant, concurrency, trace, lengths (did you mean 'poisson'?)",
+            "unknown arrival process 'poison' in 'poison(2)'; known: poisson, gamma, constant, concurrency, trace, lengths, step (did you mean 'poisson'?)",
         ),
         (
             "poisson(rate=fast) prompt=fixed(1) output=fixed(1)",
@@ -245,5 +256,139 @@ def test_classes_can_be_built_without_the_spec() -> None:
 
 
 def test_importing_the_workload_module_does_not_load_torch() -> None:
-    code = "import sys, pdserve.bench.workload; assert 'torch' not in sys.modules, 'torch was imported'"
+    code = (
+        "import sys, pdserve.bench.workload, pdserve.bench.timeline, pdserve.bench.client, pdserve.bench.run; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- rate steps -------------------------------------------------------------------------------
+
+
+def _counts(spec: str, seed: int, edges: list[float]) -> list[int]:
+    w = parse_workload(spec, seed, duration_s=edges[-1])
+    times = [r.arrival_s for r in w.requests]
+    return [sum(lo <= t < hi for t in times if t is not None) for lo, hi in itertools.pairwise(edges)]
+
+
+def test_a_poisson_step_multiplies_the_arrivals_of_its_segment() -> None:
+    """poisson(2) for 60 s, x3 for 60 s, back to 2: 120, 360, 120 expected per segment."""
+    spec = "chat: poisson(2) step(60, 60, 3) prompt=fixed(8) output=fixed(8)"
+    edges = [0.0, 60.0, 120.0, 180.0]
+    expected = [120, 360, 120]
+    for n, mean in zip(_counts(spec, 0, edges), expected, strict=True):
+        assert abs(n - mean) < 4 * math.sqrt(mean), (n, mean)  # Poisson counts: sd sqrt(mean)
+    # Over 30 seeds the mean count of each segment is within 2% of the expectation (4 sd of the mean).
+    totals = [0, 0, 0]
+    for seed in range(30):
+        for k, n in enumerate(_counts(spec, seed, edges)):
+            totals[k] += n
+    for total, mean in zip(totals, expected, strict=True):
+        assert abs(total / 30 - mean) < 4 * math.sqrt(mean / 30), (total / 30, mean)
+    # Arrival times inside a segment are uniform: the second half of the step gets half of it.
+    second = sum(_counts(spec, seed, [60.0, 90.0, 120.0])[1] for seed in range(30))
+    assert abs(second / 30 - 180) < 4 * math.sqrt(180 / 30), second / 30
+
+
+def test_steps_compose_with_constant_and_gamma_arrivals() -> None:
+    # constant(1) at 1, 2, ..., 9; x3 from 10 to 20 (30 arrivals, 1/3 s apart); a pause from 30 to
+    # 40 (the one due at its start comes at its end); overlapping steps multiply (x2 x3 from 50).
+    w = parse_workload(
+        "constant(1) step(10, 10, 3) step(30, 10, 0) step(45, 10, 2) step(50, 10, 3) prompt=fixed(1) output=fixed(1)",
+        0,
+        duration_s=70.0,
+    )
+    times = [r.arrival_s for r in w.requests]
+    assert times[:10] == pytest.approx([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert times[9:40] == pytest.approx([10 + k / 3 for k in range(31)])
+    assert not [t for t in times if t is not None and 30 <= t < 40]
+    counts = _counts(
+        "constant(1) step(10, 10, 3) step(30, 10, 0) step(45, 10, 2) step(50, 10, 3) prompt=fixed(1) output=fixed(1)",
+        0,
+        [0.0, 10.0, 20.0, 30.0, 40.0, 45.0, 50.0, 55.0, 60.0, 70.0],
+    )
+    assert counts == [9, 30, 10, 0, 5, 10, 30, 15, 10]
+    # gamma: burstier than Poisson (counts vary ~2x as much), the same means.
+    spec = "gamma(rate=2, burstiness=0.5) step(60, 60, 3) prompt=fixed(1) output=fixed(1)"
+    totals = [0, 0, 0]
+    for seed in range(30):
+        for k, n in enumerate(_counts(spec, seed, [0.0, 60.0, 120.0, 180.0])):
+            totals[k] += n
+    for total, mean in zip(totals, [120, 360, 120], strict=True):
+        assert abs(total / 30 - mean) < 4 * math.sqrt(2 * mean / 30), (total / 30, mean)
+
+
+def test_a_step_is_deterministic_and_only_moves_arrivals() -> None:
+    spec = "chat: poisson(2) step(60, 60, 3) prompt=lognormal(100, 0.5) output=uniform(8, 64)"
+    a, b = parse_workload(spec, 7, duration_s=180.0), parse_workload(spec, 7, duration_s=180.0)
+    assert a.requests == b.requests
+    assert parse_workload(spec, 8, duration_s=180.0).requests != a.requests
+    plain = parse_workload(spec.replace(" step(60, 60, 3)", ""), 7, duration_s=180.0)
+    # The same draws: before the step the same times; the lengths of request i are unchanged.
+    before = [r for r in a.requests if r.arrival_s is not None and r.arrival_s < 60]
+    assert before == plain.requests[: len(before)]
+    n = min(len(a.requests), len(plain.requests))
+    lengths = [(r.prompt_tokens, r.output_tokens) for r in a.requests[:n]]
+    assert lengths == [(r.prompt_tokens, r.output_tokens) for r in plain.requests[:n]]
+    # Another class's draws are left alone; max_requests cuts the stepped stream as any other.
+    docs = "docs: constant(0.2) prompt=fixed(900) output=fixed(9)"
+    mixed = parse_workload(f"{spec}; {docs}", 7, duration_s=180.0)
+    assert [r for r in mixed.requests if r.cls == "docs"] != []
+    assert [r.arrival_s for r in mixed.requests if r.cls == "chat"] == [r.arrival_s for r in a.requests]
+    assert parse_workload(spec, 7, max_requests=200).requests == a.requests[:200]
+
+
+def test_steps_describe_scale_and_are_listed() -> None:
+    spec = "chat: poisson(2) step(60, 60, 3) step(at_s=150, for_s=10, factor=0.5) prompt=fixed(8) output=fixed(8); docs: constant(0.2) prompt=fixed(9) output=fixed(9)"
+    w = parse_workload(spec, 0, duration_s=180.0, rate_scale=2.0)
+    line = w.describe().splitlines()[0]
+    assert line.startswith(
+        "chat: poisson(rate=4) step(at_s=60, for_s=60, factor=3) step(at_s=150, for_s=10, factor=0.5) prompt="
+    )
+    assert w.steps == [("chat", Step(60, 60, 3)), ("chat", Step(150, 10, 0.5))]
+    assert parse_workload("chat", 0, 10).steps == []
+    built = WorkloadClass("c", Stepped(Constant(1.0), (Step(5, 5, 2),)), SyntheticLengths(Fixed(1), Fixed(1)))
+    assert len(build_workload([built], max_requests=None, duration_s=10.0).requests) == 14
+
+
+def test_bad_steps_are_clear_errors(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.5,10,5\n1.5,20,6\n")
+    cases = [
+        (
+            "concurrency(2) step(1, 1, 2) prompt=fixed(1) output=fixed(1)",
+            "step(...) multiplies an arrival rate, and 'concurrency(2)' is a closed loop with none",
+        ),
+        (f"trace({trace}) step(1, 1, 2)", "replays its own arrival times"),
+        (
+            "poisson(1) step(1, 0, 2) prompt=fixed(1) output=fixed(1)",
+            "for_s must be a finite number > 0, got 0.0 (in 'step(1, 0, 2)')",
+        ),
+        (
+            "poisson(1) step(1, 2, -1) prompt=fixed(1) output=fixed(1)",
+            "factor must be a finite number >= 0, got -1.0",
+        ),
+        (
+            "poisson(1) step(-1, 2, 1) prompt=fixed(1) output=fixed(1)",
+            "at_s must be a finite number >= 0, got -1.0",
+        ),
+        (
+            "poisson(1) step(1, 2) prompt=fixed(1) output=fixed(1)",
+            "missing a required argument: 'factor' in 'step(1, 2)'; step takes at_s, for_s, factor",
+        ),
+        (
+            "poisson(1) step(1, 2, fast) prompt=fixed(1) output=fixed(1)",
+            "bad value 'fast' for factor in 'step(1, 2, fast)': expected a number",
+        ),
+        ("poisson(1) stpe(1, 2, 3) prompt=fixed(1) output=fixed(1)", "(did you mean 'step'?)"),
+        ("step(1, 2, 3) prompt=fixed(1) output=fixed(1)", "no arrival process in"),
+        (
+            "poisson(1) step(60, 60, 3) prompt=fixed(1) output=fixed(1)",
+            "class default: step(at_s=60, for_s=60, factor=3) starts after the run ends (30 s)",
+        ),
+    ]
+    for spec, message in cases:
+        with pytest.raises(WorkloadError) as error:
+            parse_workload(spec, 0, 10, 30.0)
+        assert message in str(error.value), (spec, str(error.value))

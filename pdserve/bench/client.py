@@ -6,6 +6,9 @@ number of requests in flight. Bounded by the workload's requests, by `duration_s
 sent after it; those in flight get `drain_timeout_s` to finish, then are cancelled and recorded as
 errors), and by Ctrl-C, which stops sending and keeps what was measured (the requests in flight
 are cancelled and recorded as errors, as at the drain timeout).
+
+While the load runs, `sample_pools` can poll the pdserve admin route GET /pools (the pools' targets
+and workers by state) for the run's timeline; an endpoint without it just goes unsampled.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +26,12 @@ from typing import Any
 import httpx
 
 from pdserve.bench.summary import RequestRecord
+from pdserve.bench.timeline import pool_counts
+
+logger = logging.getLogger("pdserve.bench")
+
+POOLS_TIMEOUT_S = 5.0  # for one GET /pools: an admin answer, the router's event loop permitting
+POOLS_FAILURES = 3  # failures in a row (no answer, a 5xx) that stop the sampling
 
 
 @dataclass(frozen=True)
@@ -117,6 +127,42 @@ async def send_one(
     return record
 
 
+async def sample_pools(
+    client: httpx.AsyncClient, interval_s: float, start: float, samples: list[dict[str, Any]]
+) -> None:
+    """GET /pools every interval_s seconds until cancelled, appending {"t_s" (when the answer came,
+    after `start`), "pools" (timeline.pool_counts)} to `samples`. Never raises: a 404 or an answer
+    that is not the admin route's (another server), or POOLS_FAILURES failures in a row, stop it
+    with one log line."""
+    failures = 0
+    due = 0.0
+    while True:
+        why = None
+        try:
+            response = await client.get("/pools", timeout=POOLS_TIMEOUT_S)
+            if response.status_code == 404:
+                why, failures = "the endpoint has no GET /pools (404)", POOLS_FAILURES
+            elif response.status_code != 200:
+                why, failures = f"GET /pools answered HTTP {response.status_code}", failures + 1
+            else:
+                try:
+                    pools = pool_counts(response.json())
+                except ValueError as exc:  # not JSON, or not the shape of pdserve's answer
+                    why, failures = f"GET /pools answered something else: {exc}", POOLS_FAILURES
+                else:
+                    samples.append({"t_s": time.perf_counter() - start, "pools": pools})
+                    failures = 0
+        except httpx.HTTPError as exc:
+            why, failures = f"GET /pools failed: {type(exc).__name__}: {exc}", failures + 1
+        except Exception as exc:  # never the run's end
+            why, failures = f"GET /pools: {type(exc).__name__}: {exc}", POOLS_FAILURES
+        if failures >= POOLS_FAILURES:
+            logger.warning("pool sampling stopped after %d samples: %s", len(samples), why)
+            return
+        due += interval_s
+        await asyncio.sleep(max(0.0, due - (time.perf_counter() - start)))
+
+
 async def run_load(
     target: Target,
     requests: Sequence[PreparedRequest],
@@ -127,6 +173,8 @@ async def run_load(
     on_done: Callable[[RequestRecord], None] | None = None,
     on_end: Callable[[float], None] | None = None,
     records: list[RequestRecord] | None = None,
+    pool_sample_interval_s: float = 0.0,
+    pool_samples: list[dict[str, Any]] | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Records of every request sent (in send order) and the run's duration in seconds.
 
@@ -134,7 +182,10 @@ async def run_load(
     when the run ends, however it ends: a Ctrl-C cancels this coroutine and asyncio.run raises
     KeyboardInterrupt, losing the return value, so they are how the caller still gets what was
     measured. Every request whose send time came is in `records` exactly once: those still in
-    flight when the run ends are recorded as errors ("cancelled: ..."), with the chunks that came."""
+    flight when the run ends are recorded as errors ("cancelled: ..."), with the chunks that came.
+
+    `pool_sample_interval_s` > 0: GET /pools that often (see `sample_pools`) from the start until the
+    run ends, into `pool_samples` (same clock as the records)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(target.request_timeout_s, connect=30.0)
     records = records if records is not None else []
@@ -142,6 +193,9 @@ async def run_load(
     slots = asyncio.Semaphore(concurrency) if concurrency else None
     async with httpx.AsyncClient(base_url=target.base_url, limits=limits, timeout=timeout) as client:
         start = time.perf_counter()
+        sampler = None
+        if pool_sample_interval_s > 0 and pool_samples is not None:
+            sampler = asyncio.create_task(sample_pools(client, pool_sample_interval_s, start, pool_samples))
 
         async def fire(req: PreparedRequest) -> RequestRecord:
             record = RequestRecord(
@@ -190,6 +244,10 @@ async def run_load(
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
             elapsed = time.perf_counter() - start
+            if sampler is not None:
+                sampler.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await sampler
             # A task cancelled before it first ran never started `fire`, so never sent anything:
             # still recorded, so that the records account for every request whose time came.
             recorded = {r.index for r in records}

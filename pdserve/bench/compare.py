@@ -9,6 +9,11 @@ port), benchmarked, and stopped before the next starts, so configurations never 
 machine. Each `--url LABEL=URL` is an endpoint already running (vLLM's CPU build, say). Every
 column gets the identical requests (same seed: same arrival times, lengths and prompts).
 Writes `report.md` (a table per class), each run's records and summary, and the plots.
+
+Each run also gets its timeline (pdserve/bench/timeline.py: latency and SLO attainment per
+`--timeline-window`, the pools sampled from GET /pools, worker-seconds, the workload's steps),
+in `summaries.json` ("timelines"), as `timeline_<label>.png` and as a table in the report: a
+configuration with a planner against static pools, on a workload with a `step(...)`, reads there.
 """
 
 from __future__ import annotations
@@ -29,9 +34,16 @@ from typing import Any
 import httpx
 
 from pdserve.bench.client import PreparedRequest, Target, run_load
-from pdserve.bench.report import median_summary, render_repeats, render_report, render_sweep
-from pdserve.bench.run import prepare
+from pdserve.bench.report import (
+    median_summary,
+    render_repeats,
+    render_report,
+    render_sweep,
+    render_timelines,
+)
+from pdserve.bench.run import check_timeline_options, prepare
 from pdserve.bench.summary import RequestRecord, parse_slos, summarize, write_records
+from pdserve.bench.timeline import DEFAULT_POOL_SAMPLE_INTERVAL_S, DEFAULT_WINDOW_S, build_timeline
 from pdserve.bench.workload import NAMED_MIXES, parse_workload
 from pdserve.errors import PdserveError
 
@@ -75,6 +87,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo", default=None, help="e.g. ttft=1000,itl=200 (milliseconds)")
     p.add_argument("--drain-timeout", type=float, default=120.0)
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for a configuration to start")
+    p.add_argument(
+        "--timeline-window", type=float, default=DEFAULT_WINDOW_S, help="seconds per window of the timelines"
+    )
+    p.add_argument(
+        "--pool-sample-interval",
+        type=float,
+        default=DEFAULT_POOL_SAMPLE_INTERVAL_S,
+        help="seconds between samples of GET /pools during each run; 0: off",
+    )
     p.add_argument("--out", type=Path, required=True)
 
 
@@ -163,16 +184,24 @@ class StartedServer:
 
 def run_one(
     label: str, url: str, model: str, requests: list[PreparedRequest], args: argparse.Namespace
-) -> tuple[list[RequestRecord], float]:
+) -> tuple[list[RequestRecord], float, list[dict[str, Any]]]:
+    """The records, the duration and the pool samples of one run."""
     print(f"[{label}] {len(requests)} requests against {url}", file=sys.stderr, flush=True)
     records: list[RequestRecord] = []
+    samples: list[dict[str, Any]] = []
     target = Target(url, model)
     _, elapsed = asyncio.run(
         run_load(
-            target, requests, duration_s=args.duration, drain_timeout_s=args.drain_timeout, records=records
+            target,
+            requests,
+            duration_s=args.duration,
+            drain_timeout_s=args.drain_timeout,
+            records=records,
+            pool_sample_interval_s=args.pool_sample_interval,
+            pool_samples=samples,
         )
     )
-    return records, elapsed
+    return records, elapsed, samples
 
 
 def run(args: argparse.Namespace) -> int:
@@ -181,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise PdserveError(f"--repeats must be >= 1, got {args.repeats}")
     configs, urls = columns(args.config, args.url)
+    check_timeline_options(args)
     slos = parse_slos(args.slo)
     scales = _scales(args.rate_scales) if args.rate_scales else [args.rate_scale]
     repeats = range(args.repeats)
@@ -205,12 +235,23 @@ def run(args: argparse.Namespace) -> int:
     # (run name) -> records / summary of each repeat.
     runs: dict[str, list[list[RequestRecord]]] = {}
     repeat_summaries: dict[str, list[dict[str, Any]]] = {}
+    timelines: dict[str, list[dict[str, Any]]] = {}
 
     def measure(label: str, url: str, model: str, scale: float, r: int) -> None:
         tag = name(label, scale) + (f" run {r + 1}/{args.repeats}" if args.repeats > 1 else "")
-        records, elapsed = run_one(tag, url, model, requests[scale, r], args)
+        records, elapsed, samples = run_one(tag, url, model, requests[scale, r], args)
         runs.setdefault(name(label, scale), []).append(records)
         repeat_summaries.setdefault(name(label, scale), []).append(summarize(records, elapsed, slos))
+        timeline = build_timeline(
+            records,
+            elapsed,
+            slos,
+            args.timeline_window,
+            samples,
+            workloads[scale, r].steps,
+            args.pool_sample_interval or None,
+        )
+        timelines.setdefault(name(label, scale), []).append(timeline)
 
     # Configurations take turns (A B A B ...) so that a slow stretch of this shared machine does not
     # fall on one configuration's runs; each is started afresh for each repeat and once for all rates.
@@ -248,7 +289,15 @@ def run(args: argparse.Namespace) -> int:
             write_records(args.out / f"records_{run_name}{suffix}.jsonl", records)
         summaries[run_name] = median_summary(repeat_summaries[run_name])
     (args.out / "summaries.json").write_text(
-        json.dumps({"median": summaries, "runs": repeat_summaries, "interrupted": interrupted}, indent=2)
+        json.dumps(
+            {
+                "median": summaries,
+                "runs": repeat_summaries,
+                "timelines": timelines,
+                "interrupted": interrupted,
+            },
+            indent=2,
+        )
     )
     labels = [label for label, _ in configs + urls if name(label, scales[0]) in runs]
     described = dict(configs) | dict(urls)
@@ -259,7 +308,8 @@ def run(args: argparse.Namespace) -> int:
         if at_scale:
             folder = args.out if len(scales) == 1 else args.out / f"rate_{scale:g}"
             folder.mkdir(exist_ok=True)
-            plots += [p.relative_to(args.out) for p in _plots(at_scale, folder)]
+            lines = {label: timelines[name(label, scale)][0] for label in at_scale}
+            plots += [p.relative_to(args.out) for p in _plots(at_scale, folder, lines)]
     first = workloads[scales[0], 0]
     report = render_report(
         {label: summaries[name(label, scales[0])] for label in labels},
@@ -270,6 +320,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if interrupted:
         report += "\nInterrupted (Ctrl-C): only the runs that finished are in this report.\n"
+    report += render_timelines({label: timelines[name(label, scales[0])] for label in labels})
     if args.repeats > 1:
         report += render_repeats(
             {label: repeat_summaries[name(label, scales[0])] for label in labels}, args.seed
@@ -291,10 +342,12 @@ def _scales(text: str) -> list[float]:
     return scales
 
 
-def _plots(runs: dict[str, list[RequestRecord]], out: Path) -> list[Path]:
+def _plots(
+    runs: dict[str, list[RequestRecord]], out: Path, timelines: dict[str, dict[str, Any]]
+) -> list[Path]:
     try:
-        from pdserve.bench.plots import plot_comparison
+        from pdserve.bench.plots import plot_comparison, plot_timelines
     except ImportError:  # the plots need matplotlib
         return []
-    paths: list[Path] = plot_comparison(runs, out)
+    paths: list[Path] = plot_comparison(runs, out) + plot_timelines(timelines, out)
     return paths

@@ -153,7 +153,84 @@ class Replay:
         return f"trace({self.source}, time_scale={self.time_scale:.4g}: {n} arrivals in {span:.4g} s, {rate})"
 
 
-Arrival = Poisson | Gamma | Constant | Concurrency | Replay
+# --- rate steps -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step(_Described):
+    """`step(at_s, for_s, factor)`: the class's arrival rate times `factor` from `at_s` for `for_s`
+    seconds (0 = no arrivals then). Steps that overlap multiply."""
+
+    at_s: float  # seconds after the start
+    for_s: float
+    factor: float
+
+    def __post_init__(self) -> None:
+        ok = self.at_s >= 0 and math.isfinite(self.at_s)
+        require(ok, f"at_s must be a finite number >= 0, got {self.at_s}")
+        check_positive("for_s", self.for_s)
+        ok = self.factor >= 0 and math.isfinite(self.factor)
+        require(ok, f"factor must be a finite number >= 0, got {self.factor}")
+
+    @property
+    def end_s(self) -> float:
+        return self.at_s + self.for_s
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """A renewal process (poisson, gamma, constant) whose rate is multiplied, piecewise, by steps.
+
+    Drawn by a change of time: the base process runs in "operational time" u, and each arrival is
+    placed at the t where Λ(t) = u, Λ(t) being the integral of the rate multiplier from 0 to t. For
+    Poisson that is exactly the Poisson process of rate `rate · multiplier(t)` (the time-change
+    theorem); constant arrivals come `factor` times as often during a step; gamma gaps keep their
+    shape and shrink by `factor` (within a step it is gamma(rate · factor, burstiness)). The draws
+    are those of the base process, from the same stream: the same seed gives the same requests, and
+    a step only moves arrival times, never changes the lengths drawn."""
+
+    base: Poisson | Gamma | Constant
+    steps: tuple[Step, ...]
+
+    def __post_init__(self) -> None:
+        require(bool(self.steps), "a stepped arrival process needs at least one step")
+
+    def segments(self) -> tuple[FloatArray, FloatArray]:
+        """(starts, multipliers): the multiplier is multipliers[k] from starts[k] to starts[k + 1]
+        (the last one, 1, runs on for ever). starts[0] = 0."""
+        edges = sorted({0.0, *(s.at_s for s in self.steps), *(s.end_s for s in self.steps)})
+        factors = [math.prod(s.factor for s in self.steps if s.at_s <= start < s.end_s) for start in edges]
+        return np.asarray(edges, dtype=np.float64), np.asarray(factors, dtype=np.float64)
+
+    def operational(self, t: float) -> float:
+        """Λ(t): the integral of the multiplier from 0 to t, in seconds of the base process."""
+        starts, mult = self.segments()
+        ends = np.append(starts[1:], np.inf)
+        return float(np.sum(mult * np.clip(np.minimum(ends, t) - starts, 0.0, None)))
+
+    def times(self, rng: Rng, max_n: int | None, duration_s: float | None) -> FloatArray:
+        check_caps(max_n, duration_s)
+        until = None if duration_s is None else self.operational(duration_s)
+        if until is not None and until <= 0:  # a pause from 0 to the end: nothing arrives
+            return np.zeros(0)
+        u = self.base.times(rng, max_n, until)
+        starts, mult = self.segments()
+        lengths = np.diff(starts) * mult[:-1]
+        cum = np.concatenate([[0.0], np.cumsum(lengths)])  # Λ at each start
+        # The segment holding u: the last whose Λ(start) <= u. side="right" skips the segments of
+        # factor 0 (their Λ does not grow): an arrival at the very start of a pause comes at its end.
+        k = np.searchsorted(cum, u, side="right") - 1
+        times: FloatArray = starts[k] + (u - cum[k]) / mult[k]
+        return times[times < duration_s] if duration_s is not None else times  # rounding at the end
+
+    def scaled(self, factor: float) -> Stepped:
+        return replace(self, base=self.base.scaled(factor))
+
+    def describe(self) -> str:
+        return " ".join([self.base.describe(), *(s.describe() for s in self.steps)])
+
+
+Arrival = Poisson | Gamma | Constant | Concurrency | Replay | Stepped
 
 
 # --- lengths (all >= 1) -----------------------------------------------------------------------

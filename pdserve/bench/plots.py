@@ -1,4 +1,5 @@
-"""Plots of `pdserve bench` runs: latency CDFs and the ITL-interference timeline, as PNG. No torch.
+"""Plots of `pdserve bench` runs: latency CDFs, the ITL-interference timeline and the run's timeline
+(pool sizes, latency and SLO attainment per window), as PNG. No torch.
 
 matplotlib is imported inside the functions, so `pdserve bench` without plots does not pay for it.
 Figures are bare `matplotlib.figure.Figure` objects drawn by the Agg canvas: that needs no display,
@@ -10,10 +11,11 @@ nothing accumulates across calls; `_save` still clears each figure to free it at
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.bench.summary import RequestRecord, percentile
 
@@ -31,12 +33,17 @@ STYLES = ("-", "--", ":", "-.")
 
 
 def _figure(width: float, height: float) -> tuple[Figure, Axes]:
+    fig = _bare_figure(width, height)
+    return fig, fig.add_subplot()
+
+
+def _bare_figure(width: float, height: float) -> Figure:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)  # attaches itself to fig: savefig renders with Agg
-    return fig, fig.add_subplot()
+    return fig
 
 
 def _save(fig: Figure, path: Path) -> Path:
@@ -256,6 +263,153 @@ def plot_itl_timeline(
     return _save(fig, Path(out))
 
 
+_OUTSIDE: dict[str, Any] = {
+    "fontsize": 8,
+    "loc": "upper left",
+    "bbox_to_anchor": (1.01, 1.0),
+    "borderaxespad": 0,
+}
+
+
+def _window_steps(windows: Sequence[dict[str, Any]], value: Any) -> tuple[list[float], list[float]]:
+    """x, y of a step line holding each window's value over the window (NaN: no value, a gap)."""
+    xs = [w["start_s"] for w in windows] + [windows[-1]["end_s"]]
+    ys = [math.nan if (v := value(w)) is None else v for w in windows]
+    return xs, [*ys, ys[-1]]
+
+
+def plot_timeline(
+    timeline: dict[str, Any],
+    out: Path,
+    title: str = "",
+    *,
+    end_s: float | None = None,
+    max_workers: int | None = None,
+) -> Path:
+    """The run's timeline (timeline.build_timeline, or summary.json's "timeline"), three panels on
+    one time axis: the workers of each pool (starting, up or draining; steps at the samples of GET
+    /pools, the target dashed), TTFT p90 and ITL p90 per window against the SLOs, and SLO
+    attainment per window against the 90% a recovery is measured by. The workload's steps are
+    shaded in every panel. `end_s` (the time axis) and `max_workers` (the pools' axis) fix the axes
+    so several timelines compare side by side."""
+    from pdserve.bench.timeline import RECOVERED, pool_names
+
+    fig = _bare_figure(10, 8.5)
+    pools_ax, latency_ax, attainment_ax = fig.subplots(3, 1, sharex=True, height_ratios=[1, 1.2, 0.8])
+    windows = timeline["windows"]
+    samples = timeline["pool_samples"]
+    end = end_s or max(timeline.get("end_s") or 0.0, windows[-1]["end_s"] if windows else 0.0) or 1.0
+    pools_ax.set_xlim(0.0, end)
+
+    if samples:
+        times = [s["t_s"] for s in samples]
+        for i, name in enumerate(pool_names(samples)):
+            active = [s["pools"][name]["active"] if name in s["pools"] else 0 for s in samples]
+            target = [
+                math.nan if (t := s["pools"].get(name, {}).get("target")) is None else t for s in samples
+            ]
+            color = f"C{i % 10}"
+            # Thinner for each later pool: pools of the same size stay visible, one over the other.
+            pools_ax.step(
+                [*times, end],
+                [*active, active[-1]],
+                where="post",
+                color=color,
+                linewidth=max(1.0, 4.5 - 2.5 * i),
+                alpha=0.7 if i == 0 else 0.9,
+                label=f"{name} workers",
+            )
+            pools_ax.step(
+                [*times, end],
+                [*target, target[-1]],
+                where="post",
+                color=color,
+                linestyle="--",
+                linewidth=0.9,
+                alpha=0.8,
+                label=f"{name} target",
+            )
+        top = max(
+            [s["pools"][n]["active"] for s in samples for n in s["pools"]]
+            + [t for s in samples for p in s["pools"].values() if (t := p["target"]) is not None]
+        )
+        pools_ax.set_ylim(0, max(top, max_workers or 0) + 1)
+        pools_ax.yaxis.get_major_locator().set_params(integer=True)
+        pools_ax.legend(**_OUTSIDE)
+    else:
+        _say(pools_ax, "no pool samples (no GET /pools, or --pool-sample-interval 0)")
+    pools_ax.set_ylabel("workers")
+
+    slos = timeline.get("slos_ms") or {}
+    series = [("ttft_ms", "p90", "TTFT p90", "C0", "ttft"), ("itl_ms", "p90", "ITL p90", "C3", "itl")]
+    values = [w[key][q] for w in windows for key, q, *_ in series if w[key][q] is not None]
+    if values:
+        bounds = [*values, *(v for k, v in slos.items() if k in ("ttft", "itl"))]
+        log = _apply(latency_ax, "y", _limits(bounds))
+        for key, q, label, color, slo in series:
+            xs, ys = _window_steps(windows, lambda w, key=key, q=q: w[key][q])
+            ys = [max(y, MIN_MS) if log and not math.isnan(y) else y for y in ys]
+            latency_ax.step(xs, ys, where="post", color=color, label=f"{label} per window")
+            if slo in slos:
+                latency_ax.axhline(slos[slo], color=color, linestyle=":", linewidth=1.2, label=f"{slo} SLO")
+        latency_ax.legend(**_OUTSIDE)
+    else:
+        _say(latency_ax, NO_DATA)
+    latency_ax.set_ylabel("ms")
+
+    shares = [w for w in windows if w["slo_attainment"] is not None]
+    if shares:
+        attainment_ax.bar(
+            [w["start_s"] for w in shares],
+            [w["slo_attainment"] * 100 for w in shares],
+            width=[w["end_s"] - w["start_s"] for w in shares],
+            align="edge",
+            color="C2",
+            alpha=0.7,
+            edgecolor="white",
+            label="requests meeting every SLO",
+        )
+        attainment_ax.axhline(
+            RECOVERED * 100, color="0.3", linestyle=":", linewidth=1, label=f"{RECOVERED:.0%}"
+        )
+        attainment_ax.legend(**_OUTSIDE)
+    else:
+        _say(attainment_ax, "no SLO attainment (no --slo given)" if not slos else "no requests")
+    attainment_ax.set_ylim(0, 105)
+    attainment_ax.set_ylabel("SLO attainment (%)")
+    attainment_ax.set_xlabel("time since the start (s; requests by send time)")
+
+    for k, step in enumerate(timeline.get("steps") or []):
+        for ax in (pools_ax, latency_ax, attainment_ax):
+            ax.axvspan(
+                step["at_s"], step["at_s"] + step["for_s"], color="0.5", alpha=0.15, linewidth=0, zorder=0
+            )
+        recovery = step.get("recovery_s")
+        note = f"step: {step['label']}" + (
+            ""
+            if step.get("slo_attainment") is None
+            else f", {step['slo_attainment']:.0%} during, "
+            + (f"recovered after {recovery:.0f} s" if recovery is not None else "not recovered")
+        )
+        # Above the pools' lines (the axis goes one worker higher), in data x, axes y.
+        right = step["at_s"] > 0.6 * end  # near the right edge: the note ends where the step ends
+        pools_ax.text(
+            min(step["at_s"] + step["for_s"], end) if right else step["at_s"],
+            0.97 - 0.09 * k,
+            f"{note} " if right else f" {note}",
+            transform=pools_ax.get_xaxis_transform(),
+            fontsize=8,
+            va="top",
+            ha="right" if right else "left",
+            color="0.25",
+            clip_on=True,
+        )
+    for ax in (pools_ax, latency_ax, attainment_ax):
+        ax.grid(True, which="both", alpha=0.3)
+    pools_ax.set_title(title or f"timeline ({timeline['window_s']:g} s windows)")
+    return _save(fig, Path(out))
+
+
 def plot_run(records: list[RequestRecord], out_dir: Path) -> list[Path]:
     """`ttft_cdf.png`, `itl_cdf.png` and `itl_timeline.png` of one run into `out_dir`."""
     out_dir = Path(out_dir)
@@ -271,16 +425,50 @@ def plot_comparison(runs: dict[str, list[RequestRecord]], out_dir: Path) -> list
     long_class = _pick_long_class([r for records in runs.values() for r in records])
     ylim = _limits([ms for records in runs.values() for _, ms in _gaps(records, long_class)])
     end = max((_end(records) for records in runs.values()), default=0.0)
-    used: set[str] = set()
+    slugs = _slugs(list(runs))
     for label, records in runs.items():
-        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_") or "run"
-        if slug in used:  # labels that differ only in punctuation
-            slug = f"{slug}_{len(used)}"
-        used.add(slug)
-        path = out_dir / f"itl_timeline_{slug}.png"
+        path = out_dir / f"itl_timeline_{slugs[label]}.png"
         paths.append(
             plot_itl_timeline(
                 records, path, long_class, title=label, xlim=(0.0, end * 1.02 or 1.0), ylim=ylim
             )
         )
     return paths
+
+
+def _slugs(labels: list[str]) -> dict[str, str]:
+    """A file-name part per label, unique even for labels that differ only in punctuation."""
+    used: set[str] = set()
+    slugs = {}
+    for label in labels:
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_") or "run"
+        if slug in used:
+            slug = f"{slug}_{len(used)}"
+        used.add(slug)
+        slugs[label] = slug
+    return slugs
+
+
+def plot_timelines(timelines: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
+    """`timeline_<label>.png` per run of a comparison, on the same time and workers axes."""
+    out_dir = Path(out_dir)
+    end = max((t.get("end_s") or 0.0 for t in timelines.values()), default=0.0) or None
+    workers = [
+        n
+        for t in timelines.values()
+        for s in t["pool_samples"]
+        for p in s["pools"].values()
+        for n in (p["active"], p["target"])
+        if n is not None
+    ]
+    slugs = _slugs(list(timelines))
+    return [
+        plot_timeline(
+            timeline,
+            out_dir / f"timeline_{slugs[label]}.png",
+            title=f"{label}: timeline ({timeline['window_s']:g} s windows)",
+            end_s=end,
+            max_workers=max(workers, default=None),
+        )
+        for label, timeline in timelines.items()
+    ]

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.timeline import RECOVERED, share_text, worker_seconds_text
+
 
 def median_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """The median of every number over several runs' summaries of the same workload shape.
@@ -175,4 +177,69 @@ def render_report(
         lines += ["", "SLOs: " + ", ".join(f"{k} ≤ {v:g} ms" for k, v in slos.items())]
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.as_posix()})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def _run_attainment(timeline: dict[str, Any]) -> float | None:
+    counted = [w for w in timeline["windows"] if w["good"] is not None]
+    sent = sum(w["sent"] for w in counted)
+    return sum(w["good"] for w in counted) / sent if sent else None
+
+
+def _step(timeline: dict[str, Any], k: int) -> dict[str, Any]:
+    steps: list[dict[str, Any]] = timeline["steps"]
+    return steps[k] if k < len(steps) else {}
+
+
+def _at_step(k: int, cell: Callable[[dict[str, Any]], str]) -> Callable[[dict[str, Any]], str]:
+    """The cell of a timeline's k-th step summary (`{}` if it has fewer)."""
+    return lambda timeline: cell(_step(timeline, k))
+
+
+def _recovery(step: dict[str, Any]) -> str:
+    if step.get("slo_attainment") is None:
+        return "-"
+    return f"{step['recovery_s']:.0f} s" if step["recovered"] else "not recovered"
+
+
+def _step_worker_seconds(step: dict[str, Any]) -> str:
+    return " / ".join(
+        worker_seconds_text(step.get(key)) for key in ("worker_seconds", "worker_seconds_after")
+    )
+
+
+def render_timelines(timelines: dict[str, list[dict[str, Any]]]) -> str:
+    """Worker-seconds and how each configuration took the workload's steps (pdserve/bench/timeline.py),
+    a column per configuration, a value per run when there were repeats. Empty when no run has pool
+    samples or steps (a table of nothing but '-')."""
+    labels = list(timelines)
+    if not any(t["pool_samples"] or t["steps"] for runs in timelines.values() for t in runs):
+        return ""
+    first = timelines[labels[0]][0]
+    repeats = max(len(runs) for runs in timelines.values())
+    lines = [
+        "",
+        "## Timeline (overall)",
+        "",
+        "Worker-seconds: workers starting, up or draining (from GET /pools), integrated over the run. "
+        "SLO attainment: the share of the requests sent that meet every SLO. Recovery: from a step's "
+        f"start to the first {first['window_s']:g} s window from which attainment stays at or above "
+        f"{RECOVERED:.0%} (up to the next step)."
+        + (f" One value per run (runs 1 to {repeats})." if repeats > 1 else ""),
+        "",
+        "| | " + " | ".join(labels) + " |",
+        "| --- " * (len(labels) + 1) + "|",
+    ]
+
+    def row(name: str, cell: Callable[[dict[str, Any]], str]) -> None:
+        cells = [" · ".join(cell(t) for t in timelines[label]) for label in labels]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+
+    row("worker-seconds", lambda t: worker_seconds_text(t["worker_seconds"]))
+    row("SLO attainment, whole run", lambda t: share_text(_run_attainment(t)))
+    for k, step in enumerate(first["steps"]):
+        name = f"step at {step['at_s']:g} s for {step['for_s']:g} s ({step['label']})"
+        row(f"{name}: SLO attainment during", _at_step(k, lambda s: share_text(s.get("slo_attainment"))))
+        row(f"{name}: recovery", _at_step(k, _recovery))
+        row(f"{name}: worker-seconds during / after", _at_step(k, _step_worker_seconds))
     return "\n".join(lines) + "\n"

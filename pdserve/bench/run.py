@@ -5,7 +5,12 @@
 
 Writes `records.jsonl` (one line per request: class, send time, every chunk's arrival time,
 prompt and output tokens, error), `summary.json` and the plots (CDFs of TTFT and ITL, the ITL
-timeline with long-prompt arrivals marked) into `--out`.
+timeline with long-prompt arrivals marked, the run's timeline) into `--out`.
+
+The timeline (`summary.json`'s "timeline", a table after the summary, `timeline.png`): latency and
+SLO attainment per `--timeline-window` seconds, and, from a pdserve endpoint, the pools' workers
+by state sampled from GET /pools every `--pool-sample-interval` seconds, their worker-seconds,
+and for each `step(...)` of the workload how the run took it (see pdserve/bench/timeline.py).
 """
 
 from __future__ import annotations
@@ -14,12 +19,19 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
 from pdserve.bench.client import PreparedRequest, Progress, Target, run_load
 from pdserve.bench.summary import RequestRecord, format_summary, parse_slos, summarize, write_records
+from pdserve.bench.timeline import (
+    DEFAULT_POOL_SAMPLE_INTERVAL_S,
+    DEFAULT_WINDOW_S,
+    build_timeline,
+    format_timeline,
+)
 from pdserve.bench.workload import NAMED_MIXES, Workload, parse_workload
 from pdserve.errors import PdserveError
 
@@ -57,6 +69,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--drain-timeout", type=float, default=120.0, help="seconds for requests in flight at the end"
     )
     p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--timeline-window",
+        type=float,
+        default=DEFAULT_WINDOW_S,
+        help="seconds per window of the timeline (requests by send time)",
+    )
+    p.add_argument(
+        "--pool-sample-interval",
+        type=float,
+        default=DEFAULT_POOL_SAMPLE_INTERVAL_S,
+        help="seconds between samples of GET /pools (a pdserve server's pools) for the timeline; 0: off. "
+        "An endpoint without the route is not sampled, and the run goes on.",
+    )
     p.add_argument("--out", type=Path, default=None, help="folder for records.jsonl and summary.json")
     p.add_argument("--no-progress", action="store_true")
 
@@ -81,9 +106,19 @@ def prepare(
     return prepared
 
 
+def check_timeline_options(args: argparse.Namespace) -> None:
+    if not (args.timeline_window > 0 and math.isfinite(args.timeline_window)):
+        raise PdserveError(f"--timeline-window must be a number of seconds > 0, got {args.timeline_window:g}")
+    if not (args.pool_sample_interval >= 0 and math.isfinite(args.pool_sample_interval)):
+        raise PdserveError(
+            f"--pool-sample-interval must be a number of seconds >= 0 (0: off), got {args.pool_sample_interval:g}"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     if args.max_requests is None and args.duration is None:
         raise PdserveError("give --max-requests or --duration (or both): a benchmark must end by itself")
+    check_timeline_options(args)
     slos = parse_slos(args.slo)
     workload = parse_workload(args.workload, args.seed, args.max_requests, args.duration, args.rate_scale)
     # Said before the prompts are built, which can take a while: the user sees what is coming.
@@ -98,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
     target = Target(args.url.rstrip("/"), args.model, args.endpoint, args.temperature, args.request_timeout)
 
     records: list[RequestRecord] = []
+    pool_samples: list[dict[str, Any]] = []
     progress = None if args.no_progress else Progress(len(requests))
     ended: list[float] = []  # the run's duration, from run_load, however it ended
     interrupted = False
@@ -112,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
                 on_done=progress,
                 on_end=ended.append,
                 records=records,
+                pool_sample_interval_s=args.pool_sample_interval,
+                pool_samples=pool_samples,
             )
         )
     except KeyboardInterrupt:
@@ -125,9 +163,21 @@ def run(args: argparse.Namespace) -> int:
         print("interrupted: summarizing what was measured", file=sys.stderr)
     elapsed = ended[0] if ended else max((max([r.sent_s, *r.chunk_times_s]) for r in records), default=0.0)
     summary = summarize(records, elapsed, slos)
+    timeline = build_timeline(
+        records,
+        elapsed,
+        slos,
+        args.timeline_window,
+        pool_samples,
+        workload.steps,
+        args.pool_sample_interval or None,
+    )
     print(format_summary(summary))
+    print(format_timeline(timeline))
     if args.out is not None:
-        interrupted = write_outputs(args.out, records, summary, args, workload, interrupted)
+        interrupted = write_outputs(
+            args.out, records, summary | {"timeline": timeline}, args, workload, interrupted
+        )
     return 130 if interrupted else 0
 
 
@@ -156,10 +206,12 @@ def write_outputs(
         "command": " ".join(sys.argv),
     }
     (out / "summary.json").write_text(json.dumps({"run": meta, **summary}, indent=2))
-    from pdserve.bench.plots import plot_run
+    from pdserve.bench.plots import plot_run, plot_timeline
 
     try:
         plots = plot_run(records, out)
+        if "timeline" in summary:
+            plots.append(plot_timeline(summary["timeline"], out / "timeline.png"))
     except KeyboardInterrupt:
         print(f"\ninterrupted: wrote records.jsonl, summary.json in {out}, no plots", file=sys.stderr)
         return True

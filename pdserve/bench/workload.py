@@ -10,6 +10,7 @@ The command-line spec (`parse_workload`):
     spec  := PRESET | class (';' class)*          PRESET: a key of NAMED_MIXES, e.g. "chat+docs"
     class := [NAME ':'] item ...                  a single unnamed class is called "default"
     item  := poisson(rate) | gamma(rate, burstiness) | constant(rate) | concurrency(n)
+           | step(at_s, for_s, factor)               repeatable; with poisson, gamma or constant
            | prompt=DIST | output=DIST
            | lengths(path, order=sample|file, length_scale=1, max_prompt_tokens, max_output_tokens)
            | trace(path, time_scale | rate, length_scale=1, max_prompt_tokens, max_output_tokens, start_s=0)
@@ -18,7 +19,10 @@ The command-line spec (`parse_workload`):
 
 Arguments are positional (in that order) or name=value. `trace(...)` brings its own arrival times
 and lengths (see traces.load_trace); `lengths(...)` takes (prompt, output) rows of a CSV, kept
-paired, and needs an arrival process. Load is scaled by the `rate_scale` argument of
+paired, and needs an arrival process. `step(at_s, for_s, factor)` multiplies the class's rate by
+`factor` from `at_s` for `for_s` seconds (0: a pause; steps that overlap multiply; see
+distributions.Stepped for how it is drawn); a closed loop (concurrency) and a trace have no rate
+to step. Load is scaled by the `rate_scale` argument of
 `parse_workload` (not in the spec): it multiplies every class's rate (a trace is replayed that
 much faster) and the n of `concurrency(n)`; `describe()` shows the scaled values.
 
@@ -51,7 +55,10 @@ from pdserve.bench.distributions import (
     Lengths,
     Lognormal,
     Poisson,
+    Replay,
     Rng,
+    Step,
+    Stepped,
     SyntheticLengths,
     Uniform,
     WorkloadError,
@@ -116,6 +123,12 @@ class Workload:
         arrival = self.classes[0].arrival
         return arrival.n if isinstance(arrival, Concurrency) else None
 
+    @property
+    def steps(self) -> list[tuple[str, Step]]:
+        """(class name, step) of every class's rate steps, by start time."""
+        found = [(c.name, s) for c in self.classes if isinstance(c.arrival, Stepped) for s in c.arrival.steps]
+        return sorted(found, key=lambda item: (item[1].at_s, item[1].for_s))
+
     def describe(self) -> str:
         counts = Counter(r.cls for r in self.requests)
         return "\n".join(f"{c.describe()}  [{counts[c.name]} requests]" for c in self.classes)
@@ -134,6 +147,12 @@ def build_workload(
     check_caps(max_requests, duration_s)
     repeated = [n for n, k in Counter(c.name for c in classes).items() if k > 1]
     require(not repeated, f"class names must be unique; repeated: {', '.join(repeated)}")
+    for c in classes:
+        for step in c.arrival.steps if isinstance(c.arrival, Stepped) else ():
+            if duration_s is not None and step.at_s >= duration_s:
+                raise WorkloadError(
+                    f"class {c.name}: {step.describe()} starts after the run ends ({duration_s:g} s)"
+                )
     first = classes[0]
     if any(isinstance(c.arrival, Concurrency) for c in classes):
         require(len(classes) == 1, "concurrency(n) is a closed loop and must be the only class")
@@ -180,6 +199,7 @@ _ARRIVALS: dict[str, Callable[..., Any]] = {
     "poisson": Poisson, "gamma": Gamma, "constant": Constant, "concurrency": Concurrency
 }  # fmt: skip
 _SOURCES: dict[str, Callable[..., Any]] = {"trace": load_trace, "lengths": load_lengths}
+_STEPS: dict[str, Callable[..., Any]] = {"step": Step}
 _DISTS: dict[str, Callable[..., Any]] = {
     "fixed": Fixed, "uniform": Uniform, "lognormal": Lognormal, "empirical": empirical_column
 }  # fmt: skip
@@ -294,6 +314,7 @@ def _parse_class(text: str, name: str | None) -> WorkloadClass:
     arrival: Arrival | None = None
     rows: LengthRows | None = None
     dists: dict[str, LengthDist] = {}
+    steps: list[Step] = []
     given: dict[str, str] = {}  # what -> the call that gave it, to name both in a clash
 
     def claim(what: str, call: _Call) -> None:
@@ -310,8 +331,10 @@ def _parse_class(text: str, name: str | None) -> WorkloadClass:
             claim("length sources", call)
             made = _make(call, _SOURCES)
             arrival, rows = made if call.fn == "trace" else (arrival, made)
+        elif call.key is None and call.fn in _STEPS:
+            steps.append(_make(call, _STEPS))
         elif call.key is None:
-            raise _unknown("arrival process", call.fn, call, [*_ARRIVALS, *_SOURCES])
+            raise _unknown("arrival process", call.fn, call, [*_ARRIVALS, *_SOURCES, *_STEPS])
         elif call.key not in ("prompt", "output"):
             raise WorkloadError(f"unknown key '{call.key}' in '{call.text}'; known: prompt, output")
         elif call.fn not in _DISTS:
@@ -323,6 +346,8 @@ def _parse_class(text: str, name: str | None) -> WorkloadClass:
         raise WorkloadError(
             f"no arrival process in {where}; add one of {', '.join(_ARRIVALS)}, or a trace(path)"
         )
+    if steps:
+        arrival = _stepped(arrival, tuple(steps), given["arrival processes"])
     if rows is not None:
         drop = " and ".join(k + "=" for k in dists)
         require(not dists, f"'{given['length sources']}' gives both lengths; drop {drop}")
@@ -330,6 +355,21 @@ def _parse_class(text: str, name: str | None) -> WorkloadClass:
     missing = " and ".join(k + "=" for k in ("prompt", "output") if k not in dists)
     require(not missing, f"missing {missing} in {where} (or use lengths(path))")
     return WorkloadClass(name, arrival, SyntheticLengths(dists["prompt"], dists["output"]))
+
+
+def _stepped(arrival: Arrival, steps: tuple[Step, ...], source: str) -> Stepped:
+    if isinstance(arrival, Concurrency):
+        raise WorkloadError(
+            f"step(...) multiplies an arrival rate, and '{source}' is a closed loop with none; "
+            "use poisson, gamma or constant arrivals"
+        )
+    if isinstance(arrival, Replay):
+        raise WorkloadError(
+            f"step(...) multiplies an arrival rate, and '{source}' replays its own arrival times; "
+            "use poisson, gamma or constant arrivals (or scale the trace with time_scale or rate)"
+        )
+    assert not isinstance(arrival, Stepped)
+    return Stepped(arrival, steps)
 
 
 def parse_classes(spec: str, rate_scale: float = 1.0) -> list[WorkloadClass]:
