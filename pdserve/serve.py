@@ -26,7 +26,7 @@ from pdserve.planner.law import LawSettings
 from pdserve.planner.loop import MODES, PlannerSettings
 from pdserve.pools.manager import PoolSettings, PoolSpec
 from pdserve.router.app import RouterSettings
-from pdserve.router.dispatch import RouterConfig
+from pdserve.router.dispatch import PATH_CHOICES, RouterConfig
 from pdserve.slo import DEFAULT_PERCENTILE, SLO, parse_slo
 
 logger = logging.getLogger("pdserve.serve")
@@ -79,10 +79,17 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
         f"the prefill pool's chunk size (default: {DEFAULT_PREFILL_CHUNK_SIZE}, or --chunk-size if "
         "smaller); smaller lets a short prompt overtake a long one sooner",
     ),
+    "path_choice": (
+        str,
+        _default(_R, "path_choice"),
+        "cost: the cost model chooses remote or local prefill per request; threshold: "
+        "--local-prefill-threshold alone",
+    ),
     "local_prefill_threshold": (
         int,
         _default(_R, "local_prefill_threshold"),
-        "prompts up to this many tokens are prefilled on the decode worker",
+        "prompts up to this many tokens are prefilled on the decode worker (with --path-choice "
+        "cost: only until the cost model has enough steps)",
     ),
     "max_retries": (
         int,
@@ -293,6 +300,10 @@ def _check(o: dict[str, Any]) -> None:
         raise PdserveError(
             f"the config file sets [pools.{sorted(unused)[0]}], a pool this deployment does not have"
         )
+    if o["path_choice"] not in PATH_CHOICES:
+        raise PdserveError(
+            f"--path-choice must be one of {', '.join(PATH_CHOICES)}, got {o['path_choice']!r}"
+        )
     if o["planner"] not in MODES:
         raise PdserveError(f"--planner must be one of {', '.join(MODES)}, got {o['planner']!r}")
     slo = router_slo(o)
@@ -435,6 +446,7 @@ def run(o: dict[str, Any]) -> int:
     settings = RouterSettings(
         model_name=o["served_model_name"] or o["model"],
         config=RouterConfig(
+            path_choice=o["path_choice"],
             local_prefill_threshold=o["local_prefill_threshold"],
             max_retries=o["max_retries"],
             prefill_timeout=o["prefill_timeout"],

@@ -235,3 +235,48 @@ def test_what_a_frozen_worker_held_is_aborted_when_it_reconnects(tiny_llama_4k: 
     finally:
         os.kill(decode, signal.SIGCONT)
         server.stop()
+
+
+def test_the_cost_model_chooses_paths_and_refuses_what_would_miss_the_slo(
+    tiny_llama: Path, offline: LLM
+) -> None:
+    # A TTFT SLO no request can meet (1 ms, at 1x): once the cost model has the workers' steps,
+    # every request is refused before it queues: 429 with Retry-After, never a 5xx.
+    server = Server(
+        tiny_llama, "--prefill", "1", "--decode", "1", "--slo", "ttft=1,itl=5000",
+        "--reject-on-slo-miss", "--slo-reject-factor", "1",
+    )  # fmt: skip
+    try:
+        time.sleep(5.5)  # the workers' cold start: their first steps stay out of the model
+        expected = expected_texts(offline, 10)
+        served: list[str] = []
+        for prompt in PROMPTS * 3:  # until the model is ready, requests are served
+            response = server.http.post(
+                "/v1/completions",
+                json={
+                    "model": server.model,
+                    "prompt": prompt,
+                    "max_tokens": 10,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                },
+            )
+            if response.status_code == 429:
+                break
+            assert response.status_code == 200, response.text
+            served.append(response.json()["choices"][0]["text"])
+        else:
+            raise AssertionError("never refused: the cost model never became ready")
+        # Whatever path each took, greedy output is the offline engine's.
+        assert served and served == (expected * 3)[: len(served)]
+        assert response.headers["retry-after"].isdigit() and int(response.headers["retry-after"]) >= 1
+        assert "TTFT SLO" in response.json()["error"]["message"]
+        assert server.metric("pdserve_slo_rejections_total") >= 1
+        assert server.metric("pdserve_path_choices_total", reason="cold") >= 1
+        assert server.metric("pdserve_slo_seconds", metric="ttft") == 0.001
+        view = server.admin_view()
+        assert view["signals"]["cost_model"]["ready"] is True
+        assert view["planner"]["mode"] == "off"
+        server.wait_kv_free()
+    finally:
+        assert server.stop() == 0

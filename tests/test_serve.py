@@ -96,6 +96,7 @@ def test_pool_tables_set_each_pools_engine_bounds_and_slos(tmp_path: Path) -> No
         ('model = "m"\n', ("--colocated", "2", "--colocated-min", "3"), "3 <= 2 <= 2"),
         ('model = "m"\n', ("--prefill", "1", "--decode", "1", "--drain-timeout", "0"), "--drain-timeout"),
         ('model = "m"\n', ("--prefill", "1", "--decode", "1", "--planner", "pid"), "--planner must be"),
+        ('model = "m"\n', ("--colocated", "1", "--path-choice", "random"), "--path-choice must be"),
         ('model = "m"\n', ("--prefill", "1", "--decode", "1", "--planner", "slo"), "needs an SLO"),
         ('model = "m"\n', ("--prefill", "1", "--decode", "1", "--slo", "ttft=fast"), "milliseconds"),
         ('model = "m"\n', ("--prefill", "1", "--decode", "1", "--slo", "e2e=5"), "ttft=MS and/or itl=MS"),

@@ -31,6 +31,7 @@ from typing import Literal, overload
 import msgspec
 
 from pdserve import wire
+from pdserve.costmodel import StepCostModel
 from pdserve.errors import PdserveError
 from pdserve.router import policy
 from pdserve.router.metrics import RouterMetrics
@@ -66,8 +67,14 @@ class _Retry(Exception):
         self.reason = reason
 
 
+PATH_CHOICES = ("cost", "threshold")
+
+
 @dataclass(frozen=True)
 class RouterConfig:
+    # cost: the cost model chooses each request's path (the threshold decides while it is cold);
+    # threshold: always the fixed threshold (as before the cost model; for comparisons).
+    path_choice: str = "cost"
     local_prefill_threshold: int = policy.DEFAULT_LOCAL_PREFILL_THRESHOLD
     max_retries: int = 2  # re-prefills of one request before it fails
     prefill_timeout: float = 300.0  # AddRequest -> first token on a prefill worker, queueing included
@@ -481,7 +488,7 @@ class Dispatcher:
         decode = self._pick_decode()
         prefill = self._pick_prefill()
         choice = policy.choose_path_by_cost(
-            self.signals.cost,
+            self.signals.cost if self.config.path_choice == "cost" else _NEVER_READY,
             prompt_tokens,
             _prefill_candidate(prefill) if prefill is not None else None,
             _decode_candidate(decode),
@@ -548,6 +555,8 @@ class Dispatcher:
             return None
         return links[chosen.worker_id]
 
+
+_NEVER_READY = StepCostModel(min_samples=2**62)  # --path-choice threshold: always "cold"
 
 # Before a worker's Ready says them: the engine's defaults.
 _DEFAULT_CHUNK, _DEFAULT_BUDGET = 512, 2048
