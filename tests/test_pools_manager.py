@@ -123,8 +123,9 @@ def test_both_pools_scaled_up_and_down_twenty_times_under_load_lose_nothing(tiny
         assert after == before
         assert sum(n for name, n in after.items() if "worker=" in name) == 2 * 7  # 7 gauges a worker
         # Nothing else grows with the churn: at most the label sets of events seen for the first
-        # time since (a kind of drain or move: a few lines each, a bounded number of them).
-        assert len(server.metrics().splitlines()) <= lines + 40
+        # time since, a bounded number of them (a kind of drain or move, a few lines each; a path
+        # or pool first seen in a TTFT, ITL or prediction histogram, ~30 lines each).
+        assert len(server.metrics().splitlines()) <= lines + 200
         assert server.metric("pdserve_worker_drains_total", outcome="timeout") == 0
         assert server.metric("pdserve_requests_total", outcome="error") == 0
         assert server.metric("pdserve_worker_drains_total") == 40  # ok, or cancelled while starting
