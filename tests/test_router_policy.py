@@ -109,3 +109,15 @@ def test_a_few_tokens_on_an_idle_decode_worker_go_local_as_the_threshold_did() -
     model = _machine()
     idle = policy.PrefillCandidate("p0", (), chunk=256, budget=2048)
     assert policy.choose_path_by_cost(model, 8, idle, IDLE_DECODE, None, 16).path == "local"
+
+
+def test_a_long_prompt_never_goes_to_an_idle_decode_worker_when_its_steps_break_the_itl_budget() -> None:
+    # Nothing streams there now, but whatever arrives during a 2000-token prefill would wait.
+    model = _machine()
+    busy = policy.PrefillCandidate("p0", (2000, 2000, 2000), chunk=256, budget=256)
+    choice = policy.choose_path_by_cost(
+        model, 2000, busy, IDLE_DECODE, itl_budget_s=0.25, local_prefill_threshold=16
+    )
+    assert (choice.path, choice.reason) == ("remote", "stall")
+    assert choice.local_ttft is not None and choice.remote_ttft is not None
+    assert choice.local_ttft < choice.remote_ttft  # faster, and still refused

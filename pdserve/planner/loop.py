@@ -172,7 +172,13 @@ class Planner:
         slo = self.settings.pool_slo(name)
         p = slo.percentile
         span = max(10.0, 2 * self.settings.interval_s)  # demand: recent, so a step shows at once
-        react = max(15.0, 3 * self.settings.interval_s)  # observed percentiles
+        # Observed percentiles: the recent window, but nothing from before the pool last changed or
+        # a worker of it came up (what it observed then is what the change answered).
+        react = max(15.0, 3 * self.settings.interval_s)
+        changed = max(
+            [self.memory.last_change.get(name, -math.inf)] + [w.up_at for w in up if w.up_at is not None]
+        )
+        react = max(self.settings.interval_s, min(react, now - changed))
         sig = self.signals.pool(name)
         cost = self.signals.cost
         contexts = [context_per_stream(w) for w in up if w.load is not None and w.load.num_running]

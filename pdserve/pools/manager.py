@@ -475,6 +475,8 @@ class PoolManager:
             "kv_blocks_free": load.kv_blocks_free if load else None,
             "queued_prompt_tokens": load.queued_prompt_tokens if load else None,
             "held_leases": load.num_held if load else None,
+            "prefill_tokens_per_s": link.prefill_tokens_per_s,
+            "last_step_s": load.last_step_ms / 1000 if load else None,
         }
         if handle is not None:
             view.update(rpc_address=handle.rpc_address, node=handle.node, **handle.details)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.costmodel import StepCostModel
+from pdserve.costmodel import Step, StepCostModel, chunk_attention
 
 # Prompts of at most this many tokens are prefilled on the decode worker itself. A remote prefill
 # costs two RPC hops and a KV copy (about a millisecond on one host); a local prefill of a few
@@ -155,8 +155,16 @@ def choose_path_by_cost(
         decode_context=context,
     )
     quiet = cost.decode_step_seconds(decode.streams, decode.context_per_stream)
-    budget = itl_budget_s if itl_budget_s is not None else DEFAULT_STALL_FACTOR * quiet
-    stall_ok = decode.streams == 0 or longest <= budget
+    if itl_budget_s is not None:
+        budget = itl_budget_s
+    else:  # 1.5x its step, and never less than a step with a threshold-sized prompt in it
+        tiny = Step(
+            local_prefill_threshold, chunk_attention(0, local_prefill_threshold), decode.streams, context
+        )
+        budget = max(DEFAULT_STALL_FACTOR * quiet, cost.step_seconds(tiny))
+    # Also on a worker with no stream now: those that arrive while it prefills stall just the same
+    # (a 2000-token prompt let onto an idle decode worker held every new chat for seconds).
+    stall_ok = longest <= budget
     # With streams to stall, local must win by a margin; on an idle worker a tie goes local (it
     # saves the KV transfer before the second token).
     faster = local < LOCAL_MARGIN * remote if decode.streams else local <= remote

@@ -97,6 +97,9 @@ class WorkerLink:
         self.state = WorkerState.STARTING
         self.opened_at = self.state_since = time.monotonic()
         self.up_at: float | None = None  # when it first said Ready: its cold start counts from here
+        # Its measured prefill throughput: prompt tokens per second of the steps that had prompt
+        # tokens (an average weighted toward the recent, from its load reports' steps).
+        self.prefill_tokens_per_s: float | None = None
         self.detail = "starting"  # why it is in its state, for people (GET /pools, /health, logs)
         self.draining = False  # asked to drain: it stays out of service even if it reconnects
         self.legs: dict[str, Leg] = {}
@@ -265,6 +268,7 @@ class WorkerLink:
                 self._come_back(self.ready.role)  # it was only slow: it reports again
             self.load = message
             self.load_at = time.monotonic()
+            self._measure_prefill(message.steps)
             if self._on_load is not None:
                 self._on_load(self)
         elif isinstance(message, wire.Tokens | wire.KVPulled | wire.Migrated):
@@ -276,6 +280,14 @@ class WorkerLink:
             elif isinstance(message, wire.KVPulled):
                 leg.receiving = False
             leg.events.put_nowait(message)
+
+    def _measure_prefill(self, steps: list[wire.StepSample]) -> None:
+        tokens = sum(s.prefill_tokens for s in steps if s.prefill_tokens)
+        seconds = sum(s.seconds for s in steps if s.prefill_tokens)
+        if tokens and seconds > 0:
+            rate = tokens / seconds
+            old = self.prefill_tokens_per_s
+            self.prefill_tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
 
     def _come_back(self, role: str) -> None:
         if self.state not in (WorkerState.STARTING, WorkerState.DOWN):
