@@ -36,8 +36,8 @@ for step in "$@"; do
         --workload "$W_CHAT" --repeats "$REPEATS" --out "$OUT/quiet" ;;
     step) $PDSERVE bench compare --model smollm2-135m --duration 180 --slo $SLO \
         --workload "chat: poisson(rate=0.4) step(60, 60, 3) prompt=lognormal(160,0.4,32,512) output=uniform(24,48)" \
-        --config "static-1+1=--prefill 1 --decode 1 --slo $SLO" \
-        --config "static-2+1=--prefill 2 --decode 1 --slo $SLO" \
+        --config "static-1p1d=--prefill 1 --decode 1 --slo $SLO" \
+        --config "static-2p1d=--prefill 2 --decode 1 --slo $SLO" \
         --config "planner=--prefill 1 --decode 1 --planner slo --slo $SLO --max-workers 3" \
         --repeats 1 --out "$OUT/step" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
