@@ -20,6 +20,7 @@ is an M/M/1 wait per worker on top of each request's own service time (`pool_wai
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,11 +51,15 @@ def chunk_attention(start: int, tokens: int) -> int:
 
 
 class StepCostModel:
-    def __init__(self, window: int = 2000, min_samples: int = 12) -> None:
+    def __init__(self, window: int = 2000, min_samples: int = 12, refit_seconds: float = 1.0) -> None:
         self.min_samples = min_samples
         self._samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self._coef: tuple[float, ...] | None = None
         self._dirty = False
+        # A fit over 2000 samples takes milliseconds of pure Python on the router's loop: at most
+        # one a second (busy workers report steps ten times a second each).
+        self.refit_seconds = refit_seconds
+        self._fitted_at = -math.inf
 
     def add(self, step: Step, seconds: float) -> None:
         if seconds > 0 and math.isfinite(seconds):
@@ -73,9 +78,11 @@ class StepCostModel:
         """(c0 .. c4) in seconds per unit of each raw feature; None before `ready`."""
         if not self.ready:
             return None
-        if self._dirty or self._coef is None:
+        now = time.monotonic()
+        if self._coef is None or (self._dirty and now - self._fitted_at >= self.refit_seconds):
             self._coef = _fit_non_negative(list(self._samples))
             self._dirty = False
+            self._fitted_at = now
         return tuple(c * s for c, s in zip(self._coef, _SCALE, strict=True))
 
     def step_seconds(self, step: Step) -> float:

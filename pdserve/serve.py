@@ -268,6 +268,12 @@ def _read_pool_tables(path: Path, tables: Any) -> dict[str, dict[str, Any]]:
                     f"{path}: [pools.{pool_key}] {key} must be a {kind.__name__}, got {value!r}"
                 )
             settings[name] = value
+        ignored = {"prefill": "slo_itl_ms", "decode": "slo_ttft_ms"}.get(pool)
+        if ignored in settings:
+            raise PdserveError(
+                f"{path}: [pools.{pool_key}] {ignored}: the {pool} pool is planned by its "
+                f"{'TTFT' if pool == 'prefill' else 'ITL'} only (give the other in the other pool)"
+            )
         result[pool] = settings
     return result
 

@@ -224,3 +224,23 @@ def test_without_a_model_only_the_reactive_correction_acts(cold_reason: str) -> 
     views["decode"] = replace(views["decode"], observed_itl=0.3)
     decisions, _ = decide(views, 4, w.memory, 10.0, SETTINGS)
     assert [(d.pool, d.reason) for d in decisions] == [("decode", "reactive")]
+
+
+def test_an_idle_stream_pool_keeps_one_worker_even_with_min_zero() -> None:
+    # With no decode worker up every request is a 503 before its demand is seen: never zero.
+    w = World({"prefill": Pool(1, min=0), "decode": Pool(2, min=0)}, budget=4)
+    for _ in range(30):
+        w.tick({"prefill": prefill_demand(0.0), "decode": decode_demand(0)})
+    assert w.pools["decode"].target == 1
+    assert w.pools["prefill"].target == 0  # a prefill pool may empty: its demand is still seen
+
+
+def test_draining_workers_count_against_the_budget() -> None:
+    w = World({"prefill": Pool(1), "decode": Pool(1)}, budget=3)
+    views = {
+        "prefill": w.view("prefill", **prefill_demand(9.0)),
+        "decode": replace(w.view("decode", **decode_demand(2)), draining=1),
+    }
+    decisions, plans = decide(views, 3, w.memory, 5.0, SETTINGS)
+    assert not decisions  # 1 + 1 + 1 draining: the budget is spent until the drain ends
+    assert "budget full" in plans["prefill"].reason

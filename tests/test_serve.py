@@ -105,6 +105,7 @@ def test_pool_tables_set_each_pools_engine_bounds_and_slos(tmp_path: Path) -> No
         ('model = "m"\ncolocated = 1\n[pools.gpu]\nmin = 1\n', (), "unknown pool [pools.gpu]"),
         ('model = "m"\ncolocated = 1\n[pools.mixed]\nchunk = 1\n', (), "unknown key 'chunk'"),
         ('model = "m"\ncolocated = 1\n[pools.mixed]\nmax = "2"\n', (), "max must be a int"),
+        ('model = "m"\nprefill = 1\ndecode = 1\n[pools.decode]\nslo_ttft_ms = 9\n', (), "by its ITL only"),
     ],
 )
 def test_bad_options_are_refused_before_anything_starts(

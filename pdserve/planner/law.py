@@ -48,11 +48,12 @@ class PoolView:
     name: str  # prefill | decode | colocated
     target: int  # the pool's current target (workers starting count: pending supply)
     up: int
-    starting: int
+    starting: int  # pending supply: starting, or to be started (after a failed start's pause)
     min: int
     max: int
     fresh: bool  # every worker that is up sent a load report recently
     slo: SLO
+    draining: int = 0  # still running while they hand over: they count against the budget
     request_rate: float = 0.0  # prompts admitted to this pool's prefill, per second
     service_s: float | None = None  # their mean own prefill time (cost model)
     service_cv2: float = 1.0  # its squared coefficient of variation (queueing: 1 = exponential)
@@ -165,8 +166,10 @@ def decide(
         if new < view.target:
             decisions.append(Decision(name, view.target, new, reason, detail))
             continue
-        in_use = sum(d.new for d in decisions) + sum(
-            views[n].target for n in views if n not in {d.pool for d in decisions}
+        in_use = (
+            sum(d.new for d in decisions)
+            + sum(views[n].target for n in views if n not in {d.pool for d in decisions})
+            + sum(v.draining for v in views.values())
         )
         room = max_workers - in_use
         grant = min(new - view.target, room)
@@ -204,8 +207,10 @@ def _one_pool(
         return target, "stale", "a worker's load reports are late: holding", False
     cooling = now - memory.last_change.get(view.name, -math.inf) < settings.cooldown_s
     idle = view.request_rate == 0 and view.streams == 0
+    # A stream pool keeps a worker: with none up, requests get 503 before their demand is seen.
+    floor = max(view.min, 1) if DECODE_PHASE[view.name] else view.min
     if idle:
-        need, detail = view.min, "no demand"
+        need, detail = floor, "no demand"
     elif view.model_ready:
         need, detail = needed_workers(view, settings)
     else:
@@ -224,7 +229,7 @@ def _one_pool(
 
     # Down: only with headroom, after the window, one at a time.
     if idle:
-        roomy = view.min
+        roomy = min(floor, view.max)
     elif view.model_ready:
         roomy = min(max(needed_workers(view, settings, 1 + settings.down_headroom)[0], view.min), view.max)
     else:

@@ -22,7 +22,7 @@ from pdserve.planner.law import DECODE_PHASE, Decision, LawMemory, LawSettings, 
 from pdserve.router.dispatch import context_per_stream
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import WorkerLink, WorkerSet, WorkerState
-from pdserve.signals import Signals
+from pdserve.signals import Signals, Window, quantile
 from pdserve.slo import SLO
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ class Planner:
         self.plans: dict[str, PoolPlan] = {}
         self.views: dict[str, PoolView] = {}
         self.history: deque[DecisionRecord] = deque(maxlen=50)
+        self._planned: dict[str, int] = {}  # each pool's target as the planner last left it
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -122,7 +123,15 @@ class Planner:
 
     # -- one decision ---------------------------------------------------------------------------------
     def step(self, now: float) -> list[Decision]:
-        self.views = {name: self._view(name, t, now) for name, t in self.pools.targets().items()}
+        targets = self.pools.targets()
+        for name, (target, _, _) in targets.items():
+            if name in self._planned and self._planned[name] != target:
+                # Someone else changed it (PUT /pools, a drain): a change like the planner's own,
+                # so the cooldown and the scale-down window start again from here.
+                self.memory.last_change[name] = now
+                self.memory.down_since.pop(name, None)
+            self._planned[name] = target
+        self.views = {name: self._view(name, t, now) for name, t in targets.items()}
         decisions, self.plans = decide(
             self.views, self.settings.max_workers, self.memory, now, self.settings.law
         )
@@ -145,6 +154,7 @@ class Planner:
                 _ms(view.observed_itl),
             )
             self.pools.set_planned_target(d.pool, d.new, f"planner: {d.reason}")
+            self._planned[d.pool] = self.pools.targets()[d.pool][0]
             self.metrics.planner_decisions.labels(d.pool, d.direction, d.reason).inc()
             self.history.append(DecisionRecord(time.time(), d))
         for name, plan in self.plans.items():
@@ -158,16 +168,21 @@ class Planner:
             ("ttft", plan.predicted_ttft, view.observed_ttft),
             ("itl", plan.predicted_itl, view.observed_itl),
         ):
-            if predicted is not None:
-                m.planner_predicted.labels(name, metric).set(predicted)
-            if observed is not None:
-                m.planner_observed.labels(name, metric).set(observed)
+            for gauge, value in ((m.planner_predicted, predicted), (m.planner_observed, observed)):
+                if value is not None:
+                    gauge.labels(name, metric).set(value)
+                else:  # nothing to say now: no stale last value on a dashboard
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(name, metric)
 
     def _view(self, name: str, bounds: tuple[int, int, int], now: float) -> PoolView:
         target, low, high = bounds
         links = [w for w in self.workers.in_pool(name) if w.state is not WorkerState.STOPPED]
         up = [w for w in links if w.up]
         starting = [w for w in links if w.state is WorkerState.STARTING and not w.draining]
+        draining = [w for w in links if w.draining and w.state is not WorkerState.STARTING]
+        # Supply not up yet: starting, or to be started (a failed start waits out its pause).
+        pending = max(len(starting), target - len(up))
         fresh = all(now - w.load_at <= self._stale_after(w) for w in up)
         slo = self.settings.pool_slo(name)
         p = slo.percentile
@@ -207,7 +222,8 @@ class Planner:
             name=name,
             target=target,
             up=len(up),
-            starting=len(starting),
+            starting=pending,
+            draining=len(draining),
             min=low,
             max=high,
             fresh=fresh,
@@ -215,11 +231,11 @@ class Planner:
             request_rate=sig.prompts.count_rate(now, span),
             service_s=mean,
             service_cv2=cv2,
-            observed_ttft=sig.ttft.quantile(p, now, react),
-            observed_wait=sig.ttft_excess.quantile(p, now, react),
+            observed_ttft=_quantile(sig.ttft, p, now, react),
+            observed_wait=_quantile(sig.ttft_excess, p, now, react),
             streams=sig.streams,
             stream_capacity=capacity,
-            observed_itl=sig.itl.quantile(p, now, react),
+            observed_itl=_quantile(sig.itl, p, now, react),
             predicted_itl=predicted_itl,
             model_ready=cost.ready,
         )
@@ -262,6 +278,14 @@ class Planner:
             "pools": pools,
             "decisions": [r.describe() for r in reversed(self.history)],
         }
+
+
+MIN_SAMPLES = 5  # an observed percentile of fewer samples is their max: not a breach yet
+
+
+def _quantile(window: Window, p: float, now: float, span: float) -> float | None:
+    values = window.values(now, span)
+    return quantile(values, p) if len(values) >= MIN_SAMPLES else None
 
 
 def _ms(seconds: float | None) -> str:

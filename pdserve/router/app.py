@@ -377,6 +377,7 @@ class _Run:
     output_ids: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     last_token_at: float | None = None
+    last_pool: str = ""
 
     def token_arrived(self, now: float, event: TokenEvent, metrics: RouterMetrics, signals: Signals) -> None:
         count = len(event.token_ids)
@@ -387,8 +388,12 @@ class _Run:
             metrics.ttft.labels(event.pool).observe(now - self.arrived)
         elif self.last_token_at is not None:
             metrics.itl.labels(event.pool).observe(now - self.last_token_at)
-            signals.gap(event.pool, now - self.last_token_at, now)
+            if event.pool == self.last_pool:
+                # Not the hand-off (first token from the prefill pool, next from decode): that gap
+                # is the KV transfer's and the first step's, which more decode workers do not shorten.
+                signals.gap(event.pool, now - self.last_token_at, now)
         self.last_token_at = now
+        self.last_pool = event.pool
         metrics.generation_tokens.inc(count)
 
     def finished(self, now: float, metrics: RouterMetrics) -> None:

@@ -166,13 +166,15 @@ class Dispatcher:
         slo = self.config.slo
         if not self.config.reject_on_slo_miss or slo.ttft_s is None or not self.signals.cost.ready:
             return
-        try:
-            choice, _, _ = self._choose_path(prompt_tokens)
+        if not self.at_bounds():  # cheap, before the simulation
+            return
+        try:  # the fitted model even with --path-choice threshold: the prediction is what counts here
+            choice, _, _ = self._choose_path(prompt_tokens, self.signals.cost)
         except Unavailable:
             return
         predicted = choice.predicted_ttft
         limit = self.config.slo_reject_factor * slo.ttft_s
-        if predicted is None or predicted <= limit or not self.at_bounds():
+        if predicted is None or predicted <= limit:
             return
         self.metrics.slo_rejections.inc()
         wait = predicted - (choice.alone_s or 0.0)
@@ -249,21 +251,28 @@ class Dispatcher:
         tokens, leg_id = attempt.tokens, attempt.leg_id
         choice, prefill, local = self._choose_path(len(tokens))
         self.metrics.path_choices.labels(choice.path, choice.reason).inc()
-        self.signals.paths[choice.path] += 1
-        if state.choice is None:
+        first_attempt = state.choice is None  # demand counts once per request, not per retry
+        if first_attempt:
             state.choice = choice
+            self.signals.paths[choice.path] += 1
         now = time.monotonic()
         if prefill is None:
             assert local is not None
             decode = local
-            self.signals.prompt_admitted(decode.pool, len(tokens), choice.alone_s, now)
+            if first_attempt:
+                self.signals.prompt_admitted(decode.pool, len(tokens), choice.alone_s, now)
+                if decode.pool == "decode" and choice.reason == "no_prefill_worker":
+                    # A disaggregated server whose prefill pool has nobody up (it may start with
+                    # none): its demand still shows there, so the planner can give it a worker.
+                    self.signals.prompt_admitted("prefill", len(tokens), choice.alone_s, now)
             state.path = "colocated" if decode.pool == "colocated" else "local_prefill"
             leg = self._open(state, decode, len(tokens), wire.AddRequest(leg_id, tokens, attempt.params))
-            async for event in self._stream(state, attempt, leg, kv_pending=False):
+            async for event in self._stream(state, attempt, leg, kv_pending=False, choice=choice):
                 yield event
             return
 
-        self.signals.prompt_admitted("prefill", len(tokens), choice.alone_s, now)
+        if first_attempt:
+            self.signals.prompt_admitted("prefill", len(tokens), choice.alone_s, now)
         state.path = "remote_prefill"
         pleg = self._open(state, prefill, len(tokens), wire.AddRequest(leg_id, tokens, attempt.params))
         sent_at = time.monotonic()
@@ -321,6 +330,7 @@ class Dispatcher:
         kv_pending: bool,
         source_leg: Leg | None = None,
         transport: str = "",
+        choice: policy.PathChoice | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """The tokens of `leg`, and of the legs it moves to. `source_leg`: the leg whose blocks the
         current one pulls (released once they have arrived)."""
@@ -374,8 +384,8 @@ class Dispatcher:
                     if kv_arrived_at is not None:
                         self.metrics.ttft_breakdown.labels("first_decode").observe(now - kv_arrived_at)
                         kv_arrived_at = None
-                    if first_local and not attempt.emitted and state.choice is not None:
-                        self._first_token(state, leg.link.pool, state.choice, now)
+                    if first_local and not attempt.emitted and choice is not None:
+                        self._first_token(state, leg.link.pool, choice, now)
                     state.last_token_at = now
                 streamed += len(event.token_ids)
                 if event.finish_reason is not None:
@@ -481,14 +491,14 @@ class Dispatcher:
             raise RequestFailed(f"timed out after {timeout:g} s waiting for {what}") from None
 
     def _choose_path(
-        self, prompt_tokens: int
+        self, prompt_tokens: int, cost: StepCostModel | None = None
     ) -> tuple[policy.PathChoice, WorkerLink | None, WorkerLink | None]:
         """(the choice, the prefill worker for a remote prefill, the decode worker for a local one).
         Raises Unavailable when no decode worker is up."""
         decode = self._pick_decode()
         prefill = self._pick_prefill()
         choice = policy.choose_path_by_cost(
-            self.signals.cost if self.config.path_choice == "cost" else _NEVER_READY,
+            cost or (self.signals.cost if self.config.path_choice == "cost" else _NEVER_READY),
             prompt_tokens,
             _prefill_candidate(prefill) if prefill is not None else None,
             _decode_candidate(decode),

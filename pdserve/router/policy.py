@@ -135,16 +135,12 @@ def choose_path_by_cost(
     """Remote (prefill pool) or local (on `decode`): the faster predicted TTFT, local only when its
     stall fits `itl_budget_s` (None: DEFAULT_STALL_FACTOR x that worker's step). Before the cost
     model is ready the fixed threshold decides."""
-    if prefill is None:
-        return PathChoice("local", "no_prefill_worker")
     if not cost.ready:
+        if prefill is None:
+            return PathChoice("local", "no_prefill_worker")
         path = "local" if prompt_tokens <= local_prefill_threshold else "remote"
         return PathChoice(path, "cold")
     context = round(decode.streams * decode.context_per_stream)
-    alone = cost.prefill_alone_seconds(prompt_tokens, prefill.chunk, prefill.budget)
-    remote, _ = cost.prefill_finish_seconds(
-        prompt_tokens, prefill.ahead, chunk=prefill.chunk, budget=prefill.budget, short_first=True
-    )
     local, longest = cost.prefill_finish_seconds(
         prompt_tokens,
         decode.ahead,
@@ -153,6 +149,13 @@ def choose_path_by_cost(
         short_first=False,
         decode_streams=decode.streams,
         decode_context=context,
+    )
+    if prefill is None:  # colocated, or no prefill worker up: local, with what it predicts
+        alone = cost.prefill_alone_seconds(prompt_tokens, decode.chunk, decode.budget)
+        return PathChoice("local", "no_prefill_worker", local, alone, None, local, longest)
+    alone = cost.prefill_alone_seconds(prompt_tokens, prefill.chunk, prefill.budget)
+    remote, _ = cost.prefill_finish_seconds(
+        prompt_tokens, prefill.ahead, chunk=prefill.chunk, budget=prefill.budget, short_first=True
     )
     quiet = cost.decode_step_seconds(decode.streams, decode.context_per_stream)
     if itl_budget_s is not None:
