@@ -12,7 +12,6 @@ thread-pool warm-up make them slow and they say nothing about capacity).
 from __future__ import annotations
 
 import math
-import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -102,7 +101,6 @@ class Signals:
         self.pools: dict[str, PoolSignals] = {}
         self.paths: Counter[str] = Counter()  # path -> requests, since start
         self.cold_steps_skipped = 0
-        self.started_at = time.monotonic()
 
     def pool(self, name: str) -> PoolSignals:
         signals = self.pools.get(name)

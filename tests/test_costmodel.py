@@ -139,3 +139,18 @@ def test_service_times_that_vary_less_wait_less() -> None:
     alike = pool_wait_quantile(1.6, 0.5, 1, 0.9, service_cv2=0.0)
     assert alike == pytest.approx(exponential / 2)
     assert workers_for_wait(1.6, 0.5, 0.9, 1.0, service_cv2=0.0) <= workers_for_wait(1.6, 0.5, 0.9, 1.0)
+
+
+def test_the_fit_is_redone_at_most_once_per_refit_period() -> None:
+    # The router asks for predictions on every request; refitting 2000 samples each time would
+    # cost milliseconds of its loop. New steps show after the period, not before.
+    slow = StepCostModel(min_samples=5, refit_seconds=3600.0)
+    fresh = StepCostModel(min_samples=5, refit_seconds=0.0)
+    for model in (slow, fresh):
+        for streams in range(1, 11):
+            model.add(Step(0, 0, streams, 0), 0.01 * streams)
+        assert model.decode_step_seconds(10, 0) == pytest.approx(0.1, rel=0.01)
+        for _ in range(200):  # the machine got twice as slow
+            model.add(Step(0, 0, 10, 0), 0.2)
+    assert slow.decode_step_seconds(10, 0) == pytest.approx(0.1, rel=0.01)
+    assert fresh.decode_step_seconds(10, 0) > 0.18

@@ -1,5 +1,7 @@
 """Routing decisions: pure functions, no sockets."""
 
+import pytest
+
 from pdserve.costmodel import Step, StepCostModel
 from pdserve.router import policy
 from pdserve.router.policy import DecodeView, PrefillView, choose_decode, choose_path, choose_prefill
@@ -121,3 +123,13 @@ def test_a_long_prompt_never_goes_to_an_idle_decode_worker_when_its_steps_break_
     assert (choice.path, choice.reason) == ("remote", "stall")
     assert choice.local_ttft is not None and choice.remote_ttft is not None
     assert choice.local_ttft < choice.remote_ttft  # faster, and still refused
+
+
+def test_without_a_prefill_worker_the_local_path_still_carries_its_prediction() -> None:
+    # Colocated, or a prefill pool at 0: the planner's demand and --reject-on-slo-miss need it.
+    choice = policy.choose_path_by_cost(_machine(), 300, None, IDLE_DECODE, None, 16)
+    assert (choice.path, choice.reason) == ("local", "no_prefill_worker")
+    assert choice.predicted_ttft is not None and choice.alone_s is not None
+    assert choice.predicted_ttft == pytest.approx(choice.alone_s)  # idle worker: its own time
+    cold = policy.choose_path_by_cost(StepCostModel(), 300, None, IDLE_DECODE, None, 16)
+    assert (cold.path, cold.reason, cold.predicted_ttft) == ("local", "no_prefill_worker", None)

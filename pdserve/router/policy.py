@@ -136,10 +136,8 @@ def choose_path_by_cost(
     stall fits `itl_budget_s` (None: DEFAULT_STALL_FACTOR x that worker's step). Before the cost
     model is ready the fixed threshold decides."""
     if not cost.ready:
-        if prefill is None:
-            return PathChoice("local", "no_prefill_worker")
-        path = "local" if prompt_tokens <= local_prefill_threshold else "remote"
-        return PathChoice(path, "cold")
+        path = choose_path(prompt_tokens, local_prefill_threshold, prefill is not None)
+        return PathChoice(path, "cold" if prefill is not None else "no_prefill_worker")
     context = round(decode.streams * decode.context_per_stream)
     local, longest = cost.prefill_finish_seconds(
         prompt_tokens,
