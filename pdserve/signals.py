@@ -4,7 +4,9 @@ choice read them. Pure Python, no torch.
 Demand is counted at admission (a prompt when its path is chosen, a stream from then until the
 request ends), not at completion, so a burst shows up before it has been served. Latencies are
 the router's own records (TTFT per pool that produced the first token, every inter-token gap per
-pool that streamed it). Step times come from the workers' load reports and feed the cost model;
+pool that streamed it). A prompt still waiting for its first token is a censored TTFT sample: its
+age so far is a lower bound of its TTFT, so a queue that builds up is seen while it builds, not
+only once it drains (`ttft_samples`). Step times come from the workers' load reports and feed the cost model;
 the steps of a worker's first `cold_start_s` seconds are left out (page faults, allocator and
 thread-pool warm-up make them slow and they say nothing about capacity).
 """
@@ -84,6 +86,8 @@ class PoolSignals:
     ttft_excess: Window = field(init=False)  # TTFT - the prompt's own prefill time: the wait
     itl: Window = field(init=False)  # every gap between two tokens streamed by this pool
     streams: int = 0  # requests admitted whose stream is (or will be) on this pool, not ended
+    # Prompts sent to this pool that have no first token yet: key -> (since, own prefill time).
+    awaiting: dict[str, tuple[float, float | None]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.prompts = Window(self.window_s)
@@ -91,6 +95,18 @@ class PoolSignals:
         self.ttft = Window(self.window_s)
         self.ttft_excess = Window(self.window_s)
         self.itl = Window(self.window_s)
+
+    def ttft_samples(self, now: float, span: float) -> tuple[list[float], list[float]]:
+        """(TTFTs, their wait parts) of the last `span` seconds, with the prompts still waiting
+        counted at their age within the span (a lower bound: their TTFT is at least that)."""
+        ttfts = self.ttft.values(now, span)
+        waits = self.ttft_excess.values(now, span)
+        for since, alone_s in self.awaiting.values():
+            age = now - max(since, now - span)
+            ttfts.append(age)
+            if alone_s is not None:
+                waits.append(max(0.0, age - alone_s))
+        return ttfts, waits
 
 
 class Signals:
@@ -100,6 +116,7 @@ class Signals:
         self.cost = cost or StepCostModel()
         self.pools: dict[str, PoolSignals] = {}
         self.paths: Counter[str] = Counter()  # path -> requests, since start
+        self._awaiting_pool: dict[str, str] = {}  # key -> the pool whose first token it awaits
         self.cold_steps_skipped = 0
 
     def pool(self, name: str) -> PoolSignals:
@@ -123,7 +140,24 @@ class Signals:
         signals = self.pool(pool)
         signals.streams = max(0, signals.streams - 1)
 
-    def first_token(self, pool: str, ttft_s: float, alone_s: float | None, now: float) -> None:
+    def awaiting_first_token(self, key: str, pool: str, since: float, alone_s: float | None) -> None:
+        """A prompt (`key`: its request) was sent to `pool` at `since` and waits for its first
+        token there. Ended by `first_token` or `request_over`."""
+        self.request_over(key)
+        self._awaiting_pool[key] = pool
+        self.pool(pool).awaiting[key] = (since, alone_s)
+
+    def request_over(self, key: str) -> None:
+        """No first token will come for `key` (it came, or the request failed or was cancelled)."""
+        pool = self._awaiting_pool.pop(key, None)
+        if pool is not None:
+            self.pool(pool).awaiting.pop(key, None)
+
+    def first_token(
+        self, pool: str, ttft_s: float, alone_s: float | None, now: float, key: str | None = None
+    ) -> None:
+        if key is not None:
+            self.request_over(key)
         signals = self.pool(pool)
         signals.ttft.add(ttft_s, now)
         if alone_s is not None:

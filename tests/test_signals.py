@@ -48,6 +48,23 @@ def test_ttft_is_split_into_the_prompts_own_time_and_the_wait() -> None:
     assert s.pool("prefill").ttft_excess.values(2.0) == pytest.approx([0.3, 0.0])
 
 
+def test_prompts_still_waiting_count_at_their_age_as_lower_bounds() -> None:
+    s = Signals()
+    s.first_token("prefill", 0.5, alone_s=0.4, now=1.0)
+    for i in range(4):  # a queue builds: none of these has a first token yet
+        s.awaiting_first_token(f"r{i}", "prefill", since=float(i), alone_s=0.4)
+    ttfts, waits = s.pool("prefill").ttft_samples(now=10.0, span=8.0)
+    # Ages 10, 9, 8, 7 s, each counted only within the last 8 s; the done one is older than the span.
+    assert ttfts == pytest.approx([8.0, 8.0, 8.0, 7.0])
+    assert waits == pytest.approx([7.6, 7.6, 7.6, 6.6])
+    s.first_token("prefill", 9.5, alone_s=0.4, now=10.5, key="r0")  # arrived: a full sample now
+    s.request_over("r1")  # failed or cancelled: no sample at all
+    ttfts, _ = s.pool("prefill").ttft_samples(now=11.0, span=8.0)
+    assert sorted(ttfts) == pytest.approx([8.0, 8.0, 9.5])
+    s.awaiting_first_token("r2", "decode", since=10.0, alone_s=None)  # retried on another pool
+    assert len(s.pool("prefill").awaiting) == 1 and s.pool("decode").ttft_samples(11.0, 8.0) == ([1.0], [])
+
+
 def test_steps_of_a_worker_in_its_cold_start_stay_out_of_the_cost_model() -> None:
     s = Signals(cold_start_s=5.0)
     steps = [wire.StepSample(0.02, 0, 0, 4, 400) for _ in range(10)]

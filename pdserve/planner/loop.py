@@ -18,11 +18,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pdserve.costmodel import Step, chunk_attention
 from pdserve.planner.law import DECODE_PHASE, Decision, LawMemory, LawSettings, PoolPlan, PoolView, decide
 from pdserve.router.dispatch import context_per_stream
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import WorkerLink, WorkerSet, WorkerState
-from pdserve.signals import Signals, Window, quantile
+from pdserve.signals import Signals, quantile
 from pdserve.slo import SLO
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class Planner:
         self.views: dict[str, PoolView] = {}
         self.history: deque[DecisionRecord] = deque(maxlen=50)
         self._planned: dict[str, int] = {}  # each pool's target as the planner last left it
+        self._late: set[str] = set()  # workers whose load reports are late (logged once)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -183,7 +185,7 @@ class Planner:
         draining = [w for w in links if w.draining and w.state is not WorkerState.STARTING]
         # Supply not up yet: starting, or to be started (a failed start waits out its pause).
         pending = max(len(starting), target - len(up))
-        fresh = all(now - w.load_at <= self._stale_after(w) for w in up)
+        fresh = self._fresh(up, now)
         slo = self.settings.pool_slo(name)
         p = slo.percentile
         span = max(10.0, 2 * self.settings.interval_s)  # demand: recent, so a step shows at once
@@ -213,6 +215,7 @@ class Planner:
                 capacity = cost.max_streams_within(slo.itl_s, context, limit) if slo.itl_s else limit
                 per_worker = math.ceil(sig.streams / len(up)) if sig.streams else 0
                 predicted_itl = cost.decode_step_seconds(per_worker, context) if per_worker else None
+        ttfts, waits = sig.ttft_samples(now, react)  # with the prompts still waiting, at their age
         services = sig.service.values(now, span) or sig.service.values(now)
         mean = sum(services) / len(services) if services else None
         cv2 = 1.0
@@ -231,19 +234,48 @@ class Planner:
             request_rate=sig.prompts.count_rate(now, span),
             service_s=mean,
             service_cv2=cv2,
-            observed_ttft=_quantile(sig.ttft, p, now, react),
-            observed_wait=_quantile(sig.ttft_excess, p, now, react),
+            observed_ttft=_quantile(ttfts, p),
+            observed_wait=_quantile(waits, p),
             streams=sig.streams,
             stream_capacity=capacity,
-            observed_itl=_quantile(sig.itl, p, now, react),
+            observed_itl=_quantile(sig.itl.values(now, react), p),
             predicted_itl=predicted_itl,
             model_ready=cost.ready,
         )
 
+    def _fresh(self, up: list[WorkerLink], now: float) -> bool:
+        """Every worker that is up reported recently; a change either way is logged (a pool held
+        for late reports is otherwise silent)."""
+        fresh = True
+        for link in up:
+            silent, limit = now - link.load_at, self._stale_after(link)
+            late = silent > limit
+            fresh = fresh and not late
+            if late and link.worker_id not in self._late:
+                logger.info(
+                    "planner: holding pool %s: worker %s's last load report is %.1f s old (> %.1f s)",
+                    link.pool, link.worker_id, silent, limit,
+                )  # fmt: skip
+                self._late.add(link.worker_id)
+            elif not late and link.worker_id in self._late:
+                logger.info("planner: worker %s reports again", link.worker_id)
+                self._late.discard(link.worker_id)
+        return fresh
+
     def _stale_after(self, link: WorkerLink) -> float:
-        """A worker reports between steps: one in a long step is busy, not stale."""
-        step = link.load.last_step_ms / 1000 if link.load else 0.0
-        return max(self.settings.stale_after_s, 3 * step + 1.0)
+        """A worker reports between steps: one in a long step is busy, not stale. How long its
+        step may take: its longest recent step, or (with prompts queued on it) the cost model's
+        time for a full chunk of them with its streams, whichever is longer."""
+        step = link.longest_recent_step_s()
+        cost = self.signals.cost
+        queued = max(link.queued_prompt_tokens, link.load.queued_prompt_tokens if link.load else 0)
+        if queued and cost.ready and link.ready is not None:
+            budget = link.ready.max_num_batched_tokens or link.ready.chunk_size or queued
+            tokens = min(queued, budget)
+            streams = link.load.num_running if link.load else 0
+            chunk = Step(tokens, chunk_attention(0, tokens), streams, streams * 256)
+            step = max(step, cost.step_seconds(chunk))
+        return max(self.settings.stale_after_s, 2 * step + 1.0)
 
     # -- what others ask ----------------------------------------------------------------------------------
     def at_bounds(self) -> bool:
@@ -283,8 +315,7 @@ class Planner:
 MIN_SAMPLES = 5  # an observed percentile of fewer samples is their max: not a breach yet
 
 
-def _quantile(window: Window, p: float, now: float, span: float) -> float | None:
-    values = window.values(now, span)
+def _quantile(values: list[float], p: float) -> float | None:
     return quantile(values, p) if len(values) >= MIN_SAMPLES else None
 
 

@@ -235,6 +235,7 @@ class Dispatcher:
             self.in_flight -= 1
             self.metrics.in_flight.dec()
             self.signals.stream_ended(stream_pool)
+            self.signals.request_over(state.request_id)
             self.metrics.requests.labels(state.path, state.outcome).inc()
 
     # -- one attempt ------------------------------------------------------------------------------
@@ -261,6 +262,7 @@ class Dispatcher:
             decode = local
             if first_attempt:
                 self.signals.prompt_admitted(decode.pool, len(tokens), choice.alone_s, now)
+                self.signals.awaiting_first_token(state.request_id, decode.pool, now, choice.alone_s)
                 if decode.pool == "decode" and choice.reason == "no_prefill_worker":
                     # A disaggregated server whose prefill pool has nobody up (it may start with
                     # none): its demand still shows there, so the planner can give it a worker.
@@ -273,6 +275,7 @@ class Dispatcher:
 
         if first_attempt:
             self.signals.prompt_admitted("prefill", len(tokens), choice.alone_s, now)
+            self.signals.awaiting_first_token(state.request_id, "prefill", now, choice.alone_s)
         state.path = "remote_prefill"
         pleg = self._open(state, prefill, len(tokens), wire.AddRequest(leg_id, tokens, attempt.params))
         sent_at = time.monotonic()
@@ -317,7 +320,7 @@ class Dispatcher:
     def _first_token(self, state: RequestState, pool: str, choice: policy.PathChoice, now: float) -> None:
         """The request's first token: into the signals, and next to what the cost model predicted."""
         ttft = now - state.created_at
-        self.signals.first_token(pool, ttft, choice.alone_s, now)
+        self.signals.first_token(pool, ttft, choice.alone_s, now, key=state.request_id)
         if choice.predicted_ttft:
             self.metrics.ttft_prediction_ratio.labels(choice.path).observe(ttft / choice.predicted_ttft)
 

@@ -25,6 +25,7 @@ import enum
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +36,8 @@ from zmq.utils.monitor import parse_monitor_message
 from pdserve import wire
 
 logger = logging.getLogger(__name__)
+
+STEP_MEMORY_S = 60.0  # how far back a worker's longest step is remembered
 
 
 class WorkerState(enum.StrEnum):
@@ -112,6 +115,9 @@ class WorkerLink:
         self._monitor: zmq.asyncio.Socket | None = None
         self.last_message_at = time.monotonic()
         self.load_at = 0.0  # when the last load report came
+        # (when, seconds) of the longest step in each recent load report: a worker reports only
+        # between steps, so the longest recent step says how long a silence is still just work.
+        self._recent_steps: deque[tuple[float, float]] = deque()
         # Legs dropped when the link went down: aborted on the worker once it answers again, in
         # case the process is the same one and still holds them.
         self.abandoned: set[str] = set()
@@ -269,6 +275,7 @@ class WorkerLink:
             self.load = message
             self.load_at = time.monotonic()
             self._measure_prefill(message.steps)
+            self._note_steps(message, self.load_at)
             if self._on_load is not None:
                 self._on_load(self)
         elif isinstance(message, wire.Tokens | wire.KVPulled | wire.Migrated):
@@ -280,6 +287,16 @@ class WorkerLink:
             elif isinstance(message, wire.KVPulled):
                 leg.receiving = False
             leg.events.put_nowait(message)
+
+    def _note_steps(self, load: wire.Load, now: float) -> None:
+        longest = max([s.seconds for s in load.steps] + [load.last_step_ms / 1000])
+        self._recent_steps.append((now, longest))
+        while self._recent_steps and now - self._recent_steps[0][0] > STEP_MEMORY_S:
+            self._recent_steps.popleft()
+
+    def longest_recent_step_s(self) -> float:
+        """The longest step this worker reported in the last STEP_MEMORY_S seconds (0 if none)."""
+        return max((seconds for _, seconds in self._recent_steps), default=0.0)
 
     def _measure_prefill(self, steps: list[wire.StepSample]) -> None:
         tokens = sum(s.prefill_tokens for s in steps if s.prefill_tokens)
