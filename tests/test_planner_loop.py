@@ -277,12 +277,18 @@ def test_the_planner_follows_a_prefill_step_a_decode_step_and_idle(smollm2: str,
         rates = [w["prefill_tokens_per_s"] for w in server.workers("prefill", "up")]
         assert any(r is not None and r > 10 for r in rates), rates
 
-        # 2. Decode-heavy: many streams of short prompts. The budget is full: a worker moves.
+        # 2. Decode-heavy: many streams of short prompts. The budget is full: a worker moves (from
+        # the prefill pool once its new worker is up: a pool with a worker still starting has none
+        # to spare).
+        server.wait_pool("prefill", 90, up=2, starting=0)
         streams = [(text(10, rng), 48) for _ in range(24)]
         statuses = asyncio.run(send(server.url, streams, gap_s=0.1, concurrency=24))
         assert statuses == [200] * len(streams)
+        server.wait_for(
+            lambda: any(d["pool"] == "decode" and d["direction"] == "up" for d in decisions(server)),
+            5, "a decode worker added",
+        )  # fmt: skip
         decode_ups = [d for d in decisions(server) if d["pool"] == "decode" and d["direction"] == "up"]
-        assert decode_ups, decisions(server)
         assert decode_ups[-1]["reason"] in ("move", "predictive", "reactive")
         # By now the cost model has the workers' steps: it chose the paths.
         assert server.metric("pdserve_path_choices_total", reason="cost_model") > 0
