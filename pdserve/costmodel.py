@@ -156,6 +156,23 @@ class StepCostModel:
     def decode_step_seconds(self, streams: int, context_per_stream: float) -> float:
         return self.step_seconds(Step(0, 0, streams, round(streams * context_per_stream)))
 
+    def largest_chunk_within(
+        self, step_s: float, prompt_tokens: int, decode_streams: int, decode_context: int, limit: int
+    ) -> int:
+        """The most tokens per step (at most `limit`) that a prompt of `prompt_tokens` can take
+        beside `decode_streams` streams with every step within `step_s` (0 if not even one token).
+        Its last chunk is the dearest (it attends to the whole prompt before it), so that is the
+        one checked; the step grows with the chunk, so a bisection finds it."""
+        low, high = 0, max(0, min(limit, prompt_tokens))
+        while low < high:
+            mid = (low + high + 1) // 2
+            step = Step(mid, chunk_attention(prompt_tokens - mid, mid), decode_streams, decode_context)
+            if self.step_seconds(step) <= step_s:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
     def max_streams_within(self, itl_s: float, context_per_stream: float, limit: int) -> int:
         """The most streams one worker can decode with a step of at most `itl_s` (0 if not even one)."""
         low, high = 0, max(0, limit)

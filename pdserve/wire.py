@@ -72,6 +72,9 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     output_token_ids: list[int] = []
     kv: KVHandle | None = None
     sampler_state: bytes | None = None  # a moving stream's sampling generator, where it stopped
+    # At most this many prompt tokens per step (0: the engine's chunk): a prompt prefilled on a
+    # decode worker in chunks that keep its steps within the ITL budget.
+    max_chunk_tokens: int = 0
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):

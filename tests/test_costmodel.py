@@ -104,6 +104,19 @@ def test_a_local_prefill_stalls_the_decode_streams_by_its_chunk() -> None:
     assert ttft > longest  # two chunks, plus half the step in progress
 
 
+def test_largest_chunk_within_a_step_budget_checks_the_prompt_s_dearest_chunk() -> None:
+    model = fitted()
+
+    def last_chunk(c: int) -> float:
+        return model.step_seconds(Step(c, chunk_attention(2000 - c, c), 8, 4000))
+
+    c = model.largest_chunk_within(0.020, 2000, 8, 4000, limit=512)  # 13 ms of streams, 7 for tokens
+    assert 0 < c < 512 and last_chunk(c) <= 0.020 < last_chunk(c + 1)
+    assert model.largest_chunk_within(10.0, 300, 8, 4000, limit=512) == 300  # the whole prompt fits
+    assert model.largest_chunk_within(10.0, 3000, 8, 4000, limit=512) == 512  # never above the chunk
+    assert model.largest_chunk_within(0.010, 300, 8, 4000, limit=512) == 0  # the streams alone exceed it
+
+
 def test_max_streams_within_an_itl_is_the_largest_batch_under_it() -> None:
     model = fitted()
     n = model.max_streams_within(0.030, 1000, limit=256)

@@ -81,20 +81,49 @@ def test_a_chat_goes_local_when_the_prefill_worker_is_busy_and_the_stall_fits() 
     assert choice.predicted_ttft == choice.local_ttft and choice.alone_s is not None
 
 
-def test_local_is_refused_when_its_stall_would_break_the_itl_budget() -> None:
+def test_a_local_prefill_goes_in_chunks_whose_steps_fit_the_itl_budget() -> None:
     model = _machine()
-    busy = policy.PrefillCandidate("p0", (2000, 2000), chunk=256, budget=256)
+    busy = policy.PrefillCandidate("p0", (2000, 2000), chunk=256, budget=256)  # ~8.5 s of queue
     decode = policy.DecodeCandidate(
         "d0", streams=16, context_per_stream=300, ahead=(), chunk=512, budget=2048
     )
     choice = policy.choose_path_by_cost(
         model, 400, busy, decode, itl_budget_s=0.1, local_prefill_threshold=16
     )
-    assert (choice.path, choice.reason) == ("remote", "stall")
-    assert choice.stall_s is not None and choice.stall_s > 0.1
-    # Without an ITL SLO the budget is 1.5x the worker's own step: still too much for 400 tokens.
+    # A step of 17 streams is 71 ms: 29 ms, or 14 prompt tokens, are left in a 100 ms budget.
+    assert (choice.path, choice.reason, choice.chunk) == ("local", "cost_model", 14)
+    assert choice.stall_s is not None and choice.stall_s <= 0.1
+    assert choice.local_ttft is not None and choice.remote_ttft is not None
+    assert choice.local_ttft < choice.remote_ttft
+    # Without an ITL SLO the budget is 1.5x the worker's own step: chunks of that size.
     default = policy.choose_path_by_cost(model, 400, busy, decode, None, 16)
-    assert default.reason == "stall"
+    assert default.path == "local" and 0 < default.chunk < 400
+    assert default.stall_s is not None and default.stall_s <= 1.5 * model.decode_step_seconds(16, 300) + 1e-9
+
+
+def test_local_is_refused_when_not_even_one_token_fits_beside_the_streams() -> None:
+    model = _machine()
+    busy = policy.PrefillCandidate("p0", (2000, 2000), chunk=256, budget=256)
+    crowded = policy.DecodeCandidate(
+        "d0", streams=32, context_per_stream=300, ahead=(), chunk=512, budget=2048
+    )
+    choice = policy.choose_path_by_cost(
+        model, 400, busy, crowded, itl_budget_s=0.1, local_prefill_threshold=16
+    )
+    assert (choice.path, choice.reason, choice.chunk) == ("remote", "stall", 0)  # its step is 116 ms
+
+
+def test_prompts_already_prefilling_on_the_decode_worker_count_in_its_step() -> None:
+    model = _machine()
+    busy = policy.PrefillCandidate("p0", (2000, 2000), chunk=256, budget=256)
+    prefilling = policy.DecodeCandidate(
+        "d0", streams=4, context_per_stream=300, ahead=(1000,), chunk=512, budget=2048
+    )
+    choice = policy.choose_path_by_cost(
+        model, 400, busy, prefilling, itl_budget_s=0.25, local_prefill_threshold=16
+    )
+    # The prompt ahead takes full 512-token chunks: every step with both breaks 250 ms.
+    assert (choice.path, choice.reason) == ("remote", "stall")
 
 
 def test_an_idle_prefill_worker_takes_long_prompts() -> None:
@@ -113,16 +142,19 @@ def test_a_few_tokens_on_an_idle_decode_worker_go_local_as_the_threshold_did() -
     assert policy.choose_path_by_cost(model, 8, idle, IDLE_DECODE, None, 16).path == "local"
 
 
-def test_a_long_prompt_never_goes_to_an_idle_decode_worker_when_its_steps_break_the_itl_budget() -> None:
-    # Nothing streams there now, but whatever arrives during a 2000-token prefill would wait.
+def test_a_long_prompt_on_an_idle_decode_worker_keeps_its_steps_within_the_itl_budget() -> None:
+    # Nothing streams there now, but whatever arrives during a 2000-token prefill shares its steps.
     model = _machine()
     busy = policy.PrefillCandidate("p0", (2000, 2000, 2000), chunk=256, budget=256)
     choice = policy.choose_path_by_cost(
         model, 2000, busy, IDLE_DECODE, itl_budget_s=0.25, local_prefill_threshold=16
     )
-    assert (choice.path, choice.reason) == ("remote", "stall")
-    assert choice.local_ttft is not None and choice.remote_ttft is not None
-    assert choice.local_ttft < choice.remote_ttft  # faster, and still refused
+    assert choice.path == "local" and choice.chunk == 113  # (250 - 20 - 3 ms) / 2 ms a token
+    assert choice.stall_s is not None and choice.stall_s <= 0.25
+    tight = policy.choose_path_by_cost(
+        model, 2000, busy, IDLE_DECODE, itl_budget_s=0.02, local_prefill_threshold=16
+    )
+    assert (tight.path, tight.reason) == ("remote", "stall")  # a step is 20 ms before any token
 
 
 def test_without_a_prefill_worker_the_local_path_still_carries_its_prediction() -> None:

@@ -61,6 +61,21 @@ def test_long_prompt_is_chunked_and_sampled_only_at_its_end() -> None:
     assert_no_leak(s)
 
 
+def test_a_request_s_own_chunk_limit_splits_its_prompt_further() -> None:
+    s = make(chunk_size=8, max_num_batched_tokens=100)
+    s.add_request(req("small", 10, max_chunk_tokens=3))
+    s.add_request(req("big", 10, max_chunk_tokens=50))  # above the engine's chunk: the chunk wins
+    out, _ = run_step(s)
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("small", 3), ("big", 8)]
+    sizes = []
+    while s.get("small").num_computed_tokens < 10:  # type: ignore[union-attr]
+        out, _ = run_step(s)
+        sizes.append(next(c.num_tokens for c in out.chunks if c.request.request_id == "small"))
+    assert sizes == [3, 3, 1]  # and then it decodes one token a step, as any request
+    drain(s)
+    assert_no_leak(s)
+
+
 def test_mixed_role_decodes_first_then_fills_budget_with_prompt_chunks() -> None:
     s = make(chunk_size=64, max_num_batched_tokens=10)
     s.add_request(req("a", 3, max_tokens=10))

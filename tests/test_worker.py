@@ -187,6 +187,30 @@ def test_load_reports_carry_each_step_for_the_cost_model(tiny_llama: Path) -> No
         assert worker.stop() == 0
 
 
+def test_a_request_s_chunk_limit_reaches_the_engine(tiny_llama: Path) -> None:
+    # What the router sends for a prompt it prefills on a decode worker: at most 16 tokens a step.
+    worker = Worker(tiny_llama, "mixed", "m0")
+    try:
+        params = wire.WireSamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        worker.send(wire.AddRequest("r1", list(range(20, 60)), params, max_chunk_tokens=16))
+        steps: list[wire.StepSample] = []
+        deadline = time.monotonic() + 30
+        finished = False
+        while time.monotonic() < deadline and not (finished and len(steps) >= 4):
+            message = worker.recv()
+            if isinstance(message, wire.Tokens) and message.finish_reason:
+                finished = True
+            elif isinstance(message, wire.Load):
+                steps += message.steps
+        assert [s.prefill_tokens for s in steps] == [16, 16, 8, 0]
+        worker.send(wire.AddRequest("r2", [20, 21, 22], params, max_chunk_tokens=-1))
+        answer = worker.recv_tokens()
+        assert answer.request_id == "r2" and answer.finish_reason == "error"
+        assert "max_chunk_tokens" in (answer.error or "")
+    finally:
+        assert worker.stop() == 0
+
+
 def test_failed_kv_pull_is_reported_not_recomputed(tiny_llama: Path) -> None:
     prefill = Worker(tiny_llama, "prefill", "p0")
     decode = Worker(tiny_llama, "decode", "d0", kv_fault_rate=1.0)

@@ -158,13 +158,23 @@ class EngineCore:
         *,
         output_token_ids: Sequence[int] = (),
         sampler_state: bytes | None = None,
+        max_chunk_tokens: int = 0,
     ) -> None:
         """Queue a request. `output_token_ids`: tokens it already sampled on another worker (the
         first token from a prefill worker, or all of a stream's tokens so far when it moves here);
         the KV of every token but the last will arrive from that worker (`take_kv_to_receive`).
-        `sampler_state`: where its sampling generator stood there (`hand_over`)."""
+        `sampler_state`: where its sampling generator stood there (`hand_over`).
+        `max_chunk_tokens`: at most this many of its prompt tokens in one step (0: the engine's
+        chunk size)."""
         self.validate(prompt_token_ids, params)
+        if (
+            isinstance(max_chunk_tokens, bool)
+            or not isinstance(max_chunk_tokens, int)
+            or max_chunk_tokens < 0
+        ):
+            raise InvalidRequestError(f"max_chunk_tokens must be an int >= 0, got {max_chunk_tokens!r}")
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
+        request.max_chunk_tokens = max_chunk_tokens
         if output_token_ids:
             self._validate_outputs(list(output_token_ids), params, len(prompt_token_ids))
             request.output_token_ids.extend(output_token_ids)

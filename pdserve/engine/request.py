@@ -74,6 +74,10 @@ class Request:
     sampler_state: bytes | None = None
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # At most this many of its prompt tokens per step (0: the scheduler's chunk_size). The router
+    # sets it for a prompt it prefills on a decode worker, so that worker's steps (and the ITL of
+    # the streams it decodes meanwhile) stay within the ITL budget.
+    max_chunk_tokens: int = 0
 
     @property
     def queue_seconds(self) -> float | None:

@@ -349,7 +349,11 @@ class Scheduler:
         return out
 
     def _chunk_limit(self, request: Request) -> int:
-        return 1 if request.num_tokens_to_compute == 1 else self.config.chunk_size
+        if request.num_tokens_to_compute == 1:
+            return 1
+        if request.max_chunk_tokens:
+            return min(request.max_chunk_tokens, self.config.chunk_size)
+        return self.config.chunk_size
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens

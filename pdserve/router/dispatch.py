@@ -268,7 +268,8 @@ class Dispatcher:
                     # none): its demand still shows there, so the planner can give it a worker.
                     self.signals.prompt_admitted("prefill", len(tokens), choice.alone_s, now)
             state.path = "colocated" if decode.pool == "colocated" else "local_prefill"
-            leg = self._open(state, decode, len(tokens), wire.AddRequest(leg_id, tokens, attempt.params))
+            add = wire.AddRequest(leg_id, tokens, attempt.params, max_chunk_tokens=choice.chunk)
+            leg = self._open(state, decode, len(tokens), add)
             async for event in self._stream(state, attempt, leg, kv_pending=False, choice=choice):
                 yield event
             return

@@ -122,6 +122,7 @@ class PathChoice:
     remote_ttft: float | None = None
     local_ttft: float | None = None
     stall_s: float | None = None  # the longest step the local prefill would give its streams
+    chunk: int = 0  # local: at most this many prompt tokens per step (0: the worker's own chunk)
 
 
 def choose_path_by_cost(
@@ -139,16 +140,16 @@ def choose_path_by_cost(
         path = choose_path(prompt_tokens, local_prefill_threshold, prefill is not None)
         return PathChoice(path, "cold" if prefill is not None else "no_prefill_worker")
     context = round(decode.streams * decode.context_per_stream)
-    local, longest = cost.prefill_finish_seconds(
-        prompt_tokens,
-        decode.ahead,
-        chunk=decode.chunk,
-        budget=decode.budget,
-        short_first=False,
-        decode_streams=decode.streams,
-        decode_context=context,
-    )
     if prefill is None:  # colocated, or no prefill worker up: local, with what it predicts
+        local, longest = cost.prefill_finish_seconds(
+            prompt_tokens,
+            decode.ahead,
+            chunk=decode.chunk,
+            budget=decode.budget,
+            short_first=False,
+            decode_streams=decode.streams,
+            decode_context=context,
+        )
         alone = cost.prefill_alone_seconds(prompt_tokens, decode.chunk, decode.budget)
         return PathChoice("local", "no_prefill_worker", local, alone, None, local, longest)
     alone = cost.prefill_alone_seconds(prompt_tokens, prefill.chunk, prefill.budget)
@@ -163,12 +164,31 @@ def choose_path_by_cost(
             local_prefill_threshold, chunk_attention(0, local_prefill_threshold), decode.streams, context
         )
         budget = max(DEFAULT_STALL_FACTOR * quiet, cost.step_seconds(tiny))
-    # Also on a worker with no stream now: those that arrive while it prefills stall just the same
-    # (a 2000-token prompt let onto an idle decode worker held every new chat for seconds).
+    # A local prefill goes in chunks small enough for its steps to fit the budget (the streams on
+    # that worker keep their ITL); fewer tokens a step means more steps, which the TTFT below counts.
+    # Sized with one stream more than now, so that one arriving meanwhile still fits.
+    extra = round(decode.context_per_stream) if decode.streams else 0
+    chunk = cost.largest_chunk_within(
+        budget, prompt_tokens, decode.streams + 1, context + extra, decode.chunk
+    )
+    if chunk == 0:  # not even one prompt token fits beside these streams
+        return PathChoice("remote", "stall", remote, alone, remote, None, None)
+    local, longest = cost.prefill_finish_seconds(
+        prompt_tokens,
+        decode.ahead,
+        chunk=chunk,
+        budget=decode.budget,
+        short_first=False,
+        decode_streams=decode.streams,
+        decode_context=context,
+    )
+    # The prompts already prefilling there share its steps: the check is on the whole step. Also
+    # on a worker with no stream now: those that arrive while it prefills stall just the same.
     stall_ok = longest <= budget
     # With streams to stall, local must win by a margin; on an idle worker a tie goes local (it
     # saves the KV transfer before the second token).
     faster = local < LOCAL_MARGIN * remote if decode.streams else local <= remote
     path = "local" if faster and stall_ok else "remote"
     reason = "stall" if faster and not stall_ok else "cost_model"
-    return PathChoice(path, reason, local if path == "local" else remote, alone, remote, local, longest)
+    predicted = local if path == "local" else remote
+    return PathChoice(path, reason, predicted, alone, remote, local, longest, chunk if path == "local" else 0)

@@ -249,6 +249,7 @@ class WorkerServer:
                 params,
                 output_token_ids=msg.output_token_ids,
                 sampler_state=msg.sampler_state,
+                max_chunk_tokens=msg.max_chunk_tokens,
             )
         except (InvalidRequestError, ValueError) as exc:
             self._send(wire.Tokens(msg.request_id, [], "error", error=str(exc)), final=True)
