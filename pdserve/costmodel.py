@@ -10,7 +10,10 @@ One step costs, in seconds,
 the sum of the decode streams' lengths). The coefficients are a least-squares fit over the last
 `window` steps, kept non-negative (a feature whose weight would come out negative is dropped and
 the rest refitted), so the model never predicts that more work is cheaper. Until it has
-`min_samples` steps it is not `ready` and its users fall back to fixed rules.
+`min_samples` steps, `min_each` of them with prompt tokens and `min_each` with decode streams, it
+is not `ready` and its users fall back to fixed rules: a fit to a few decode steps and one short
+prompt says nothing of what a 512-token chunk costs (a benchmark's first seconds showed it, with
+multi-second stalls from chunks it thought cheap).
 
 TTFT is predicted by stepping a worker's scheduler rules forward over what is queued there
 (`prefill_finish_seconds`); the planner's queueing (wait at a percentile for a pool of k workers)
@@ -51,9 +54,15 @@ def chunk_attention(start: int, tokens: int) -> int:
 
 
 class StepCostModel:
-    def __init__(self, window: int = 2000, min_samples: int = 12, refit_seconds: float = 1.0) -> None:
+    def __init__(
+        self, window: int = 2000, min_samples: int = 12, refit_seconds: float = 1.0, min_each: int = 4
+    ) -> None:
         self.min_samples = min_samples
+        self.min_each = min_each
         self._samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self._with_prompt = 0  # samples in the window with prompt tokens
+        self._with_streams = 0  # ... and with decode streams
+        self.largest_prompt_step = 0  # the most prompt tokens of any step it was given
         self._coef: tuple[float, ...] | None = None
         self._dirty = False
         # A fit over 2000 samples takes milliseconds of pure Python on the router's loop: at most
@@ -63,8 +72,17 @@ class StepCostModel:
 
     def add(self, step: Step, seconds: float) -> None:
         if seconds > 0 and math.isfinite(seconds):
-            self._samples.append((step.features(), seconds))
+            if len(self._samples) == self._samples.maxlen:
+                self._count(self._samples[0][0], -1)  # about to fall out of the window
+            features = step.features()
+            self.largest_prompt_step = max(self.largest_prompt_step, step.prefill_tokens)
+            self._samples.append((features, seconds))
+            self._count(features, 1)
             self._dirty = True
+
+    def _count(self, features: tuple[float, ...], sign: int) -> None:
+        self._with_prompt += sign * (features[1] > 0)
+        self._with_streams += sign * (features[3] > 0)
 
     @property
     def num_samples(self) -> int:
@@ -72,7 +90,11 @@ class StepCostModel:
 
     @property
     def ready(self) -> bool:
-        return len(self._samples) >= self.min_samples
+        return (
+            len(self._samples) >= self.min_samples
+            and self._with_prompt >= self.min_each
+            and self._with_streams >= self.min_each
+        )
 
     def coefficients(self) -> tuple[float, ...] | None:
         """(c0 .. c4) in seconds per unit of each raw feature; None before `ready`."""
@@ -162,8 +184,9 @@ class StepCostModel:
         """The most tokens per step (at most `limit`) that a prompt of `prompt_tokens` can take
         beside `decode_streams` streams with every step within `step_s` (0 if not even one token).
         Its last chunk is the dearest (it attends to the whole prompt before it), so that is the
-        one checked; the step grows with the chunk, so a bisection finds it."""
-        low, high = 0, max(0, min(limit, prompt_tokens))
+        one checked; the step grows with the chunk, so a bisection finds it. Never more than
+        twice the largest prompt step the model has seen: it is not trusted far beyond its data."""
+        low, high = 0, max(0, min(limit, prompt_tokens, 2 * self.largest_prompt_step))
         while low < high:
             mid = (low + high + 1) // 2
             step = Step(mid, chunk_attention(prompt_tokens - mid, mid), decode_streams, decode_context)

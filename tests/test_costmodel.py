@@ -61,11 +61,29 @@ def test_not_ready_until_enough_samples_and_says_so() -> None:
     with pytest.raises(RuntimeError, match="too few samples"):
         model.step_seconds(Step(1))
     model.add(Step(100, 5000), 0.01)
+    assert not model.ready  # 30 steps, but no decode step among them: streams are a guess
+    for _ in range(4):
+        model.add(Step(0, 0, 2, 200), 0.01)
     assert model.ready
 
 
+def test_not_ready_on_decode_steps_alone_even_as_the_window_turns_over() -> None:
+    # What a server's first seconds look like: streams decoding, one short prompt.
+    model = StepCostModel(window=50, min_samples=12)
+    model.add(Step(70, chunk_attention(0, 70)), 0.3)
+    for _ in range(20):
+        model.add(Step(0, 0, 1, 100), 0.05)
+    assert not model.ready
+    for tokens in (64, 128, 256):
+        model.add(Step(tokens, chunk_attention(0, tokens)), 0.01 * tokens)
+    assert model.ready
+    for _ in range(60):  # the prompt steps fall out of the window: not ready again
+        model.add(Step(0, 0, 1, 100), 0.05)
+    assert not model.ready
+
+
 def test_coefficients_never_negative_so_more_work_never_costs_less() -> None:
-    model = StepCostModel(min_samples=5)
+    model = StepCostModel(min_samples=5, min_each=0)
     # Decode steps whose time falls as streams grow (noise on a busy machine): a plain fit would
     # give streams a negative weight.
     for streams, seconds in [(1, 0.030), (2, 0.029), (4, 0.028), (8, 0.027), (16, 0.026), (32, 0.025)]:
@@ -115,6 +133,15 @@ def test_largest_chunk_within_a_step_budget_checks_the_prompt_s_dearest_chunk() 
     assert model.largest_chunk_within(10.0, 300, 8, 4000, limit=512) == 300  # the whole prompt fits
     assert model.largest_chunk_within(10.0, 3000, 8, 4000, limit=512) == 512  # never above the chunk
     assert model.largest_chunk_within(0.010, 300, 8, 4000, limit=512) == 0  # the streams alone exceed it
+    # Fitted on prompts of up to 100 tokens only: chunks of at most 200, whatever the fit says.
+    small = StepCostModel(min_samples=5)
+    for tokens in (20, 50, 100, 60, 80):
+        small.add(
+            Step(tokens, chunk_attention(0, tokens)), true_seconds(Step(tokens, chunk_attention(0, tokens)))
+        )
+    for streams in (1, 2, 4, 8):
+        small.add(Step(0, 0, streams, streams * 100), true_seconds(Step(0, 0, streams, streams * 100)))
+    assert small.largest_chunk_within(10.0, 3000, 8, 4000, limit=512) == 200
 
 
 def test_max_streams_within_an_itl_is_the_largest_batch_under_it() -> None:
@@ -157,8 +184,8 @@ def test_service_times_that_vary_less_wait_less() -> None:
 def test_the_fit_is_redone_at_most_once_per_refit_period() -> None:
     # The router asks for predictions on every request; refitting 2000 samples each time would
     # cost milliseconds of its loop. New steps show after the period, not before.
-    slow = StepCostModel(min_samples=5, refit_seconds=3600.0)
-    fresh = StepCostModel(min_samples=5, refit_seconds=0.0)
+    slow = StepCostModel(min_samples=5, refit_seconds=3600.0, min_each=0)
+    fresh = StepCostModel(min_samples=5, refit_seconds=0.0, min_each=0)
     for model in (slow, fresh):
         for streams in range(1, 11):
             model.add(Step(0, 0, streams, 0), 0.01 * streams)
