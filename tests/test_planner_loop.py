@@ -26,6 +26,7 @@ import pytest
 from serving import Server
 
 from pdserve import wire
+from pdserve.costmodel import Step, chunk_attention
 from pdserve.planner.law import LawSettings
 from pdserve.planner.loop import Planner, PlannerSettings
 from pdserve.router.metrics import RouterMetrics
@@ -202,6 +203,26 @@ def test_a_queue_that_builds_is_a_breach_before_any_prompt_is_done() -> None:
         planner.step(now)
         assert planner.views["prefill"].observed_ttft == pytest.approx(5.0, abs=0.01)
         assert pools.calls == [("prefill", 2)]
+
+    with_workers(body)
+
+
+def test_a_prefill_pool_at_zero_gets_a_worker_for_the_demand_it_sees() -> None:
+    async def body(workers: WorkerSet, signals: Signals) -> None:
+        report(up_worker(workers, "decode-0", "decode"), 0.05)
+        pools = RecordingPools(prefill=1, decode=1)
+        pools.bounds["prefill"] = (0, 0, 4)  # scaled to nothing while idle
+        planner = planner_for(pools, workers, signals)
+        for tokens in (64, 128, 256, 512):  # a cost model that knows both kinds of step
+            signals.cost.add(Step(tokens, chunk_attention(0, tokens)), 0.002 * tokens)
+        for streams in range(1, 9):
+            signals.cost.add(Step(0, 0, streams, streams * 100), 0.02 + 0.003 * streams)
+        now = time.monotonic()
+        for i in range(10):  # what the router counts while no prefill worker is up: 1 prompt/s
+            signals.prompt_admitted("prefill", 400, 0.8, now - 9 + i)
+        planner.step(now)
+        # 0.8 s prompts at 1/s against a 1 s TTFT SLO want 4 workers; the budget of 4 leaves 3.
+        assert pools.calls == [("prefill", 3)], planner.plans["prefill"]
 
     with_workers(body)
 
