@@ -159,6 +159,25 @@ def test_prefill_to_decode_matches_offline(tiny_llama: Path, pair: tuple[Worker,
     assert prefill.last_load().kv_blocks_used == 0 and decode.last_load().kv_blocks_used == 0
 
 
+def steps_until_done(
+    worker: Worker, at_least: int, timeout: float = 30
+) -> tuple[list[wire.StepSample], list[wire.Load]]:
+    """The step samples of the worker's load reports until its request finished and at least
+    `at_least` steps were reported (or `timeout`), and the reports themselves."""
+    steps: list[wire.StepSample] = []
+    loads: list[wire.Load] = []
+    deadline = time.monotonic() + timeout
+    finished = False
+    while time.monotonic() < deadline and not (finished and len(steps) >= at_least):
+        message = worker.recv()
+        if isinstance(message, wire.Tokens) and message.finish_reason:
+            finished = True
+        elif isinstance(message, wire.Load):
+            steps += message.steps
+            loads.append(message)
+    return steps, loads
+
+
 def test_load_reports_carry_each_step_for_the_cost_model(tiny_llama: Path) -> None:
     worker = Worker(tiny_llama, "mixed", "m0")
     try:
@@ -167,16 +186,8 @@ def test_load_reports_carry_each_step_for_the_cost_model(tiny_llama: Path) -> No
         assert (ready.chunk_size, ready.max_num_batched_tokens, ready.max_num_seqs) == (512, 2048, 64)
         params = wire.WireSamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         worker.send(wire.AddRequest("r1", list(range(20, 60)), params))
-        steps: list[wire.StepSample] = []
-        deadline = time.monotonic() + 30
-        finished = False
-        while time.monotonic() < deadline and not (finished and len(steps) >= 6):
-            message = worker.recv()
-            if isinstance(message, wire.Tokens) and message.finish_reason:
-                finished = True
-            elif isinstance(message, wire.Load):
-                steps += message.steps
-                assert message.kv_blocks_total == 64 and message.block_size == 16
+        steps, loads = steps_until_done(worker, 6)
+        assert all(load.kv_blocks_total == 64 and load.block_size == 16 for load in loads)
         # One prompt step of 40 tokens (attending to 1..40: 40 * 20 on average), then five decode
         # steps of one stream whose context grows by one each time; each step once, in order.
         assert [s.prefill_tokens for s in steps] == [40, 0, 0, 0, 0, 0]
@@ -193,15 +204,7 @@ def test_a_request_s_chunk_limit_reaches_the_engine(tiny_llama: Path) -> None:
     try:
         params = wire.WireSamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         worker.send(wire.AddRequest("r1", list(range(20, 60)), params, max_chunk_tokens=16))
-        steps: list[wire.StepSample] = []
-        deadline = time.monotonic() + 30
-        finished = False
-        while time.monotonic() < deadline and not (finished and len(steps) >= 4):
-            message = worker.recv()
-            if isinstance(message, wire.Tokens) and message.finish_reason:
-                finished = True
-            elif isinstance(message, wire.Load):
-                steps += message.steps
+        steps, _ = steps_until_done(worker, 4)
         assert [s.prefill_tokens for s in steps] == [16, 16, 8, 0]
         worker.send(wire.AddRequest("r2", [20, 21, 22], params, max_chunk_tokens=-1))
         answer = worker.recv_tokens()

@@ -273,7 +273,8 @@ class Planner:
             budget = link.ready.max_num_batched_tokens or link.ready.chunk_size or queued
             tokens = min(queued, budget)
             streams = link.load.num_running if link.load else 0
-            chunk = Step(tokens, chunk_attention(0, tokens), streams, streams * 256)
+            context = round(streams * context_per_stream(link))
+            chunk = Step(tokens, chunk_attention(0, tokens), streams, context)
             step = max(step, cost.step_seconds(chunk))
         return max(self.settings.stale_after_s, 2 * step + 1.0)
 
