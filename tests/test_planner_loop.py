@@ -162,7 +162,8 @@ def test_a_worker_silent_in_a_long_step_is_busy_not_stale() -> None:
         up_worker(workers, "decode-0", "decode")
         pools = RecordingPools(prefill=1, decode=1)
         planner = planner_for(pools, workers, signals)
-        report(prefill, 4.0, queued=3000)  # its steps take 4 s: it reports every 4 s at best
+        report(prefill, 4.0, queued=3000)  # its chunks take 4 s: it reports every 4 s at best
+        report(prefill, 0.05, queued=3000)  # a short step between them: the last says little
         for link in workers.links.values():
             if link is not prefill:
                 report(link, 0.02)
