@@ -150,7 +150,9 @@ def test_a_worker_that_dies_while_starting_is_reported_and_retried(tiny_llama: P
         workers = server.wait_pool("decode", up=2, starting=0, timeout=60)
         assert sorted(w["id"] for w in workers) == ["decode-0", "decode-2"]
         server.wait_for(lambda: server.pools()["decode"]["last_error"] is None, 5, "the error cleared")
-        answer = server.client.completions.create(model=server.model, prompt="hello", max_tokens=4)
+        answer = server.client.completions.create(
+            model=server.model, prompt="hello", max_tokens=4, extra_body={"ignore_eos": True}
+        )
         assert answer.choices[0].finish_reason == "length"
     finally:
         assert server.stop() == 0

@@ -90,5 +90,7 @@ def test_bad_drains_get_a_400_and_the_last_worker_needs_to_be_asked_for(server: 
     answer = server.http.post("/pools/decode/rebalance")  # one worker: nothing to move
     assert answer.status_code == 200 and answer.json() == {"pool": "decode", "moved": {}}
     assert [w["state"] for p in server.pools().values() for w in p["workers"]] == ["up", "up"]
-    reply = server.client.completions.create(model=server.model, prompt="still serving", max_tokens=3)
+    reply = server.client.completions.create(
+        model=server.model, prompt="still serving", max_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert reply.choices[0].finish_reason == "length"

@@ -169,7 +169,9 @@ def test_a_silent_worker_hits_the_token_timeout_and_a_departed_client_aborts(tin
         server.wait_for(lambda: server.metric("pdserve_requests_total", outcome="aborted") == 1, what="abort")
         os.kill(decode, signal.SIGCONT)  # it finds the aborts queued and frees what it holds
         server.wait_kv_free()
-        answer = server.client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=5)
+        answer = server.client.completions.create(
+            model=server.model, prompt=PROMPTS[0], max_tokens=5, extra_body={"ignore_eos": True}
+        )
         assert answer.choices[0].finish_reason == "length"
     finally:
         os.kill(decode, signal.SIGCONT)
