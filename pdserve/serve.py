@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import functools
 import logging
 import signal
-import tomllib
-from pathlib import Path
 from typing import Any
 
+from pdserve import serve_options
 from pdserve.config import POOL_ROLES, TRANSPORTS, EngineConfig, WorkerConfig
 from pdserve.errors import PdserveError
 from pdserve.planner.law import LawSettings
@@ -27,255 +25,19 @@ from pdserve.planner.loop import MODES, PlannerSettings
 from pdserve.pools.manager import PoolSettings, PoolSpec
 from pdserve.router.app import RouterSettings
 from pdserve.router.dispatch import PATH_CHOICES, RouterConfig
-from pdserve.slo import DEFAULT_PERCENTILE, SLO, parse_slo
+from pdserve.serve_options import DEFAULT_PREFILL_CHUNK_SIZE
+from pdserve.slo import SLO, parse_slo
 
 logger = logging.getLogger("pdserve.serve")
 
-# name -> (type, default, help). One table: it makes the flags, checks the config file, and
-# supplies the defaults, so the three never disagree.
-# A prefill worker runs one chunk per step: a short prompt that arrives during a long prompt's
-# chunk waits for the rest of it. 256 instead of 512 took SmolLM2's chat TTFT p50 with documents
-# from 1.26x to 1.09x colocated and raised goodput, documents included (docs/performance.md, run B).
-DEFAULT_PREFILL_CHUNK_SIZE = 256
-
-
-def _default(cls: Any, name: str) -> Any:
-    """A dataclass field's default: every default is written once, where it is used."""
-    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
-
-
-_E, _W, _R, _P = EngineConfig, WorkerConfig, RouterConfig, PoolSettings
-
-OPTIONS: dict[str, tuple[type, Any, str]] = {
-    "model": (str, None, "built-in name (smollm2-135m), a .gguf file or a Hugging Face folder"),
-    "prefill": (int, 0, "prefill workers (disaggregated)"),
-    "decode": (int, 0, "decode workers (disaggregated)"),
-    "colocated": (int, 0, "mixed workers with chunked prefill, instead of --prefill/--decode"),
-    "transport": (str, _default(_W, "transport"), "KV transport between workers: shm, tcp or nixl"),
-    "host": (str, "127.0.0.1", "address the HTTP server listens on"),
-    "port": (int, 8000, "HTTP port"),
-    "served_model_name": (str, None, "the model name clients send (default: --model)"),
-    "threads": (int, 1, "torch threads per worker"),
-    "pin_cpus": (bool, True, "pin each worker to its own CPU where the OS allows"),
-    "dtype": (
-        str,
-        _default(_E, "dtype"),
-        "auto (fp32 on CPUs without native bf16), float32, bfloat16, float16",
-    ),
-    "max_model_len": (int, None, "context length (default: the model's, within the KV cache)"),
-    "num_kv_blocks": (int, None, "KV cache blocks per worker (default: from --kv-cache-memory-gib)"),
-    "kv_cache_memory_gib": (float, _default(_E, "kv_cache_memory_gib"), "KV cache size per worker"),
-    "block_size": (int, _default(_E, "block_size"), "tokens per KV block"),
-    "max_num_seqs": (int, _default(_E, "max_num_seqs"), "requests running at once per worker"),
-    "max_num_batched_tokens": (int, _default(_E, "max_num_batched_tokens"), "tokens per engine step"),
-    "chunk_size": (
-        int,
-        _default(_E, "chunk_size"),
-        "prompt tokens of one request per step (chunked prefill)",
-    ),
-    "prefill_chunk_size": (
-        int,
-        None,
-        f"the prefill pool's chunk size (default: {DEFAULT_PREFILL_CHUNK_SIZE}, or --chunk-size if "
-        "smaller); smaller lets a short prompt overtake a long one sooner",
-    ),
-    "path_choice": (
-        str,
-        _default(_R, "path_choice"),
-        "cost: the cost model chooses remote or local prefill per request; threshold: "
-        "--local-prefill-threshold alone",
-    ),
-    "local_prefill_threshold": (
-        int,
-        _default(_R, "local_prefill_threshold"),
-        "prompts up to this many tokens are prefilled on the decode worker (with --path-choice "
-        "cost: only until the cost model has enough steps)",
-    ),
-    "max_retries": (
-        int,
-        _default(_R, "max_retries"),
-        "re-prefills of a request (dead prefill worker, failed KV transfer)",
-    ),
-    "prefill_timeout": (
-        float,
-        _default(_R, "prefill_timeout"),
-        "seconds from sending a prompt to its first token",
-    ),
-    "token_timeout": (float, _default(_R, "token_timeout"), "longest wait for the next token of a stream"),
-    "max_in_flight": (int, _default(_R, "max_in_flight"), "requests admitted at once; more get 429"),
-    "lease_seconds": (
-        float,
-        _default(_W, "lease_seconds"),
-        "KV blocks held for another worker (a prefilled prompt, a stream that moves) are freed after this",
-    ),
-    "kv_pull_timeout": (float, _default(_W, "kv_pull_timeout"), "seconds for one KV transfer"),
-    "kv_fault_rate": (
-        float,
-        _default(_W, "kv_fault_rate"),
-        "fault tests only: share of KV transfers to drop on purpose",
-    ),
-    "ready_timeout": (
-        float,
-        _default(_P, "start_timeout"),
-        "seconds for a worker to load its model and report ready",
-    ),
-    "heartbeat_timeout": (
-        float,
-        _default(RouterSettings, "heartbeat_timeout"),
-        "a worker whose connection is silent this long is taken out of service",
-    ),
-    "stall_timeout": (
-        float,
-        _default(RouterSettings, "stall_timeout"),
-        "a worker that sends no load report this long (a hung engine) is taken out",
-    ),
-    "log_level": (str, _default(_W, "log_level"), "DEBUG, INFO, WARNING, ERROR"),
-    # Elastic pools: the admin API (PUT /pools/{pool}, POST /workers/{id}/drain) scales within these.
-    "prefill_min": (int, None, "fewest prefill workers the pool may be scaled to (default: --prefill)"),
-    "prefill_max": (int, None, "most prefill workers the pool may be scaled to (default: --prefill)"),
-    "decode_min": (int, None, "fewest decode workers (default: --decode)"),
-    "decode_max": (int, None, "most decode workers (default: --decode)"),
-    "colocated_min": (int, None, "fewest colocated workers (default: --colocated)"),
-    "colocated_max": (int, None, "most colocated workers (default: --colocated)"),
-    "drain_timeout": (
-        float,
-        _default(_P, "drain_timeout"),
-        "seconds a draining worker has to hand over what it holds; what is left then ends with an error",
-    ),
-    "replace_failed": (
-        bool,
-        _default(_P, "replace_failed"),
-        "start a new worker in place of one that dies (else the pool shrinks)",
-    ),
-    "rebalance_on_start": (
-        bool,
-        _default(_P, "rebalance_on_start"),
-        "a decode (or colocated) worker that starts while serving takes its share of the running streams",
-    ),
-    # The planner and the SLOs (pdserve.planner; docs/operations.md).
-    "planner": (
-        str,
-        "off",
-        "slo: size each pool from its phase's pressure against --slo; off: pools stay put",
-    ),
-    "slo": (str, None, "SLOs in ms, e.g. ttft=1000,itl=100 (the planner, the path choice, admission)"),
-    "slo_percentile": (float, DEFAULT_PERCENTILE, "the percentile the SLOs hold at (0.9: p90)"),
-    "max_workers": (int, None, "the planner's worker budget over all pools (default: this host's CPUs)"),
-    "planner_interval": (float, _default(PlannerSettings, "interval_s"), "seconds between planner decisions"),
-    "planner_cooldown": (
-        float,
-        _default(LawSettings, "cooldown_s"),
-        "seconds after a pool's change before the planner changes it again (a breach may add sooner)",
-    ),
-    "planner_downscale_window": (
-        float,
-        _default(LawSettings, "downscale_window_s"),
-        "seconds a pool must want fewer workers, without a break, before the planner drains one",
-    ),
-    "reject_on_slo_miss": (
-        bool,
-        _default(_R, "reject_on_slo_miss"),
-        "answer 429 + Retry-After at once when the pools are at their bounds and the predicted TTFT "
-        "is above --slo-reject-factor x the TTFT SLO",
-    ),
-    "slo_reject_factor": (float, _default(_R, "slo_reject_factor"), "see --reject-on-slo-miss"),
-}
-
-# `[pools.NAME]` tables of the config file: a pool's own settings (mixed is colocated's old name).
-POOL_TABLE_KEYS: dict[str, type] = {
-    "chunk_size": int,
-    "max_num_batched_tokens": int,
-    "max_num_seqs": int,
-    "min": int,
-    "max": int,
-    "slo_ttft_ms": float,
-    "slo_itl_ms": float,
-}
-POOL_TABLE_ALIASES = {"mixed": "colocated"}
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, default=None, help="TOML file with any of these options")
-    for name, (kind, default, help_text) in OPTIONS.items():
-        flag = "--" + name.replace("_", "-")
-        shown = "" if default is None else f" (default: {default})"
-        if kind is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text + shown)
-        else:
-            p.add_argument(flag, type=kind, default=None, help=help_text + shown)
+add_arguments = serve_options.add_arguments
 
 
 def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
     """Defaults, then the config file, then the command line. Raises PdserveError on bad input."""
-    options: dict[str, Any] = {name: default for name, (_, default, _) in OPTIONS.items()}
-    options["pools"] = {}
-    if args.config is not None:
-        options.update(_read_config(args.config))
-    for name in OPTIONS:
-        value = getattr(args, name)
-        if value is not None:
-            options[name] = value
+    options = serve_options.layered(args)
     _check(options)
     return options
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        raw = tomllib.loads(path.read_text())
-    except OSError as exc:
-        raise PdserveError(f"cannot read config file {path}: {exc}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise PdserveError(f"config file {path} is not valid TOML: {exc}") from exc
-    result: dict[str, Any] = {}
-    for key, value in raw.items():
-        name = key.replace("-", "_")
-        if name == "pools":
-            result["pools"] = _read_pool_tables(path, value)
-            continue
-        if name not in OPTIONS:
-            raise PdserveError(f"{path}: unknown option {key!r} (known: {', '.join(sorted(OPTIONS))})")
-        kind = OPTIONS[name][0]
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise PdserveError(f"{path}: {key} must be a {kind.__name__}, got {value!r}")
-        result[name] = value
-    return result
-
-
-def _read_pool_tables(path: Path, tables: Any) -> dict[str, dict[str, Any]]:
-    if not isinstance(tables, dict):
-        raise PdserveError(f"{path}: pools must be tables, e.g. [pools.prefill]")
-    result: dict[str, dict[str, Any]] = {}
-    for pool_key, table in tables.items():
-        pool = POOL_TABLE_ALIASES.get(pool_key, pool_key)
-        if pool not in POOL_ROLES:
-            raise PdserveError(f"{path}: unknown pool [pools.{pool_key}] (pools: {', '.join(POOL_ROLES)})")
-        if not isinstance(table, dict):
-            raise PdserveError(f"{path}: [pools.{pool_key}] must be a table")
-        settings: dict[str, Any] = {}
-        for key, value in table.items():
-            name = key.replace("-", "_")
-            kind = POOL_TABLE_KEYS.get(name)
-            if kind is None:
-                raise PdserveError(
-                    f"{path}: [pools.{pool_key}] has unknown key {key!r} (known: {', '.join(POOL_TABLE_KEYS)})"
-                )
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise PdserveError(
-                    f"{path}: [pools.{pool_key}] {key} must be a {kind.__name__}, got {value!r}"
-                )
-            settings[name] = value
-        ignored = {"prefill": "slo_itl_ms", "decode": "slo_ttft_ms"}.get(pool)
-        if ignored in settings:
-            raise PdserveError(
-                f"{path}: [pools.{pool_key}] {ignored}: the {pool} pool is planned by its "
-                f"{'TTFT' if pool == 'prefill' else 'ITL'} only (give the other in the other pool)"
-            )
-        result[pool] = settings
-    return result
 
 
 def _check(o: dict[str, Any]) -> None:
