@@ -170,6 +170,24 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
         "is above --slo-reject-factor x the TTFT SLO",
     ),
     "slo_reject_factor": (float, _default(_R, "slo_reject_factor"), "see --reject-on-slo-miss"),
+    # Access (pdserve.router.auth, docs/security.md). A key on the command line is seen by every
+    # user of this host (`ps`, /proc): prefer the file or the environment variable.
+    "api_key": (
+        list,
+        None,
+        "a key clients must send (Authorization: Bearer KEY) on every route but /health and "
+        "/metrics; repeat for several; also PDSERVE_API_KEY (comma-separated) or --api-key-file",
+    ),
+    "api_key_file": (Path, None, "a file of API keys, one per line (# comments)"),
+    "admin_key": (
+        list,
+        None,
+        "the key of the admin API (/pools, /workers); also PDSERVE_ADMIN_KEY or --admin-key-file. "
+        "With API keys but no admin key the admin API is closed",
+    ),
+    "admin_key_file": (Path, None, "a file of admin keys, one per line"),
+    "metrics_key": (list, None, "a key /metrics then needs; also PDSERVE_METRICS_KEY or --metrics-key-file"),
+    "metrics_key_file": (Path, None, "a file of metrics keys, one per line"),
 }
 
 # `[pools.NAME]` tables of the config file: a pool's own settings (mixed is colocated's old name).
@@ -192,6 +210,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         shown = "" if default is None else f" (default: {default})"
         if kind is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text + shown)
+        elif kind is list:
+            p.add_argument(flag, action="append", default=None, metavar="KEY", help=help_text)
         else:
             p.add_argument(flag, type=kind, default=None, help=help_text + shown)
 
@@ -214,6 +234,12 @@ def _read_config(path: Path) -> dict[str, Any]:
         kind = OPTIONS[name][0]
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
+        if kind is Path and isinstance(value, str):
+            value = (path.parent / value).expanduser()  # relative to the config file
+        if kind is list and isinstance(value, str):
+            value = [value]
+        if kind is list and not all(isinstance(v, str) for v in value if isinstance(value, list)):
+            raise PdserveError(f"{path}: {key} must be a string or a list of strings")
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise PdserveError(f"{path}: {key} must be a {kind.__name__}, got {value!r}")
         result[name] = value

@@ -43,17 +43,28 @@ def alive(pid: int) -> bool:
 
 
 class Server:
-    def __init__(self, model: Path | str, *args: str, ready_timeout: float = 180.0) -> None:
+    def __init__(
+        self,
+        model: Path | str,
+        *args: str,
+        ready_timeout: float = 180.0,
+        env: dict[str, str] | None = None,
+        api_key: str = "unused",
+        admin_key: str | None = None,
+    ) -> None:
+        """`env`: added to this process's environment for the server; `api_key`: what the
+        OpenAI clients send; `admin_key`: what `http` (the admin API, /metrics) sends."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model)
         cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", self.model, "--port", str(self.port)]
         cmd += ["--dtype", "float32", "--num-kv-blocks", "128", "--log-level", "WARNING", *args]
-        self.proc = subprocess.Popen(cmd)
-        self.http = httpx.Client(base_url=self.url, timeout=30.0)
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60.0)
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
+        headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self.http = httpx.Client(base_url=self.url, timeout=30.0, headers=headers)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60.0)
         self.async_client = openai.AsyncOpenAI(
-            base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60.0
+            base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60.0
         )
         self.seen_pids: set[int] = set()  # every worker process seen, for the leak check at stop
         deadline = time.monotonic() + ready_timeout

@@ -198,3 +198,43 @@ def test_a_server_killed_with_sigkill_takes_its_workers_with_it(tiny_llama: Path
     assert not [p for p in workers if alive(p)], "workers outlived a SIGKILLed server"
     assert not children(server.proc.pid)
     assert server.stop() == -signal.SIGKILL  # and no segment is left
+
+
+def test_keys_come_from_flags_files_and_the_environment_and_exposure_is_said_loudly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("file-key-0123456789abcdef\n")
+    keys.chmod(0o644)
+    o = options(
+        "--model",
+        "m",
+        "--colocated",
+        "1",
+        "--api-key",
+        "flag-key-0123456789abcd",
+        "--api-key-file",
+        str(keys),
+    )
+    with caplog.at_level("WARNING", logger="pdserve.serve"):
+        found = serve.access_keys(
+            o, {"PDSERVE_API_KEY": "env-1-0123456789abcdef, short", "PDSERVE_METRICS_KEY": "m" * 20}
+        )
+    assert found.api == (
+        "flag-key-0123456789abcd",
+        "file-key-0123456789abcdef",
+        "env-1-0123456789abcdef",
+        "short",
+    )
+    assert found.metrics == ("m" * 20,) and found.admin == ()
+    assert "readable by other users" in caplog.text and "only 5 characters" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pdserve.serve"):
+        serve.warn_if_exposed("127.0.0.1", serve.AccessKeys())
+        serve.warn_if_exposed("::1", serve.AccessKeys())
+        assert caplog.text == ""
+        serve.warn_if_exposed("0.0.0.0", serve.AccessKeys())
+        assert "SERVING ON 0.0.0.0 WITHOUT AN API KEY" in caplog.text
+        caplog.clear()
+        serve.warn_if_exposed("0.0.0.0", found)
+        assert "WITHOUT" not in caplog.text and "admin API is closed" in caplog.text

@@ -42,6 +42,8 @@ class Target:
     temperature: float = 0.0
     request_timeout_s: float = 600.0
     extra_body: dict[str, Any] | None = None
+    api_key: str | None = None  # sent as Authorization: Bearer on the API routes
+    admin_key: str | None = None  # the same, on GET /pools (pool sampling)
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,11 @@ async def send_one(
 
 
 async def sample_pools(
-    client: httpx.AsyncClient, interval_s: float, start: float, samples: list[dict[str, Any]]
+    client: httpx.AsyncClient,
+    interval_s: float,
+    start: float,
+    samples: list[dict[str, Any]],
+    admin_key: str | None = None,
 ) -> None:
     """GET /pools every interval_s seconds until cancelled, appending {"t_s" (when the answer came,
     after `start`), "pools" (timeline.pool_counts)} to `samples`. Never raises: a 404 or an answer
@@ -139,7 +145,8 @@ async def sample_pools(
     while True:
         why = None
         try:
-            response = await client.get("/pools", timeout=POOLS_TIMEOUT_S)
+            headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
+            response = await client.get("/pools", timeout=POOLS_TIMEOUT_S, headers=headers)
             if response.status_code == 404:
                 why, failures = "the endpoint has no GET /pools (404)", POOLS_FAILURES
             elif response.status_code != 200:
@@ -191,11 +198,16 @@ async def run_load(
     records = records if records is not None else []
     tasks: list[tuple[PreparedRequest, asyncio.Task[RequestRecord]]] = []
     slots = asyncio.Semaphore(concurrency) if concurrency else None
-    async with httpx.AsyncClient(base_url=target.base_url, limits=limits, timeout=timeout) as client:
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    async with httpx.AsyncClient(
+        base_url=target.base_url, limits=limits, timeout=timeout, headers=headers
+    ) as client:
         start = time.perf_counter()
         sampler = None
         if pool_sample_interval_s > 0 and pool_samples is not None:
-            sampler = asyncio.create_task(sample_pools(client, pool_sample_interval_s, start, pool_samples))
+            sampler = asyncio.create_task(
+                sample_pools(client, pool_sample_interval_s, start, pool_samples, target.admin_key)
+            )
 
         async def fire(req: PreparedRequest) -> RequestRecord:
             record = RequestRecord(

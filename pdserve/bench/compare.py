@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import shlex
 import signal
 import socket
@@ -67,6 +68,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--url", action="append", default=[], metavar="LABEL=URL", help="an endpoint already running"
     )
     p.add_argument("--served-model-name", default=None, help="the model name the --url endpoints expect")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="the --url endpoints' API key (default: $PDSERVE_API_KEY, else $OPENAI_API_KEY)",
+    )
+    p.add_argument(
+        "--admin-key", default=os.environ.get("PDSERVE_ADMIN_KEY"), help="their admin key, for GET /pools"
+    )
     p.add_argument("--serve-args", default="", help="flags added to every configuration started here")
     p.add_argument("--workload", default="chat+docs", help=f"spec or preset ({', '.join(NAMED_MIXES)})")
     p.add_argument("--max-requests", type=int, default=None)
@@ -189,7 +198,7 @@ def run_one(
     print(f"[{label}] {len(requests)} requests against {url}", file=sys.stderr, flush=True)
     records: list[RequestRecord] = []
     samples: list[dict[str, Any]] = []
-    target = Target(url, model)
+    target = Target(url, model, api_key=args.api_key, admin_key=args.admin_key)
     _, elapsed = asyncio.run(
         run_load(
             target,

@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,16 @@ logger = logging.getLogger("pdserve.bench")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     p.add_argument("--model", required=True, help="the model name the server expects")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="the server's API key (default: $PDSERVE_API_KEY, else $OPENAI_API_KEY)",
+    )
+    p.add_argument(
+        "--admin-key",
+        default=os.environ.get("PDSERVE_ADMIN_KEY"),
+        help="the server's admin key, for GET /pools (default: $PDSERVE_ADMIN_KEY)",
+    )
     p.add_argument(
         "--tokenizer",
         default=None,
@@ -130,7 +141,15 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # a Ctrl-C while the prompts are built: a message, not a traceback
         print("\ninterrupted before any request was sent: nothing measured", file=sys.stderr)
         return 130
-    target = Target(args.url.rstrip("/"), args.model, args.endpoint, args.temperature, args.request_timeout)
+    target = Target(
+        args.url.rstrip("/"),
+        args.model,
+        args.endpoint,
+        args.temperature,
+        args.request_timeout,
+        api_key=args.api_key,
+        admin_key=args.admin_key,
+    )
 
     records: list[RequestRecord] = []
     pool_samples: list[dict[str, Any]] = []

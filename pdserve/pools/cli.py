@@ -50,6 +50,11 @@ QUANTILES = ("p50", "p90", "p99")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the router (default: %(default)s)")
+    p.add_argument(
+        "--admin-key",
+        default=os.environ.get("PDSERVE_ADMIN_KEY"),
+        help="the server's admin key (default: $PDSERVE_ADMIN_KEY); sent as Authorization: Bearer",
+    )
     p.add_argument("--json", action="store_true", help="print the server's JSON answer")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server")
     p.add_argument("--watch", action="store_true", help="redraw the pools every --interval s until Ctrl-C")
@@ -82,6 +87,10 @@ def _positive(kind: type[float] | type[int]) -> Any:
     return parse
 
 
+def auth_headers(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def run(args: argparse.Namespace) -> int:
     if args.watch:
         if args.action is not None:
@@ -92,7 +101,9 @@ def run(args: argparse.Namespace) -> int:
     if args.interval is not None or args.frames is not None:
         raise PdserveError("--interval and --frames go with --watch")
     try:
-        with httpx.Client(base_url=args.url, timeout=args.timeout) as client:
+        with httpx.Client(
+            base_url=args.url, timeout=args.timeout, headers=auth_headers(args.admin_key)
+        ) as client:
             if args.action == "scale":
                 answer = client.put(f"/pools/{args.pool}", json={"replicas": args.replicas})
             elif args.action == "drain":
@@ -177,7 +188,9 @@ def watch(args: argparse.Namespace) -> int:
     on_tty = sys.stdout.isatty()
     shown = 0
     try:
-        with httpx.Client(base_url=args.url, timeout=args.timeout) as client:
+        with httpx.Client(
+            base_url=args.url, timeout=args.timeout, headers=auth_headers(args.admin_key)
+        ) as client:
             due = time.monotonic()
             while True:
                 text = frame(client, args.url)

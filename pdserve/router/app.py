@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -30,6 +31,7 @@ from pdserve.engine.detok import IncrementalDetokenizer
 from pdserve.errors import InvalidRequestError
 from pdserve.router import openai_types as oa
 from pdserve.router.admin import PoolControl, admin_routes
+from pdserve.router.auth import AccessKeys, AuthMiddleware
 from pdserve.router.dispatch import (
     Dispatcher,
     Overloaded,
@@ -55,6 +57,7 @@ class RouterSettings:
     stall_timeout: float = 60.0  # no load report from a worker this long: taken out of service
     signals_window: float = 30.0  # seconds of latency and demand the planner and /pools look at
     cold_start_seconds: float = 5.0  # a worker's first steps are left out of the cost model
+    keys: AccessKeys = field(default_factory=AccessKeys)  # none: every route open (pdserve.router.auth)
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -99,6 +102,13 @@ class Router:
                 *admin_routes(lambda: self.pools),
             ],
             lifespan=self._lifespan,
+            middleware=[
+                Middleware(
+                    AuthMiddleware,
+                    keys=settings.keys,
+                    on_refused=lambda kind: self.metrics.auth_failures.labels(kind).inc(),
+                )
+            ],
         )
 
     def attach_pools(self, pools: PoolControl) -> None:

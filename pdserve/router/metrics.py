@@ -69,6 +69,12 @@ class RouterMetrics:
             ("path", "outcome"),
             registry=r,
         )
+        self.auth_failures = Counter(
+            "pdserve_auth_failures",
+            "Requests refused with 401 for a missing or wrong key, by route kind (api, admin, metrics)",
+            ("route",),
+            registry=r,
+        )
         self.retries = Counter(
             "pdserve_request_retries", "Re-prefills of a request, by reason", ("reason",), registry=r
         )
