@@ -36,6 +36,7 @@ import zmq
 from pdserve import wire
 from pdserve.cluster.local import start_worker_process
 from pdserve.config import EngineConfig, Role, WorkerConfig
+from pdserve.security import DeploymentSecrets, curve_client
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [65, 66, 67, 68, 69, 70, 71, 72]
@@ -71,10 +72,12 @@ class DirectWorker:
     def __init__(self, model: str) -> None:
         engine = EngineConfig(model=model, dtype="float32", role=Role.MIXED, num_kv_blocks=2048)
         config = WorkerConfig("w", "colocated", engine, cpus="1")
-        self.proc, ready = start_worker_process(config, stderr=subprocess.DEVNULL)
+        secrets = DeploymentSecrets.generate()  # this script plays the router
+        self.proc, ready = start_worker_process(config, secrets.for_workers(), stderr=subprocess.DEVNULL)
         self.address = ready.rpc_address
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        curve_client(self.sock, secrets.router, ready.rpc_public_key)
         self.sock.connect(self.address)
         self.sock.send(b"")
         assert isinstance(self.recv(120), wire.Ready)

@@ -31,6 +31,7 @@ from pdserve.pools.manager import PoolSettings, PoolSpec
 from pdserve.router.app import RouterSettings
 from pdserve.router.auth import AccessKeys
 from pdserve.router.dispatch import PATH_CHOICES, RouterConfig
+from pdserve.security import DeploymentSecrets
 from pdserve.serve_options import DEFAULT_PREFILL_CHUNK_SIZE
 from pdserve.slo import SLO, parse_slo
 
@@ -300,9 +301,10 @@ def run(o: dict[str, Any]) -> int:
         stall_timeout=o["stall_timeout"],
         keys=keys,
     )
-    router = Router(settings, tokenizer, eos)
+    secrets = DeploymentSecrets.generate()  # in memory only: a restart makes new ones
+    router = Router(settings, tokenizer, eos, secrets.router)
     pools = PoolManager(
-        LocalCluster(pin_cpus=o["pin_cpus"]),
+        LocalCluster(secrets.for_workers(), pin_cpus=o["pin_cpus"]),
         router.workers,
         router.metrics,
         specs,

@@ -121,6 +121,8 @@ class Ready(msgspec.Struct, frozen=True, tag="ready"):
     chunk_size: int = 0
     max_num_batched_tokens: int = 0
     max_num_seqs: int = 0
+    # Its CURVE public key (Z85): the router connects only to the worker that holds its secret half.
+    rpc_public_key: str = ""
 
 
 class Tokens(msgspec.Struct, frozen=True, tag="tokens"):
@@ -188,6 +190,10 @@ class Load(msgspec.Struct, frozen=True, tag="load"):
     steps: list[StepSample] = []  # the steps since the last report, oldest first
     kv_blocks_total: int = 0
     block_size: int = 0
+    # Since the worker started: connections refused at the RPC handshake (no key, a wrong key, not
+    # CURVE) and frames from accepted peers that were dropped (not our protocol).
+    rpc_refused: int = 0
+    rpc_dropped: int = 0
 
 
 Message = (

@@ -19,7 +19,10 @@ from pdserve import wire
 from pdserve.cluster.base import WorkerExit, WorkerStartError
 from pdserve.cluster.local import LocalCluster
 from pdserve.config import EngineConfig, Role, WorkerConfig
+from pdserve.security import DeploymentSecrets, curve_client
 from pdserve.transfer.shm import leftover_segments
+
+SECRETS = DeploymentSecrets.generate()
 
 
 def config(model: Path, worker_id: str, pool: str = "decode") -> WorkerConfig:
@@ -28,10 +31,11 @@ def config(model: Path, worker_id: str, pool: str = "decode") -> WorkerConfig:
     return WorkerConfig(worker_id, pool, engine, log_level="WARNING")
 
 
-async def ask_ready(address: str) -> wire.Message:
+async def ask_ready(address: str, server_key: str) -> wire.Message:
     context = zmq.asyncio.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    curve_client(sock, SECRETS.router, server_key)
     sock.connect(address)
     try:
         await sock.send(b"")
@@ -43,7 +47,7 @@ async def ask_ready(address: str) -> wire.Message:
 
 def test_workers_start_report_their_addresses_and_stop_leaving_nothing(tiny_llama: Path) -> None:
     async def scenario() -> None:
-        cluster = LocalCluster()
+        cluster = LocalCluster(SECRETS.for_workers())
         exits: list[WorkerExit] = []
         cluster.set_exit_callback(exits.append)
         beats = 0
@@ -66,7 +70,7 @@ def test_workers_start_report_their_addresses_and_stop_leaving_nothing(tiny_llam
             assert {w.worker_id for w in cluster.workers()} == {"prefill-0", "decode-0"}
             for handle in (prefill, decode):
                 assert handle.rpc_address.startswith("tcp://127.0.0.1:")  # bound by the worker
-                ready = await ask_ready(handle.rpc_address)
+                ready = await ask_ready(handle.rpc_address, handle.rpc_public_key)
                 assert isinstance(ready, wire.Ready) and ready.worker_id == handle.worker_id
                 assert ready.rpc_address == handle.rpc_address
             if len(os.sched_getaffinity(0)) > 1:  # each on its own CPU
@@ -86,7 +90,7 @@ def test_workers_start_report_their_addresses_and_stop_leaving_nothing(tiny_llam
 
 def test_a_worker_that_is_killed_is_reported_once_as_unexpected(tiny_llama: Path) -> None:
     async def scenario() -> None:
-        cluster = LocalCluster(pin_cpus=False)
+        cluster = LocalCluster(SECRETS.for_workers(), pin_cpus=False)
         exits: list[WorkerExit] = []
         cluster.set_exit_callback(exits.append)
         try:
@@ -108,7 +112,7 @@ def test_a_worker_that_is_killed_is_reported_once_as_unexpected(tiny_llama: Path
 
 def test_a_worker_that_dies_while_starting_is_a_clear_error_and_leaves_nothing(tiny_llama: Path) -> None:
     async def scenario() -> None:
-        cluster = LocalCluster(pin_cpus=False)
+        cluster = LocalCluster(SECRETS.for_workers(), pin_cpus=False)
         exits: list[WorkerExit] = []
         cluster.set_exit_callback(exits.append)
         start = asyncio.create_task(cluster.start_worker(config(tiny_llama, "decode-0"), timeout=120))
@@ -125,7 +129,7 @@ def test_a_worker_that_dies_while_starting_is_a_clear_error_and_leaves_nothing(t
 
 def test_a_start_that_times_out_or_is_cancelled_kills_the_process(tiny_llama: Path) -> None:
     async def scenario() -> None:
-        cluster = LocalCluster(pin_cpus=False)
+        cluster = LocalCluster(SECRETS.for_workers(), pin_cpus=False)
         with pytest.raises(WorkerStartError, match=r"did not report ready within 0\.2 s"):
             await cluster.start_worker(config(tiny_llama, "decode-0"), timeout=0.2)
         assert not [p for p in children(os.getpid()) if alive(p)]

@@ -31,6 +31,7 @@ from pdserve.planner.law import LawSettings
 from pdserve.planner.loop import Planner, PlannerSettings
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import WorkerLink, WorkerSet
+from pdserve.security import CurveKeypair
 from pdserve.signals import Signals
 from pdserve.slo import SLO
 
@@ -134,7 +135,7 @@ def with_workers(body: Callable[[WorkerSet, Signals], Awaitable[None]]) -> None:
     """Run `body` on a fresh worker set (links fed by hand, never connected) inside an event loop."""
 
     async def run() -> None:
-        workers = WorkerSet()
+        workers = WorkerSet(keypair=CurveKeypair.generate())
         try:
             await body(workers, Signals())
         finally:

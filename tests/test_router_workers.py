@@ -12,8 +12,18 @@ import zmq.asyncio
 
 from pdserve import wire
 from pdserve.router.workers import WorkerDown, WorkerSet, WorkerState
+from pdserve.security import CurveKeypair, curve_server
 
+ROUTER_KEYS, WORKER_KEYS = CurveKeypair.generate(), CurveKeypair.generate()
 READY = wire.Ready("w0", "decode", "m", 1024, 320, "shm", "", "tcp://127.0.0.1:1")
+
+
+def scripted_worker(context: zmq.asyncio.Context) -> zmq.asyncio.Socket:
+    """A ROUTER socket that plays a worker: a CURVE server, as a worker's is (with no ZAP handler
+    in this context, it takes any client key)."""
+    sock = context.socket(zmq.ROUTER)
+    curve_server(sock, WORKER_KEYS)
+    return sock
 
 
 def load() -> wire.Load:
@@ -43,11 +53,11 @@ async def recv_message(sock: zmq.asyncio.Socket, timeout: float = 5.0) -> wire.M
 def test_a_worker_that_stops_reporting_is_taken_out_and_its_legs_aborted_when_it_returns() -> None:
     async def scenario() -> None:
         context = zmq.asyncio.Context()
-        worker = context.socket(zmq.ROUTER)
+        worker = scripted_worker(context)
         port = worker.bind_to_random_port("tcp://127.0.0.1")
-        workers = WorkerSet(stall_timeout=0.6)
+        workers = WorkerSet(stall_timeout=0.6, keypair=ROUTER_KEYS)
         try:
-            link = workers.add_worker("w0", "decode", f"tcp://127.0.0.1:{port}")
+            link = workers.add_worker("w0", "decode", f"tcp://127.0.0.1:{port}", WORKER_KEYS.public)
             assert link.state is WorkerState.STARTING
             identity, hello = await recv(worker)
             assert hello == b""
@@ -77,17 +87,17 @@ def test_a_worker_that_stops_reporting_is_taken_out_and_its_legs_aborted_when_it
 def test_a_worker_that_restarts_at_the_same_address_is_greeted_and_used_again() -> None:
     async def scenario() -> None:
         context = zmq.asyncio.Context()
-        workers = WorkerSet()
-        first = context.socket(zmq.ROUTER)
+        workers = WorkerSet(keypair=ROUTER_KEYS)
+        first = scripted_worker(context)
         port = first.bind_to_random_port("tcp://127.0.0.1")
         try:
-            link = workers.add_worker("w0", "decode", f"tcp://127.0.0.1:{port}")
+            link = workers.add_worker("w0", "decode", f"tcp://127.0.0.1:{port}", WORKER_KEYS.public)
             identity, _ = await recv(first)
             await first.send_multipart([identity, wire.encode(READY)])
             await wait_until(lambda: link.state is WorkerState.UP)
             first.close(linger=0)  # the process goes away ...
             await wait_until(lambda: link.state is WorkerState.DOWN)
-            second = context.socket(zmq.ROUTER)  # ... and a new one binds the same address
+            second = scripted_worker(context)  # ... and a new one binds the same address
             second.bind(f"tcp://127.0.0.1:{port}")
             try:
                 identity, hello = await recv(second, timeout=10)
@@ -106,15 +116,15 @@ def test_a_worker_that_restarts_at_the_same_address_is_greeted_and_used_again() 
 def test_a_draining_worker_takes_nothing_new_but_answers_and_a_removed_one_is_stopped() -> None:
     async def scenario() -> None:
         context = zmq.asyncio.Context()
-        worker = context.socket(zmq.ROUTER)
+        worker = scripted_worker(context)
         port = worker.bind_to_random_port("tcp://127.0.0.1")
-        workers = WorkerSet()
+        workers = WorkerSet(keypair=ROUTER_KEYS)
         states: list[tuple[str, WorkerState]] = []
         workers.on_state = lambda link: states.append((link.worker_id, link.state))
         try:
             link = workers.add_worker("w0", "decode")  # starting: the backend has not reported yet
             assert workers.up("decode") == [] and link.state is WorkerState.STARTING
-            link.connect(f"tcp://127.0.0.1:{port}")
+            link.connect(f"tcp://127.0.0.1:{port}", WORKER_KEYS.public)
             identity, _ = await recv(worker)
             await worker.send_multipart([identity, wire.encode(READY)])
             await wait_until(lambda: link.state is WorkerState.UP)

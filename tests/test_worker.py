@@ -19,6 +19,7 @@ import zmq
 from pdserve import LLM, SamplingParams, wire
 from pdserve.cluster.local import start_worker_process
 from pdserve.config import EngineConfig, Role, WorkerConfig
+from pdserve.security import DeploymentSecrets, curve_client
 from pdserve.transfer import nixl_backend
 from pdserve.transfer.shm import leftover_segments
 
@@ -39,6 +40,7 @@ TRANSPORTS = [
 
 
 POOLS = {"prefill": "prefill", "decode": "decode", "mixed": "colocated"}
+SECRETS = DeploymentSecrets.generate()  # this test module is the router of its workers
 
 
 class Worker:
@@ -49,10 +51,11 @@ class Worker:
         engine = EngineConfig(model=str(model), dtype="float32", role=Role(role), num_kv_blocks=64)
         config = WorkerConfig(worker_id, POOLS[role], engine, **settings)  # type: ignore[arg-type]
         # Returns once the model is loaded and the RPC socket bound.
-        self.proc, reported = start_worker_process(config, stderr=subprocess.PIPE)
+        self.proc, reported = start_worker_process(config, SECRETS.for_workers(), stderr=subprocess.PIPE)
         self.address = reported.rpc_address
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        curve_client(self.sock, SECRETS.router, reported.rpc_public_key)
         self.sock.connect(self.address)
         self.sock.send(b"")  # hello: the worker answers with Ready
         self.kv_pulled: list[wire.KVPulled] = []  # every KVPulled seen, in order

@@ -40,6 +40,7 @@ class WorkerHandle:
     rpc_address: str  # ZeroMQ address the worker bound, e.g. tcp://127.0.0.1:40123
     kv_address: str  # where its KV blocks can be read (shm segment, host:port), "" if nowhere
     node: str  # the host it runs on, as the backend names it
+    rpc_public_key: str = ""  # its CURVE key, from its Ready: the router connects to no one else
     # Backend-specific facts for people (a pid, an actor id); shown by GET /pools, not relied on.
     details: dict[str, str | int] = field(default_factory=dict)
 

@@ -1,8 +1,8 @@
 """The `local` cluster backend: workers as child processes on this host. No torch.
 
-Each worker is `python -m pdserve.worker`, given its `WorkerConfig` as JSON in its environment
-(`PDSERVE_WORKER_CONFIG`: the environment of a process is readable by its owner only, its command
-line by everyone). It binds its own RPC socket (any free port), then writes its `Ready` (with the
+Each worker is `python -m pdserve.worker`, given its `WorkerConfig` as JSON and its secrets in its
+environment (`PDSERVE_WORKER_CONFIG`, `PDSERVE_WORKER_SECRETS`: the environment of a process is
+readable by its owner only, its command line by everyone). It binds its own RPC socket (any free port), then writes its `Ready` (with the
 address it got) as one JSON line to a pipe whose fd is in `PDSERVE_READY_FD`: no port is picked
 here and bound there later, so no other process can take it in between.
 
@@ -34,14 +34,19 @@ import msgspec
 from pdserve import wire
 from pdserve.cluster.base import ClusterError, ExitCallback, WorkerExit, WorkerHandle, WorkerStartError
 from pdserve.config import WORKER_CONFIG_ENV, WORKER_PARENT_ENV, WORKER_READY_FD_ENV, WorkerConfig
+from pdserve.security import WorkerSecrets, worker_env
 
 logger = logging.getLogger(__name__)
 
 
-def worker_command(config: WorkerConfig, python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+def worker_command(
+    config: WorkerConfig, secrets: WorkerSecrets, python: str = sys.executable
+) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of a worker process (without the ready fd). The worker id
-    on the command line is only a label for `ps`; the configuration is in the environment."""
+    on the command line is only a label for `ps`; the configuration and the secrets are in the
+    environment."""
     env = dict(os.environ)
+    env.update(worker_env(secrets))
     env[WORKER_CONFIG_ENV] = msgspec.json.encode(config).decode()
     env[WORKER_PARENT_ENV] = str(os.getpid())
     return [python, "-m", "pdserve.worker", "--worker-id", config.worker_id], env
@@ -56,11 +61,12 @@ def decode_ready(line: bytes) -> wire.Ready:
 
 
 def start_worker_process(
-    config: WorkerConfig, timeout: float = 120.0, **popen: Any
+    config: WorkerConfig, secrets: WorkerSecrets, timeout: float = 120.0, **popen: Any
 ) -> tuple[subprocess.Popen[bytes], wire.Ready]:
     """Start one worker and wait (blocking) for its Ready: for scripts and tests that talk to a
-    worker directly. Serving uses `LocalCluster`, which never blocks its event loop."""
-    argv, env = worker_command(config)
+    worker directly (as a router whose key is in `secrets`: see pdserve.security.curve_client).
+    Serving uses `LocalCluster`, which never blocks its event loop."""
+    argv, env = worker_command(config, secrets)
     read_fd, write_fd = os.pipe()
     env[WORKER_READY_FD_ENV] = str(write_fd)
     try:
@@ -95,7 +101,11 @@ class _LocalWorker:
 class LocalCluster:
     name = "local"
 
-    def __init__(self, *, pin_cpus: bool = True, python: str = sys.executable) -> None:
+    def __init__(
+        self, secrets: WorkerSecrets, *, pin_cpus: bool = True, python: str = sys.executable
+    ) -> None:
+        """`secrets`: what every worker is handed (the router keys it obeys, the KV secret)."""
+        self._secrets = secrets
         self.pin_cpus = pin_cpus and hasattr(os, "sched_getaffinity")
         self.python = python
         self._workers: dict[str, _LocalWorker] = {}
@@ -127,7 +137,7 @@ class LocalCluster:
             raise
 
     async def _start(self, config: WorkerConfig, timeout: float) -> WorkerHandle:
-        argv, env = worker_command(config, self.python)
+        argv, env = worker_command(config, self._secrets, self.python)
         read_fd, write_fd = os.pipe()
         env[WORKER_READY_FD_ENV] = str(write_fd)
         logger.info(
@@ -161,6 +171,7 @@ class LocalCluster:
             rpc_address=ready.rpc_address,
             kv_address=ready.kv_address,
             node=self.node,
+            rpc_public_key=ready.rpc_public_key,
             details={"pid": process.pid, **({"cpus": config.cpus} if config.cpus else {})},
         )
         logger.info("worker %s is ready on %s (pid %d)", config.worker_id, ready.rpc_address, process.pid)

@@ -398,7 +398,7 @@ class PoolManager:
             await self.backend.stop_worker(worker_id, graceful=True, timeout=self.stop_timeout)
             return
         pool.handles[worker_id] = handle
-        link.connect(handle.rpc_address)
+        link.connect(handle.rpc_address, handle.rpc_public_key)
         deadline = time.monotonic() + self.start_timeout
         while link.state is WorkerState.STARTING and time.monotonic() < deadline:
             await asyncio.sleep(0.02)

@@ -44,6 +44,7 @@ from pdserve.router.dispatch import (
 from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.workers import WorkerLink, WorkerSet, WorkerState
+from pdserve.security import CurveKeypair
 from pdserve.signals import Signals
 
 logger = logging.getLogger(__name__)
@@ -74,14 +75,18 @@ class Router:
         settings: RouterSettings,
         tokenizer: RouterTokenizer,
         eos_token_ids: Sequence[int],
+        rpc_keypair: CurveKeypair,
     ) -> None:
+        """`rpc_keypair`: the router's CURVE keypair, which its workers accept (pdserve.security)."""
         self.settings = settings
         self.pools: PoolControl | None = None
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.metrics = RouterMetrics()
         self.workers = WorkerSet(
-            heartbeat_timeout=settings.heartbeat_timeout, stall_timeout=settings.stall_timeout
+            heartbeat_timeout=settings.heartbeat_timeout,
+            stall_timeout=settings.stall_timeout,
+            keypair=rpc_keypair,
         )
         self.workers.on_load = self._record_load
         self.workers.on_state = self._record_state
@@ -338,6 +343,8 @@ class Router:
         m.worker_kv_free.labels(*labels).set(load.kv_blocks_free)
         m.worker_queued_prompt.labels(*labels).set(load.queued_prompt_tokens)
         m.worker_step.labels(*labels).set(load.last_step_ms / 1000)
+        m.worker_rpc_refused.labels(*labels).set(load.rpc_refused)
+        m.worker_rpc_dropped.labels(*labels).set(load.rpc_dropped)
         if load.steps and link.up_at is not None:
             self.signals.steps(load.steps, time.monotonic() - link.up_at)
 

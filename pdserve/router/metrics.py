@@ -210,6 +210,18 @@ class RouterMetrics:
             worker_labels,
             registry=r,
         )
+        self.worker_rpc_refused = Gauge(
+            "pdserve_worker_rpc_refused",
+            "Connections the worker refused at the RPC handshake since it started (no or a wrong key)",
+            worker_labels,
+            registry=r,
+        )
+        self.worker_rpc_dropped = Gauge(
+            "pdserve_worker_rpc_dropped_frames",
+            "Frames from an authenticated peer the worker dropped since it started (not our protocol)",
+            worker_labels,
+            registry=r,
+        )
 
         self._worker_gauges = (
             self.worker_up,
@@ -219,6 +231,8 @@ class RouterMetrics:
             self.worker_kv_free,
             self.worker_queued_prompt,
             self.worker_step,
+            self.worker_rpc_refused,
+            self.worker_rpc_dropped,
         )
 
     def load_gauges(self) -> tuple[Gauge, ...]:

@@ -34,6 +34,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from pdserve import wire
+from pdserve.security import CurveKeypair, curve_client
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class WorkerLink:
         on_load: Callable[[WorkerLink], None] | None = None,
         on_state: Callable[[WorkerLink], None] | None = None,
         router_id: str = "",
+        keypair: CurveKeypair,
     ) -> None:
         self.worker_id = worker_id
         self.pool = pool
@@ -110,6 +112,7 @@ class WorkerLink:
         self._on_load = on_load
         self._on_state = on_state
         self._context = context
+        self._keypair = keypair  # the router's CURVE keypair: how the worker knows it is us
         self._heartbeat = (heartbeat_interval, heartbeat_timeout)
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
@@ -137,13 +140,17 @@ class WorkerLink:
         """Answers for the requests it holds (up or draining)."""
         return self.state in (WorkerState.UP, WorkerState.DRAINING)
 
-    def connect(self, address: str) -> None:
-        """Connect to the worker at `address` (it is up once it answers with Ready)."""
+    def connect(self, address: str, server_key: str) -> None:
+        """Connect to the worker at `address` whose CURVE public key is `server_key` (from its
+        Ready, through the cluster backend); it is up once it answers with Ready."""
         if self._sock is not None:
             raise RuntimeError(f"worker {self.worker_id} is already connected to {self.address}")
+        if not server_key:
+            raise ValueError(f"worker {self.worker_id} reported no RPC key: it cannot be connected to")
         self.address = address
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        curve_client(sock, self._keypair, server_key)
         # The same identity across reconnects: the worker routes outputs, and accepts Abort and
         # Release, by the identity of the peer that added a request, so after a dropped
         # connection the router must still be that peer (the worker hands it over).
@@ -373,9 +380,16 @@ class WorkerSet:
     """Every worker the router knows, by id. Workers are added, drained and removed while serving."""
 
     def __init__(
-        self, heartbeat_interval: float = 0.5, heartbeat_timeout: float = 3.0, stall_timeout: float = 60.0
+        self,
+        heartbeat_interval: float = 0.5,
+        heartbeat_timeout: float = 3.0,
+        stall_timeout: float = 60.0,
+        *,
+        keypair: CurveKeypair,
     ) -> None:
+        """`keypair`: the router's CURVE keypair, the one its workers were told to accept."""
         self.context = zmq.asyncio.Context()
+        self.keypair = keypair
         self.router_id = uuid.uuid4().hex  # this router, as its workers know it
         self.links: dict[str, WorkerLink] = {}
         self._heartbeat = (heartbeat_interval, heartbeat_timeout)
@@ -384,8 +398,11 @@ class WorkerSet:
         self.on_load: Callable[[WorkerLink], None] | None = None
         self.on_state: Callable[[WorkerLink], None] | None = None
 
-    def add_worker(self, worker_id: str, pool: str, address: str | None = None) -> WorkerLink:
-        """A new worker, `starting` until it says Ready (connected now if `address` is known)."""
+    def add_worker(
+        self, worker_id: str, pool: str, address: str | None = None, server_key: str = ""
+    ) -> WorkerLink:
+        """A new worker, `starting` until it says Ready (connected now if `address` is known, with
+        `server_key` its CURVE public key)."""
         if worker_id in self.links:
             raise ValueError(f"worker id {worker_id!r} is already known")
         link = WorkerLink(
@@ -397,11 +414,12 @@ class WorkerSet:
             on_load=self.on_load,
             on_state=self.on_state,
             router_id=self.router_id,
+            keypair=self.keypair,
         )
         self.links[worker_id] = link
         link._notify_state()
         if address is not None:
-            link.connect(address)
+            link.connect(address, server_key)
         if self._keeper is None:
             self._keeper = asyncio.create_task(self._keep(), name="worker-keeper")
         return link

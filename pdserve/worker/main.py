@@ -1,7 +1,8 @@
 """`python -m pdserve.worker`: one engine in one role, serving the control RPC.
 
 Started by a cluster backend, which hands it a `WorkerConfig` as JSON in `PDSERVE_WORKER_CONFIG`
-(or, by hand, `--config worker.json`). Once its model is loaded and its RPC socket bound, it writes
+(or, by hand, `--config worker.json`), and its secrets in `PDSERVE_WORKER_SECRETS` (the router keys
+it obeys and the deployment's KV secret, pdserve.security; it will not start without them). Once its model is loaded and its RPC socket bound, it writes
 its `Ready` (with the address it bound) as one JSON line to the fd in `PDSERVE_READY_FD`, if any.
 Stops on a Shutdown message, SIGTERM or SIGINT, and removes its shared-memory KV segment (or
 stops its KV server) on the way out.
@@ -27,6 +28,8 @@ import msgspec
 
 from pdserve import wire
 from pdserve.config import WORKER_CONFIG_ENV, WORKER_PARENT_ENV, WORKER_READY_FD_ENV, Role, WorkerConfig
+from pdserve.errors import PdserveError
+from pdserve.security import take_worker_secrets
 
 if TYPE_CHECKING:  # the worker loads torch only after its configuration is valid
     import torch
@@ -94,6 +97,10 @@ def _die_with_parent() -> None:
 def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     config = load_config(argv)
+    try:
+        secrets = take_worker_secrets()  # first: nothing this process starts inherits them
+    except PdserveError as exc:
+        sys.exit(f"worker {config.worker_id}: {exc}")
     logging.basicConfig(
         level=config.log_level, format=f"%(asctime)s %(levelname)s worker {config.worker_id}: %(message)s"
     )
@@ -129,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         if role is not Role.PREFILL:
             importer = _make_importer(config.transport, kv_cache, FaultInjector(config.kv_fault_rate))
         kv_address = segment.name if segment is not None else exporter.address if exporter else ""
-        server = WorkerServer(engine, config, kv_address, importer, exporter=exporter, on_bound=_report_ready)
+        server = WorkerServer(
+            engine, config, kv_address, importer, secrets=secrets, exporter=exporter, on_bound=_report_ready
+        )
 
         def on_signal(_signum: int, _frame: object) -> None:
             server.stop_from_signal()  # no lock, no logging here: see stop_from_signal

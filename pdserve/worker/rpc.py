@@ -4,8 +4,14 @@ It binds the socket itself (any free port) and reports the address it got; it de
 into a `pdserve.wire` message for the engine thread, and sends what the engine thread produced.
 It never waits for a step, so a router always gets through, even during a long prefill chunk.
 
-More than one peer may speak to a worker (two routers, a health probe). Each request's outputs go
-to the peer that sent its `AddRequest`, and only that peer may abort, release or move it; load
+The socket is a CURVE server (pdserve.security): its keypair is made here, its public half goes in
+`Ready`, and a ZAP handler lets in only the router keys the worker was given. Anyone else fails the
+handshake and never gets a frame through: such refusals are counted (`refused`) and logged, as
+are frames from accepted peers that are not our protocol (`dropped_frames`). ZeroMQ itself cuts a
+peer off that announces a message above MAX_RPC_MESSAGE_BYTES, before allocating it.
+
+More than one authorised peer may speak to a worker (two routers). Each request's outputs go to
+the peer that sent its `AddRequest`, and only that peer may abort, release or move it; load
 reports go to every peer. A peer that is gone (ZeroMQ says it is unreachable) is forgotten.
 """
 
@@ -17,8 +23,11 @@ import threading
 from collections.abc import Callable
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import parse_monitor_message
 
 from pdserve import wire
+from pdserve.security import CurveKeypair, WorkerSecrets, curve_server
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +37,22 @@ logger = logging.getLogger(__name__)
 FINAL = b"F"
 MORE = b"-"
 _MAX_PEERS = 64  # remembered peers for load reports; the oldest is dropped beyond this
+_REFUSALS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_LOGGED_REFUSALS = 10  # the first refusals are logged one by one, then one in every 100
+
+
+class _AllowedKeys:
+    """ZAP's CURVE check: the client's public key (Z85) must be one of the router keys given."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self._keys = frozenset(k.encode() for k in keys)
+
+    def callback(self, _domain: str, key: bytes) -> bool:
+        return key in self._keys
 
 
 class RpcEndpoint:
@@ -39,10 +64,14 @@ class RpcEndpoint:
         inbox: queue.Queue[wire.Message],
         outbox_address: str,
         stop: threading.Event,
+        secrets: WorkerSecrets,
     ) -> None:
         """`ready(address)`: the Ready message, given the address bound; `outbox_address`: the
-        inproc socket the engine thread pushes its frames to."""
+        inproc socket the engine thread pushes its frames to; `secrets`: whom to accept."""
         self.worker_id = worker_id
+        self.keypair = CurveKeypair.generate()
+        self._clients = list(secrets.rpc_clients)
+        self.refused = 0
         self._bind = bind
         self._ready = ready
         self._inbox = inbox
@@ -56,8 +85,19 @@ class RpcEndpoint:
         self.dropped_frames = 0
 
     def run(self, context: zmq.Context[zmq.Socket[bytes]]) -> None:
+        # The ZAP handler answers the handshakes of every socket of this context, on its own thread.
+        auth = ThreadAuthenticator(context, log=logging.getLogger("pdserve.worker.zap"))
+        auth.start()
+        auth.configure_curve_callback("*", credentials_provider=_AllowedKeys(self._clients))
+        try:
+            self._run(context)
+        finally:
+            auth.stop()
+
+    def _run(self, context: zmq.Context[zmq.Socket[bytes]]) -> None:
         sock = context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        curve_server(sock, self.keypair)
         # Unreachable peers raise instead of swallowing frames silently; no high-water mark, so a
         # slow router delays its tokens but never loses them.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -74,6 +114,7 @@ class RpcEndpoint:
             self.bound.set()
             return
         ready = wire.encode(self._ready(self.address))
+        monitor = sock.get_monitor_socket(_REFUSALS)
         self.bound.set()
         outbox = context.socket(zmq.PULL)
         outbox.setsockopt(zmq.LINGER, 0)
@@ -81,9 +122,12 @@ class RpcEndpoint:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(outbox, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(timeout=100))  # the timeout only bounds the stop check
+                if monitor in events:
+                    self._refusals(monitor)
                 if sock in events:
                     self._receive(sock, ready)
                 if outbox in events:
@@ -94,8 +138,27 @@ class RpcEndpoint:
                             break
                         self._deliver(sock, frames)
         finally:
+            sock.disable_monitor()
+            monitor.close()
             outbox.close()
             sock.close()
+
+    def _refusals(self, monitor: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            self.refused += 1
+            if self.refused <= _LOGGED_REFUSALS or self.refused % 100 == 0:
+                logger.warning(
+                    "worker %s: refused a connection at the RPC handshake (no key or a wrong one; "
+                    "ZeroMQ event %s, errno %s); %d so far",
+                    self.worker_id,
+                    event["event"],
+                    event["value"],
+                    self.refused,
+                )
 
     # -- from peers -----------------------------------------------------------------------------------
     def _receive(self, sock: zmq.Socket[bytes], ready: bytes) -> None:

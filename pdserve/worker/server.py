@@ -30,6 +30,7 @@ from pdserve.config import WorkerConfig
 from pdserve.engine.core import EngineCore, EngineOutput
 from pdserve.engine.sched import Handover
 from pdserve.errors import InvalidRequestError
+from pdserve.security import WorkerSecrets
 from pdserve.transfer.base import KVExporter, KVImporter, TransferError
 from pdserve.worker.rpc import FINAL, MORE, RpcEndpoint
 
@@ -53,11 +54,13 @@ class WorkerServer:
         kv_address: str,
         importer: KVImporter | None = None,
         *,
+        secrets: WorkerSecrets,
         exporter: KVExporter | None = None,
         on_bound: Callable[[wire.Ready], None] | None = None,
     ) -> None:
-        """`kv_address`: where this worker's KV can be read ("" if nowhere); `on_bound`: called
-        with the Ready message once the RPC socket is bound (the cluster backend waits for it)."""
+        """`kv_address`: where this worker's KV can be read ("" if nowhere); `secrets`: the router
+        keys it obeys (pdserve.security); `on_bound`: called with the Ready message once the RPC
+        socket is bound (the cluster backend waits for it)."""
         self.engine = engine
         self._steps: list[wire.StepSample] = []  # since the last load report
         self._last_recorded: object = None
@@ -82,6 +85,7 @@ class WorkerServer:
             self._inbox,  # type: ignore[arg-type]  # the RPC thread puts messages only
             self._outbox_address,
             self._stop,
+            secrets,
         )
         self._leases: dict[str, float] = {}  # prefill role: request id -> monotonic expiry
         self._pending_kv: dict[str, wire.KVHandle] = {}  # decode role: request id -> its source
@@ -147,6 +151,7 @@ class WorkerServer:
             chunk_size=self.engine.config.chunk_size,
             max_num_batched_tokens=self.engine.config.max_num_batched_tokens,
             max_num_seqs=self.engine.config.max_num_seqs,
+            rpc_public_key=self.rpc.keypair.public,
         )
 
     def _engine_loop(self) -> None:
@@ -420,6 +425,8 @@ class WorkerServer:
             steps=steps,
             kv_blocks_total=stats.kv_blocks_used + stats.kv_blocks_free,
             block_size=self.engine.config.block_size,
+            rpc_refused=self.rpc.refused,
+            rpc_dropped=self.rpc.dropped_frames,
         )
 
     def _send(self, message: wire.Message, *, final: bool = False) -> None:
