@@ -38,6 +38,7 @@ import torch
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
 DTYPE = torch.float32
 BLOCK_BYTES = LAYERS * 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4
+BENCH_SECRET = bytes(32)  # the two processes of this benchmark are one deployment
 MiB = 1 << 20
 
 
@@ -57,6 +58,7 @@ def serve(kind: str, num_blocks: int) -> None:
     shape = cache_shape(num_blocks)
     numel = math.prod(shape)
     cleanup: Callable[[], None] = lambda: None  # noqa: E731
+    token = b""
     if kind == "shm":
         from pdserve.transfer.shm import OwnedSegment
 
@@ -71,12 +73,12 @@ def serve(kind: str, num_blocks: int) -> None:
         if kind == "tcp":
             from pdserve.transfer.tcp import TcpExporter
 
-            exporter = TcpExporter(cache)
+            exporter = TcpExporter(cache, secret=BENCH_SECRET)
         else:
             from pdserve.transfer.nixl_backend import NixlExporter
 
-            exporter = NixlExporter(cache)
-        exporter.register("bench", range(num_blocks))
+            exporter = NixlExporter(cache, secret=BENCH_SECRET)
+        token = exporter.register("bench", range(num_blocks))
         address, cleanup = exporter.address, exporter.close
     elif kind == "socket":
         address, cleanup = raw_socket_server(numel * 4)
@@ -84,7 +86,7 @@ def serve(kind: str, num_blocks: int) -> None:
         address, cleanup = raw_nixl_exporter(numel * 4)
     else:
         raise SystemExit(f"unknown kind {kind}")
-    print("ADDRESS", address, flush=True)
+    print("ADDRESS", address, token.hex() or "-", flush=True)
     sys.stdin.readline()
     cleanup()
 
@@ -161,7 +163,8 @@ class Child:
             if not line:
                 raise RuntimeError(f"the {kind} exporter process ended ({self.proc.wait()})")
             if line.startswith("ADDRESS "):
-                self.address = line.split(maxsplit=1)[1].strip()
+                _, self.address, token = line.split()
+                self.token = bytes.fromhex(token) if token != "-" else b""
                 break
 
     def stop(self) -> None:
@@ -263,17 +266,19 @@ class Transport:
         elif kind == "tcp":
             from pdserve.transfer.tcp import TcpImporter
 
-            self.importer = TcpImporter(self.local)
+            self.importer = TcpImporter(self.local, secret=BENCH_SECRET)
         else:
             from pdserve.transfer.nixl_backend import NixlImporter
 
-            self.importer = NixlImporter(self.local)
+            self.importer = NixlImporter(self.local, secret=BENCH_SECRET)
         self.kind = kind
         self.child = Child(kind, num_blocks)
         self.expected = pattern(self.local.numel()).view(self.local.shape)
 
     def run(self, src: list[int], dst: list[int]) -> None:
-        self.importer.pull(self.child.address, src, dst, timeout=60.0, request_id="bench")
+        self.importer.pull(
+            self.child.address, src, dst, timeout=60.0, request_id="bench", lease_token=self.child.token
+        )
 
     def check(self, src: list[int], dst: list[int]) -> None:
         if not torch.equal(self.local[:, :, dst], self.expected[:, :, src]):

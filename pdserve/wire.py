@@ -60,6 +60,9 @@ class KVHandle(msgspec.Struct, frozen=True):
     num_tokens: int  # tokens of KV in those blocks: every token of the request but its last
     lease_expires_at: float  # time.time() on the holding side; the blocks are freed after it
     lease_id: str  # the request id the holder keeps them under: a pull names it
+    # Hex of the unguessable token the holder made for this lease: a pull must show it (tcp, nixl).
+    # Only the router and the worker it hands this handle to see it.
+    lease_token: str = ""
 
 
 # -- router -> worker --------------------------------------------------------------------------------

@@ -22,12 +22,13 @@ pytestmark = pytest.mark.skipif(
 
 SHAPE = (3, 2, 8, 4, 2, 8)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
 BLOCK_BYTES = 3 * 2 * 4 * 2 * 8 * 4  # float32
+SECRET = bytes(range(32))  # the deployment's KV secret in these tests
 
 
 @pytest.fixture
 def exporter() -> Iterator[nixl_backend.NixlExporter]:
     torch.manual_seed(0)
-    exp = nixl_backend.NixlExporter(torch.randn(SHAPE))
+    exp = nixl_backend.NixlExporter(torch.randn(SHAPE), secret=SECRET)
     try:
         yield exp
     finally:
@@ -38,7 +39,7 @@ def exporter() -> Iterator[nixl_backend.NixlExporter]:
 @pytest.fixture(scope="module")
 def importer() -> Iterator[nixl_backend.NixlImporter]:
     """One importer agent for the module: creating UCX agents is the slow part."""
-    imp = nixl_backend.NixlImporter(torch.zeros((3, 2, 5, 4, 2, 8)))
+    imp = nixl_backend.NixlImporter(torch.zeros((3, 2, 5, 4, 2, 8)), secret=SECRET)
     try:
         yield imp
     finally:
@@ -49,8 +50,8 @@ def test_blocks_arrive_byte_exact_from_another_process() -> None:
     code = (
         "import sys, torch; from pdserve.transfer.nixl_backend import NixlExporter;"
         "torch.manual_seed(7); cache = torch.randn(4, 2, 16, 4, 2, 8).to(torch.bfloat16);"
-        "exp = NixlExporter(cache); exp.register('r', [2, 3, 9, 11]);"
-        "print('ADDRESS', exp.address, flush=True); sys.stdin.readline();"
+        f"exp = NixlExporter(cache, secret={SECRET!r}); token = exp.register('r', [2, 3, 9, 11]);"
+        "print('ADDRESS', exp.address, token.hex(), flush=True); sys.stdin.readline();"
         "exp.close(); print('SERVED', exp.stats.pulls, exp.stats.bytes, flush=True)"
     )
     proc = subprocess.Popen(
@@ -66,10 +67,17 @@ def test_blocks_arrive_byte_exact_from_another_process() -> None:
                 return words[1:]
 
     local = torch.zeros((4, 2, 6, 4, 2, 8), dtype=torch.bfloat16)
-    importer = nixl_backend.NixlImporter(local)
+    importer = nixl_backend.NixlImporter(local, secret=SECRET)
     try:
-        (address,) = line("ADDRESS")
-        moved = importer.pull(address, [9, 2, 3, 11], [5, 0, 1, 3], timeout=10.0, request_id="r")
+        address, token = line("ADDRESS")
+        moved = importer.pull(
+            address,
+            [9, 2, 3, 11],
+            [5, 0, 1, 3],
+            timeout=10.0,
+            request_id="r",
+            lease_token=bytes.fromhex(token),
+        )
         torch.manual_seed(7)
         source = torch.randn(4, 2, 16, 4, 2, 8).to(torch.bfloat16)
         for src, dst in zip([9, 2, 3, 11], [5, 0, 1, 3], strict=True):
@@ -90,14 +98,17 @@ def test_blocks_arrive_byte_exact_from_another_process() -> None:
 def test_only_leased_blocks_are_read(
     exporter: nixl_backend.NixlExporter, importer: nixl_backend.NixlImporter
 ) -> None:
-    exporter.register("r1", [1, 2])
-    assert importer.pull(exporter.address, [2, 1], [0, 1], timeout=5.0, request_id="r1") == 2 * BLOCK_BYTES
+    t1 = exporter.register("r1", [1, 2])
+    pulled = importer.pull(exporter.address, [2, 1], [0, 1], timeout=5.0, request_id="r1", lease_token=t1)
+    assert pulled == 2 * BLOCK_BYTES
     assert torch.equal(importer.kv_cache[:, :, 0], exporter.kv_cache[:, :, 2])
     with pytest.raises(TransferError, match="not under lease"):
-        importer.pull(exporter.address, [1, 5], [0, 1], timeout=5.0, request_id="r1")
+        importer.pull(exporter.address, [1, 5], [0, 1], timeout=5.0, request_id="r1", lease_token=t1)
+    with pytest.raises(TransferError, match="wrong lease token"):
+        importer.pull(exporter.address, [1], [0], timeout=5.0, request_id="r1", lease_token=bytes(16))
     exporter.unregister("r1")
     with pytest.raises(TransferError, match="no lease"):
-        importer.pull(exporter.address, [1], [0], timeout=5.0, request_id="r1")
+        importer.pull(exporter.address, [1], [0], timeout=5.0, request_id="r1", lease_token=t1)
     assert len(exporter.leases) == 0 and exporter._holds == {}
 
 
@@ -105,12 +116,14 @@ def test_a_lease_ended_during_the_read_fails_the_pull(
     exporter: nixl_backend.NixlExporter, importer: nixl_backend.NixlImporter
 ) -> None:
     """The read is one-sided: the exporter cannot stop it, so the hold around it decides."""
-    exporter.register("r", [3])
+    token = exporter.register("r", [3])
     side = importer._side
-    _, sock = side.call(exporter.address, nixl_backend.OP_HOLD, "r", [3], timeout=5.0)  # a read begins
+    _, sock = side.call(
+        exporter.address, nixl_backend.OP_HOLD, "r", [3], 5.0, lease_token=token
+    )  # a read begins
     assert exporter.leases.unregister("r", grace=0.1) is False  # ...the lease ends under it
     with pytest.raises(TransferError, match="ended during the read"):
-        side.call(exporter.address, nixl_backend.OP_DONE, "r", [3], timeout=5.0, sock=sock)
+        side.call(exporter.address, nixl_backend.OP_DONE, "r", [3], 5.0, sock, lease_token=token)
     assert exporter._holds == {}
 
 
@@ -118,8 +131,8 @@ def test_a_hold_ends_with_its_connection(
     exporter: nixl_backend.NixlExporter, importer: nixl_backend.NixlImporter
 ) -> None:
     """An importer that dies between HOLD and DONE does not pin the blocks until the grace ends."""
-    exporter.register("r", [3])
-    _, sock = importer._side.call(exporter.address, nixl_backend.OP_HOLD, "r", [3], timeout=5.0)
+    token = exporter.register("r", [3])
+    _, sock = importer._side.call(exporter.address, nixl_backend.OP_HOLD, "r", [3], 5.0, lease_token=token)
     assert len(exporter._holds) == 1
     sock.close()
     started = time.monotonic()
@@ -132,14 +145,15 @@ def test_concurrent_pulls_of_two_requests(
     exporter: nixl_backend.NixlExporter, importer: nixl_backend.NixlImporter
 ) -> None:
     """The worker pulls on two threads through one importer: each hold stays on its connection."""
-    exporter.register("a", [0, 1, 2])
-    exporter.register("b", [4, 5, 6])
+    tokens = {"a": exporter.register("a", [0, 1, 2]), "b": exporter.register("b", [4, 5, 6])}
     errors: list[BaseException] = []
 
     def pull(rid: str, src: list[int], dst: list[int]) -> None:
         try:
             for _ in range(20):
-                importer.pull(exporter.address, src, dst, timeout=5.0, request_id=rid)
+                importer.pull(
+                    exporter.address, src, dst, timeout=5.0, request_id=rid, lease_token=tokens[rid]
+                )
         except BaseException as exc:
             errors.append(exc)
 
@@ -157,17 +171,17 @@ def test_concurrent_pulls_of_two_requests(
 
 
 def test_layout_mismatch_is_refused(exporter: nixl_backend.NixlExporter) -> None:
-    exporter.register("r", [0])
-    imp = nixl_backend.NixlImporter(torch.zeros((3, 2, 4, 4, 2, 16), dtype=torch.float16))
+    token = exporter.register("r", [0])
+    imp = nixl_backend.NixlImporter(torch.zeros((3, 2, 4, 4, 2, 16), dtype=torch.float16), secret=SECRET)
     try:
         with pytest.raises(TransferError, match="layout mismatch"):
-            imp.pull(exporter.address, [0], [0], timeout=5.0, request_id="r")
+            imp.pull(exporter.address, [0], [0], timeout=5.0, request_id="r", lease_token=token)
     finally:
         imp.close()
 
 
 def test_unreachable_or_silent_exporters_fail_cleanly(importer: nixl_backend.NixlImporter) -> None:
-    exp = nixl_backend.NixlExporter(torch.randn(SHAPE))
+    exp = nixl_backend.NixlExporter(torch.randn(SHAPE), secret=SECRET)
     address = exp.address
     exp.close()
     with pytest.raises(TransferError, match="cannot connect"):
@@ -177,12 +191,12 @@ def test_unreachable_or_silent_exporters_fail_cleanly(importer: nixl_backend.Nix
 
 
 def test_fault_injection(exporter: nixl_backend.NixlExporter, importer: nixl_backend.NixlImporter) -> None:
-    exporter.register("r", [0])
+    token = exporter.register("r", [0])
     pulls, failures = importer.stats.pulls, importer.stats.failures
     importer.faults = FaultInjector(rate=1.0)
     try:
         with pytest.raises(TransferError, match="injected fault"):
-            importer.pull(exporter.address, [0], [0], timeout=5.0, request_id="r")
+            importer.pull(exporter.address, [0], [0], timeout=5.0, request_id="r", lease_token=token)
     finally:
         importer.faults = FaultInjector()
     assert (importer.stats.pulls - pulls, importer.stats.failures - failures) == (1, 1)
@@ -193,3 +207,15 @@ def test_an_idle_exporter_does_not_spin(exporter: nixl_backend.NixlExporter) -> 
     started = time.process_time()
     time.sleep(0.5)
     assert time.process_time() - started < 0.1
+
+
+def test_a_peer_without_the_deployment_key_learns_nothing(exporter: nixl_backend.NixlExporter) -> None:
+    """The side channel's handshake guards the NIXL metadata (the cache's memory keys) too."""
+    token = exporter.register("r", [0])
+    stranger = nixl_backend.NixlImporter(torch.zeros(SHAPE), secret=b"not the key" * 3)
+    try:
+        with pytest.raises(TransferError, match="refused this worker's KV key"):
+            stranger.pull(exporter.address, [0], [0], timeout=5.0, request_id="r", lease_token=token)
+        assert stranger._remotes == {} and exporter.refused_connections == 1
+    finally:
+        stranger.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -103,3 +104,13 @@ def test_a_segment_larger_than_dev_shm_is_a_clear_error_at_once_not_a_sigbus_lat
     with pytest.raises(SharedSegmentError, match=r"/dev/shm|shared-memory segment"):
         OwnedSegment((free + 2**30,), torch.uint8)
     assert leftover_segments(os.getpid()) == []  # nothing half-made is left
+
+
+def test_a_segment_is_readable_and_writable_by_its_owner_only() -> None:
+    """Another user of the host cannot read a worker's KV (prompts in clear) nor write into it."""
+    owner = OwnedSegment((2, 2, 4, 4, 2, 8), torch.float32)
+    try:
+        mode = os.stat(f"/dev/shm/{owner.name}").st_mode
+        assert stat.S_IMODE(mode) == 0o600, oct(mode)
+    finally:
+        owner.close()

@@ -13,7 +13,9 @@ block id indexes axis 2.
 from __future__ import annotations
 
 import abc
+import hmac
 import random
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -76,12 +78,14 @@ class KVImporter(abc.ABC):
         timeout: float,
         *,
         request_id: str = "",
+        lease_token: bytes = b"",
     ) -> int:
         """Copy `src_blocks` of the cache at `address` into `dst_blocks` here. Returns bytes moved.
 
-        `request_id` names the prefill side's lease on `src_blocks`; transports whose exporter
-        checks leases (tcp, nixl) refuse a pull without a live one, so a late pull can never read
-        blocks that were freed and reused by another request."""
+        `request_id` names the prefill side's lease on `src_blocks` and `lease_token` proves the
+        right to it (the holder made it, unguessable, and put it in the KVHandle); transports whose
+        exporter checks leases (tcp, nixl) refuse a pull without both, so a late pull can never
+        read blocks that were freed and reused by another request, nor a stranger any block."""
         if len(src_blocks) > len(dst_blocks):
             raise TransferError(
                 f"{len(src_blocks)} source blocks but only {len(dst_blocks)} destination blocks"
@@ -96,7 +100,7 @@ class KVImporter(abc.ABC):
         try:
             self.faults.maybe_fail(f"pull of {len(src_blocks)} blocks from {address}")
             nbytes = self._pull_request(
-                request_id, address, src_blocks, dst_blocks[: len(src_blocks)], timeout
+                request_id, lease_token, address, src_blocks, dst_blocks[: len(src_blocks)], timeout
             )
         except TransferError:
             self.stats.record(0, time.perf_counter() - started, ok=False)
@@ -111,9 +115,15 @@ class KVImporter(abc.ABC):
     def _pull(self, address: str, src_blocks: list[int], dst_blocks: list[int], timeout: float) -> int: ...
 
     def _pull_request(
-        self, request_id: str, address: str, src_blocks: list[int], dst_blocks: list[int], timeout: float
+        self,
+        request_id: str,
+        lease_token: bytes,
+        address: str,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        timeout: float,
     ) -> int:
-        """Backends that name the lease to the exporter override this; the others ignore the id."""
+        """Backends that name the lease to the exporter override this; the others ignore it."""
         return self._pull(address, src_blocks, dst_blocks, timeout)
 
     def forget(self, address: str) -> None:  # noqa: B027 (optional hook)
@@ -133,9 +143,13 @@ class LeaseError(PdserveError):
     """A read of blocks that are not under a live lease of the named request."""
 
 
+LEASE_TOKEN_BYTES = 16
+
+
 @dataclass
 class _Lease:
     blocks: frozenset[int]
+    token: bytes
     readers: int = 0  # reads of these blocks in flight
     revoked: bool = False  # ended while a read was still in flight (that read must fail)
     aborts: list[Callable[[], None]] = field(default_factory=list)  # stop the in-flight reads
@@ -153,9 +167,12 @@ class LeaseTable:
         self._leases: dict[str, _Lease] = {}
         self._changed = threading.Condition()
 
-    def register(self, request_id: str, block_ids: Sequence[int]) -> None:
+    def register(self, request_id: str, block_ids: Sequence[int]) -> bytes:
+        """Lease `block_ids` under `request_id`; returns the lease's token, which a read must show."""
+        token = secrets.token_bytes(LEASE_TOKEN_BYTES)
         with self._changed:
-            self._leases[request_id] = _Lease(frozenset(block_ids))
+            self._leases[request_id] = _Lease(frozenset(block_ids), token)
+        return token
 
     def unregister(self, request_id: str, grace: float = 1.0) -> bool:
         """End the lease. Returns False if reads were still in flight after `grace` seconds and
@@ -173,13 +190,17 @@ class LeaseTable:
             self._changed.wait_for(lambda: lease.readers == 0, timeout=grace)
         return False
 
-    def acquire(self, request_id: str, block_ids: Sequence[int], abort: Callable[[], None]) -> _Lease:
-        """Start a read of `block_ids` under `request_id`'s lease; `abort` stops it if the lease
-        must end before the read does. Pair with `release`."""
+    def acquire(
+        self, request_id: str, token: bytes, block_ids: Sequence[int], abort: Callable[[], None]
+    ) -> _Lease:
+        """Start a read of `block_ids` under `request_id`'s lease, whose token is `token`; `abort`
+        stops it if the lease must end before the read does. Pair with `release`."""
         with self._changed:
             lease = self._leases.get(request_id)
             if lease is None:
                 raise LeaseError(f"request {request_id!r} holds no lease here (released or expired)")
+            if not hmac.compare_digest(token, lease.token):
+                raise LeaseError(f"wrong lease token for request {request_id!r}")
             outside = sorted(set(block_ids) - lease.blocks)
             if outside:
                 raise LeaseError(f"blocks {outside[:8]} are not under the lease of request {request_id!r}")
@@ -210,15 +231,17 @@ class KVExporter(abc.ABC):
         self.kv_cache = kv_cache  # [L, 2, NB, BS, KVH, D], this worker's cache
         self.leases = LeaseTable()
         self.stats = TransferStats()
+        self.refused_connections = 0  # failed the handshake (no or a wrong deployment key)
 
     @property
     @abc.abstractmethod
     def address(self) -> str:
         """What goes into `KVHandle.address`."""
 
-    def register(self, request_id: str, block_ids: Sequence[int]) -> None:
-        """The request's blocks may now be read (it is prefilled and under lease)."""
-        self.leases.register(request_id, block_ids)
+    def register(self, request_id: str, block_ids: Sequence[int]) -> bytes:
+        """The request's blocks may now be read (it is prefilled and under lease) by whoever shows
+        the token returned (it goes in the KVHandle)."""
+        return self.leases.register(request_id, block_ids)
 
     def unregister(self, request_id: str) -> None:
         """The request's blocks are about to be freed: no read of them may be in flight after this."""

@@ -99,7 +99,13 @@ class NixlExporter(TcpExporter):
     channel (META / HOLD / DONE), and still answers plain tcp pulls."""
 
     def __init__(
-        self, kv_cache: torch.Tensor, host: str = "127.0.0.1", port: int = 0, name: str = "pdserve"
+        self,
+        kv_cache: torch.Tensor,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        name: str = "pdserve",
+        *,
+        secret: bytes,
     ) -> None:
         self.agent = _agent(name)
         self._registered = self.agent.register_memory(kv_cache)  # the whole cache, DRAM
@@ -112,7 +118,9 @@ class NixlExporter(TcpExporter):
         )
         self._reading = threading.Event()  # set while any hold is open: progress the agent
         self._progress = threading.Thread(target=self._progress_loop, name="kv-nixl-progress", daemon=True)
-        super().__init__(kv_cache, host, port)  # starts serving: everything it needs is ready
+        # Starts serving: everything it needs is ready. The side channel's handshake guards the
+        # metadata too: a peer without the deployment's KV secret never learns the cache's keys.
+        super().__init__(kv_cache, host, port, secret=secret)
         self._progress.start()
 
     def _progress_loop(self) -> None:
@@ -136,12 +144,13 @@ class NixlExporter(TcpExporter):
         conn: Any,
         op: int,
         request_id: str,
+        token: bytes,
         blocks: list[int],
         layout: tuple[int, int, bytes],
         deadline: float,
     ) -> bool:
         if op not in (OP_META, OP_HOLD, OP_DONE):
-            return super()._handle(conn, op, request_id, blocks, layout, deadline)
+            return super()._handle(conn, op, request_id, token, blocks, layout, deadline)
         status, error = self._check_layout(layout, blocks)
         if error:
             return self._reply_error(conn, status, error, deadline)
@@ -157,7 +166,7 @@ class NixlExporter(TcpExporter):
                 if key in self._holds:
                     return self._reply_error(conn, BAD_REQUEST, f"{request_id!r} is already held", deadline)
                 try:
-                    lease = self.leases.acquire(request_id, blocks, abort)
+                    lease = self.leases.acquire(request_id, token, blocks, abort)
                     self._holds[key] = (lease, abort, time.perf_counter())
                     self._reading.set()
                 except LeaseError as exc:
@@ -201,9 +210,9 @@ class _Remote:
 class NixlImporter(KVImporter):
     """Decode side: READs leased blocks of a `NixlExporter`'s cache into this worker's cache."""
 
-    def __init__(self, kv_cache: torch.Tensor, faults: FaultInjector | None = None) -> None:
+    def __init__(self, kv_cache: torch.Tensor, faults: FaultInjector | None = None, *, secret: bytes) -> None:
         super().__init__(kv_cache, faults)  # [L, 2, NB, BS, KVH, D]
-        self._side = TcpImporter(kv_cache)  # the side channel (also checks the layout)
+        self._side = TcpImporter(kv_cache, secret=secret)  # the side channel (also checks the layout)
         self._layout = layout_of(kv_cache)
         self.agent = _agent("pdserve-import")
         self._registered = self.agent.register_memory(kv_cache)
@@ -215,10 +224,16 @@ class NixlImporter(KVImporter):
         self._lock = threading.Lock()
 
     def _pull(self, address: str, src_blocks: list[int], dst_blocks: list[int], timeout: float) -> int:
-        return self._pull_request("", address, src_blocks, dst_blocks, timeout)
+        return self._pull_request("", b"", address, src_blocks, dst_blocks, timeout)
 
     def _pull_request(
-        self, request_id: str, address: str, src_blocks: list[int], dst_blocks: list[int], timeout: float
+        self,
+        request_id: str,
+        lease_token: bytes,
+        address: str,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        timeout: float,
     ) -> int:
         deadline = time.monotonic() + timeout
         _, pieces, piece, _ = self._layout
@@ -229,7 +244,9 @@ class NixlImporter(KVImporter):
             )
         # HOLD and DONE on one connection: the exporter binds the hold to it, and drops it if the
         # connection ends (this process died) before DONE.
-        _, sock = self._side.call(address, OP_HOLD, request_id, src_blocks, _left(deadline, timeout))
+        _, sock = self._side.call(
+            address, OP_HOLD, request_id, src_blocks, _left(deadline, timeout), lease_token=lease_token
+        )
         try:
             self._read(remote, src_blocks, dst_blocks, deadline, timeout)
         except BaseException:
@@ -237,7 +254,9 @@ class NixlImporter(KVImporter):
             raise
         # The data is here: DONE only says whether it is valid, so it gets at least a second.
         done_timeout = max(deadline - time.monotonic(), 1.0)
-        _, sock = self._side.call(address, OP_DONE, request_id, src_blocks, done_timeout, sock)
+        _, sock = self._side.call(
+            address, OP_DONE, request_id, src_blocks, done_timeout, sock, lease_token=lease_token
+        )
         self._side.put_back(address, sock)
         return len(src_blocks) * pieces * piece
 

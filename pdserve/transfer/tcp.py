@@ -1,8 +1,10 @@
 """The `tcp` transport: KV blocks across hosts, block-granular, zero-copy framing.
 
 Prefill side (`TcpExporter`): a listening socket served by its own threads (one accepts, one per
-connection). A pull names a request and its source blocks; the exporter checks them against the
-request's lease (`LeaseTable`), then sends one small reply header and the blocks straight out of
+connection). Each connection first passes a mutual HMAC handshake over the deployment's KV secret
+(pdserve.security); one that fails is closed and counted. A pull names a request, the lease's
+token and its source blocks; the exporter checks them against the request's lease (`LeaseTable`),
+then sends one small reply header and the blocks straight out of
 the KV cache tensor: `sendmsg` over memoryviews of the cache, one per contiguous run of blocks in
 each layer's K or V plane. No pickle, no per-block Python copy.
 
@@ -39,6 +41,8 @@ from pdserve.transfer.tcp_wire import (
     VERSION,
     block_views,
     cache_bytes,
+    handshake_as_exporter,
+    handshake_as_importer,
     layout_of,
     pack_ids,
     parse_address,
@@ -63,12 +67,14 @@ class TcpExporter(KVExporter):
         host: str = "127.0.0.1",
         port: int = 0,
         *,
+        secret: bytes,
         advertise_host: str | None = None,
         send_timeout: float = 30.0,
         idle_timeout: float = 300.0,
         max_connections: int = 64,
     ) -> None:
         super().__init__(kv_cache)  # [L, 2, NB, BS, KVH, D]
+        self._secret = secret  # the deployment's KV secret: every connection must prove it holds it
         self._flat = cache_bytes(kv_cache)
         self._layout = layout_of(kv_cache)
         self.send_timeout = send_timeout  # one reply must be sent within this
@@ -126,6 +132,10 @@ class TcpExporter(KVExporter):
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            if not handshake_as_exporter(conn, self._secret):
+                with self._lock:
+                    self.refused_connections += 1
+                return
             while not self._closed.is_set():
                 try:
                     head = recv_exact(conn, REQUEST.size, time.monotonic() + self.idle_timeout, eof_ok=True)
@@ -147,22 +157,36 @@ class TcpExporter(KVExporter):
 
     def _serve_one(self, conn: socket.socket, head: bytes, deadline: float) -> bool:
         """Answers one request. False when the connection must be closed."""
-        magic, version, op, id_len, num_blocks, pieces, piece, dtype = REQUEST.unpack(head)
-        if magic != MAGIC or version != VERSION or id_len > MAX_REQUEST_ID:
+        magic, version, op, id_len, num_blocks, pieces, piece, dtype, token = REQUEST.unpack(head)
+        if magic != MAGIC or version != VERSION:
             self._reply_error(conn, BAD_REQUEST, f"not a pdserve KV request (version {version})", deadline)
+            return False
+        # Every size is checked before anything of that size is read or allocated: a request can
+        # name at most every block of this cache once.
+        if id_len > MAX_REQUEST_ID or num_blocks > self._layout[0]:
+            self._reply_error(
+                conn,
+                BAD_REQUEST,
+                f"a request id of {id_len} bytes (at most {MAX_REQUEST_ID}) or {num_blocks} blocks "
+                f"(this cache has {self._layout[0]})",
+                deadline,
+            )
             return False
         try:
             body = recv_exact(conn, id_len + 4 * num_blocks, deadline)  # one call: it came in one
             request_id = body[:id_len].decode()
         except (OSError, UnicodeDecodeError):
             return False
-        return self._handle(conn, op, request_id, unpack_ids(body[id_len:]), (pieces, piece, dtype), deadline)
+        return self._handle(
+            conn, op, request_id, token, unpack_ids(body[id_len:]), (pieces, piece, dtype), deadline
+        )
 
     def _handle(
         self,
         conn: socket.socket,
         op: int,
         request_id: str,
+        token: bytes,
         blocks: list[int],
         layout: tuple[int, int, bytes],
         deadline: float,
@@ -180,7 +204,7 @@ class TcpExporter(KVExporter):
                 conn.shutdown(socket.SHUT_RDWR)
 
         try:
-            lease = self.leases.acquire(request_id, blocks, abort)
+            lease = self.leases.acquire(request_id, token, blocks, abort)
         except LeaseError as exc:
             return self._reply_error(conn, NO_LEASE, str(exc), deadline)
         num_blocks, pieces, piece, _ = self._layout
@@ -235,9 +259,15 @@ class TcpImporter(KVImporter):
     """Decode side of `tcp`: pulls blocks from a `TcpExporter` into this worker's cache."""
 
     def __init__(
-        self, kv_cache: torch.Tensor, faults: FaultInjector | None = None, max_idle_per_address: int = 4
+        self,
+        kv_cache: torch.Tensor,
+        faults: FaultInjector | None = None,
+        max_idle_per_address: int = 4,
+        *,
+        secret: bytes,
     ) -> None:
         super().__init__(kv_cache, faults)  # [L, 2, NB, BS, KVH, D]
+        self._secret = secret  # the deployment's KV secret: each new connection proves it
         self._flat = cache_bytes(kv_cache)
         self._layout = layout_of(kv_cache)
         self.max_idle_per_address = max_idle_per_address
@@ -245,14 +275,20 @@ class TcpImporter(KVImporter):
         self._lock = threading.Lock()
 
     def _pull(self, address: str, src_blocks: list[int], dst_blocks: list[int], timeout: float) -> int:
-        return self._pull_request("", address, src_blocks, dst_blocks, timeout)
+        return self._pull_request("", b"", address, src_blocks, dst_blocks, timeout)
 
     def _pull_request(
-        self, request_id: str, address: str, src_blocks: list[int], dst_blocks: list[int], timeout: float
+        self,
+        request_id: str,
+        lease_token: bytes,
+        address: str,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        timeout: float,
     ) -> int:
         deadline = time.monotonic() + timeout
         num_blocks, pieces, piece, _ = self._layout
-        request = self.request(OP_PULL, request_id, src_blocks)
+        request = self.request(OP_PULL, request_id, src_blocks, lease_token)
         sock: socket.socket | None
         sock, reply = self.exchange(address, request, deadline, timeout)
         try:
@@ -280,11 +316,11 @@ class TcpImporter(KVImporter):
             if sock is not None:
                 sock.close()  # mid-stream: this connection can never be reused
 
-    def request(self, op: int, request_id: str, blocks: Sequence[int]) -> bytes:
+    def request(self, op: int, request_id: str, blocks: Sequence[int], lease_token: bytes = b"") -> bytes:
         """A request of kind `op`, carrying this side's layout (the exporter refuses a mismatch)."""
         _, pieces, piece, dtype = self._layout
         rid = request_id.encode()
-        head = REQUEST.pack(MAGIC, VERSION, op, len(rid), len(blocks), pieces, piece, dtype)
+        head = REQUEST.pack(MAGIC, VERSION, op, len(rid), len(blocks), pieces, piece, dtype, lease_token)
         return head + rid + pack_ids(blocks)
 
     def call(
@@ -295,13 +331,14 @@ class TcpImporter(KVImporter):
         blocks: Sequence[int],
         timeout: float,
         sock: socket.socket | None = None,
+        lease_token: bytes = b"",
     ) -> tuple[bytes, socket.socket]:
         """One request with a small reply (side-channel operations). Returns the reply's payload
         and the connection, which the caller owns: `put_back` it, or pass it as `sock` to go on
         on the same connection. On any error the connection is closed or back in the pool."""
         deadline = time.monotonic() + timeout
         sock, (_, _, status, msg_len, payload) = self.exchange(
-            address, self.request(op, request_id, blocks), deadline, timeout, sock
+            address, self.request(op, request_id, blocks, lease_token), deadline, timeout, sock
         )
         try:
             error = self._refused(address, sock, status, msg_len, deadline) if status != OK else None
@@ -380,7 +417,12 @@ class TcpImporter(KVImporter):
             raise TransferError(f"connecting to {address} timed out after {timeout:.1f} s") from exc
         except OSError as exc:
             raise TransferError(f"cannot connect to KV exporter {address}: {exc}") from exc
-        tune_socket(sock)
+        try:
+            tune_socket(sock)
+            handshake_as_importer(sock, self._secret, address, deadline)
+        except BaseException:
+            sock.close()
+            raise
         return sock, False
 
     def put_back(self, address: str, sock: socket.socket) -> None:

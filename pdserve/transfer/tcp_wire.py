@@ -4,7 +4,13 @@ Stream order of a payload: for each of the L*2 (layer, K/V) planes, the requeste
 request order, each one [block_size, kv_heads, head_dim] piece. Each side cuts that stream into
 its own runs of consecutive block ids, so the source and destination block ids are independent.
 
-Request:  REQUEST header, request id (utf-8), num_blocks little-endian uint32 block ids.
+Handshake, once per connection, before any request (mutual, by the deployment's KV secret):
+  exporter -> HELLO (its nonce); importer -> AUTH (its nonce, HMAC-SHA256 over both nonces);
+  exporter -> PROOF (its HMAC over both nonces, the other way round). A side that gets a wrong
+  HMAC closes the connection: neither talks to a peer that does not hold the secret.
+Request:  REQUEST header (with the lease's token), request id (utf-8), num_blocks little-endian
+          uint32 block ids. The exporter checks every size in the header against its own cache
+          before it reads or allocates anything.
 Reply:    REPLY header, then `payload_bytes` of blocks (status OK) or an error text (otherwise).
 
 Blocks go out and come in as memoryviews of the KV cache tensor itself (`cache_bytes`,
@@ -13,7 +19,10 @@ Blocks go out and come in as memoryviews of the KV cache tensor itself (`cache_b
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
+import secrets
 import socket
 import struct
 import sys
@@ -26,9 +35,15 @@ import torch
 from pdserve.transfer.base import TransferError
 
 MAGIC = b"PDKV"
-VERSION = 1
-# magic, version, op, request id bytes, num blocks, pieces per block (L*2), piece bytes, dtype
-REQUEST = struct.Struct("<4sBBHIIQ16s")
+VERSION = 2
+# magic, version, op, request id bytes, num blocks, pieces per block (L*2), piece bytes, dtype,
+# the lease's token (pdserve.transfer.base.LeaseTable)
+REQUEST = struct.Struct("<4sBBHIIQ16s16s")
+NONCE_BYTES = 32
+HELLO = struct.Struct(f"<4sB{NONCE_BYTES}s")  # magic, version, the exporter's nonce
+AUTH = struct.Struct(f"<4sB{NONCE_BYTES}s32s")  # magic, version, the importer's nonce, its HMAC
+PROOF = struct.Struct("<4sB32s")  # magic, version, the exporter's HMAC
+HANDSHAKE_TIMEOUT = 5.0  # seconds for the whole handshake, on either side
 # magic, version, status, message bytes, payload bytes
 REPLY = struct.Struct("<4sBBIQ")
 
@@ -44,6 +59,57 @@ STATUS_TEXT = {
 _IOV_MAX = 512  # buffers per sendmsg / recvmsg_into call (Linux allows 1024)
 MAX_REQUEST_ID = 1024
 _SOCKET_BUFFER = 4 << 20  # a large window keeps loopback and LAN transfers streaming
+
+
+def _mac(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(secret, b"pdserve-kv/" + role + first + second, hashlib.sha256).digest()
+
+
+def handshake_as_exporter(sock: socket.socket, secret: bytes) -> bool:
+    """The exporter's side of the handshake. False (nothing sent after HELLO) if the importer did
+    not prove that it holds `secret`, or did not answer within HANDSHAKE_TIMEOUT."""
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+    mine = secrets.token_bytes(NONCE_BYTES)
+    try:
+        send_views(sock, [memoryview(HELLO.pack(MAGIC, VERSION, mine))], deadline)
+        magic, version, theirs, mac = AUTH.unpack(recv_exact(sock, AUTH.size, deadline))
+    except (OSError, ConnectionError):
+        return False
+    if (
+        magic != MAGIC
+        or version != VERSION
+        or not hmac.compare_digest(mac, _mac(secret, b"importer", mine, theirs))
+    ):
+        return False
+    try:
+        send_views(
+            sock, [memoryview(PROOF.pack(MAGIC, VERSION, _mac(secret, b"exporter", theirs, mine)))], deadline
+        )
+    except OSError:
+        return False
+    return True
+
+
+def handshake_as_importer(sock: socket.socket, secret: bytes, address: str, deadline: float) -> None:
+    """The importer's side: raises TransferError unless the exporter proves it holds `secret`."""
+    deadline = min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT)
+    mine = secrets.token_bytes(NONCE_BYTES)
+    try:
+        magic, version, theirs = HELLO.unpack(recv_exact(sock, HELLO.size, deadline))
+        if magic != MAGIC or version != VERSION:
+            raise TransferError(f"{address} is not a pdserve KV exporter of version {VERSION}")
+        auth = AUTH.pack(MAGIC, VERSION, mine, _mac(secret, b"importer", theirs, mine))
+        send_views(sock, [memoryview(auth)], deadline)
+        head = recv_exact(sock, PROOF.size, deadline, eof_ok=True)
+    except TimeoutError as exc:
+        raise TransferError(f"the KV handshake with {address} timed out") from exc
+    except (OSError, ConnectionError) as exc:
+        raise TransferError(f"the KV handshake with {address} failed: {exc}") from exc
+    if not head:
+        raise TransferError(f"{address} refused this worker's KV key: not of the same deployment?")
+    _, _, proof = PROOF.unpack(head)
+    if not hmac.compare_digest(proof, _mac(secret, b"exporter", mine, theirs)):
+        raise TransferError(f"{address} could not prove it holds the deployment's KV key: refused")
 
 
 def parse_address(address: str) -> tuple[str, int]:

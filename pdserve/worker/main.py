@@ -132,9 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine, _ = build_engine(config.engine, kv_allocator=allocator, eos_token_ids=config.eos_token_ids)
         kv_cache = engine.runner.kv_cache  # [L, 2, NB, BS, KVH, D]
-        exporter = _make_exporter(config, kv_cache)
+        exporter = _make_exporter(config, kv_cache, secrets.kv_secret_bytes)
         if role is not Role.PREFILL:
-            importer = _make_importer(config.transport, kv_cache, FaultInjector(config.kv_fault_rate))
+            faults = FaultInjector(config.kv_fault_rate)
+            importer = _make_importer(config.transport, kv_cache, faults, secrets.kv_secret_bytes)
         kv_address = segment.name if segment is not None else exporter.address if exporter else ""
         server = WorkerServer(
             engine, config, kv_address, importer, secrets=secrets, exporter=exporter, on_bound=_report_ready
@@ -155,29 +156,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _make_exporter(config: WorkerConfig, kv_cache: torch.Tensor) -> KVExporter | None:
-    """The server for the transports that serve reads (shm needs none)."""
+def _make_exporter(config: WorkerConfig, kv_cache: torch.Tensor, secret: bytes) -> KVExporter | None:
+    """The server for the transports that serve reads (shm needs none); `secret`: the deployment's
+    KV secret, which every connection must prove."""
     if config.transport == "tcp":
         from pdserve.transfer.tcp import TcpExporter
 
-        return TcpExporter(kv_cache, config.kv_host, config.kv_port)
+        return TcpExporter(kv_cache, config.kv_host, config.kv_port, secret=secret)
     if config.transport == "nixl":
         from pdserve.transfer.nixl_backend import NixlExporter
 
-        return NixlExporter(kv_cache, config.kv_host, config.kv_port, name=f"pdserve-{config.worker_id}")
+        name = f"pdserve-{config.worker_id}"
+        return NixlExporter(kv_cache, config.kv_host, config.kv_port, name=name, secret=secret)
     return None
 
 
-def _make_importer(transport: str, kv_cache: torch.Tensor, faults: FaultInjector) -> KVImporter:
+def _make_importer(
+    transport: str, kv_cache: torch.Tensor, faults: FaultInjector, secret: bytes
+) -> KVImporter:
     """Decode (and mixed) side: backends are imported only when chosen."""
     if transport == "tcp":
         from pdserve.transfer.tcp import TcpImporter
 
-        return TcpImporter(kv_cache, faults)
+        return TcpImporter(kv_cache, faults, secret=secret)
     if transport == "nixl":
         from pdserve.transfer.nixl_backend import NixlImporter
 
-        return NixlImporter(kv_cache, faults)
+        return NixlImporter(kv_cache, faults, secret=secret)
     from pdserve.transfer.shm import ShmImporter
 
     return ShmImporter(kv_cache, faults)

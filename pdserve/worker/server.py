@@ -302,7 +302,8 @@ class WorkerServer:
                 handle.block_ids,
                 dst_blocks,
                 self.config.kv_pull_timeout,
-                request_id=handle.lease_id,  # names the holder's lease (tcp, nixl check it)
+                request_id=handle.lease_id,  # names the holder's lease (tcp, nixl check it) ...
+                lease_token=bytes.fromhex(handle.lease_token),  # ... and proves the right to it
             )
         except TransferError as exc:
             self._inbox.put(_KVDone(request_id, False, str(exc), 0, time.perf_counter() - started))
@@ -331,7 +332,7 @@ class WorkerServer:
         self._leases[request_id] = time.monotonic() + self.config.lease_seconds
         table = self.engine.kv.block_table(request_id)
         block_ids = list(table[: self.engine.kv.blocks_for_tokens(num_tokens)])
-        self._lease_started(request_id, block_ids)
+        token = self._lease_started(request_id, block_ids)
         return wire.KVHandle(
             worker_id=self.config.worker_id,
             transport=self.config.transport,
@@ -340,6 +341,7 @@ class WorkerServer:
             num_tokens=num_tokens,
             lease_expires_at=time.time() + self.config.lease_seconds,
             lease_id=request_id,
+            lease_token=token.hex(),
         )
 
     # -- outputs --------------------------------------------------------------------------------------
@@ -382,9 +384,11 @@ class WorkerServer:
                 )
 
     # -- lease hooks for the KV exporter ------------------------------------------------------------
-    def _lease_started(self, request_id: str, block_ids: list[int]) -> None:
+    def _lease_started(self, request_id: str, block_ids: list[int]) -> bytes:
+        """The lease's token: a pull must show it (b"" with shm, whose reads have no server)."""
         if self.exporter is not None:
-            self.exporter.register(request_id, block_ids)
+            return self.exporter.register(request_id, block_ids)
+        return b""
 
     def _lease_ended(self, request_id: str) -> None:
         """Before the blocks are freed: the exporter stops serving them (it waits for, or cuts, a
