@@ -8,7 +8,12 @@ class PdserveError(Exception):
 class InvalidRequestError(PdserveError, ValueError):
     """The caller asked for something that cannot be served (bad prompt, bad sampling parameters).
 
-    Raised before any work is queued, so nothing is lost and nothing leaks."""
+    Raised before any work is queued, so nothing is lost and nothing leaks. `param`: the field
+    of the request that is wrong, where one is (OpenAI's error body names it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(PdserveError):

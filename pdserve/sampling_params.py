@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pdserve.errors import InvalidRequestError
@@ -97,4 +98,5 @@ class SamplingParams:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
+    # Not NaN, not an infinity: either would poison every logit it touches.
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -69,6 +69,8 @@ def _check(o: dict[str, Any]) -> None:
                 f"pool {pool}: need 0 <= --{pool}-min <= --{pool} <= --{pool}-max, got {low} <= {replicas} <= {high}"
             )
     access_keys(o)  # a bad key file fails here
+    if o["max_body_bytes"] < 1024 or o["body_timeout"] <= 0:
+        raise PdserveError("--max-body-bytes must be >= 1024 and --body-timeout > 0")
     if o["drain_timeout"] <= 0:
         raise PdserveError("--drain-timeout must be > 0")
     unused = set(o["pools"]) - set(pool_replicas(o))
@@ -291,6 +293,7 @@ def run(o: dict[str, Any]) -> int:
             prefill_timeout=o["prefill_timeout"],
             token_timeout=o["token_timeout"],
             max_in_flight=o["max_in_flight"],
+            max_queued_prompt_tokens=o["max_queued_prompt_tokens"],
             slo=router_slo(o).override(
                 None, o["pools"].get("decode", o["pools"].get("colocated", {})).get("slo_itl_ms")
             ),
@@ -300,6 +303,8 @@ def run(o: dict[str, Any]) -> int:
         heartbeat_timeout=o["heartbeat_timeout"],
         stall_timeout=o["stall_timeout"],
         keys=keys,
+        max_body_bytes=o["max_body_bytes"],
+        body_timeout=o["body_timeout"],
     )
     secrets = DeploymentSecrets.generate()  # in memory only: a restart makes new ones
     router = Router(settings, tokenizer, eos, secrets.router)

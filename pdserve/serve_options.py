@@ -94,6 +94,21 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     ),
     "token_timeout": (float, _default(_R, "token_timeout"), "longest wait for the next token of a stream"),
     "max_in_flight": (int, _default(_R, "max_in_flight"), "requests admitted at once; more get 429"),
+    "max_queued_prompt_tokens": (
+        int,
+        _default(_R, "max_queued_prompt_tokens"),
+        "prompt tokens queued per prefill (or colocated) worker; a prompt beyond it gets 429",
+    ),
+    "max_body_bytes": (
+        int,
+        _default(RouterSettings, "max_body_bytes"),
+        "a completion or chat body larger than this is refused with 413",
+    ),
+    "body_timeout": (
+        float,
+        _default(RouterSettings, "body_timeout"),
+        "seconds a client has to send its whole request body (408 after)",
+    ),
     "lease_seconds": (
         float,
         _default(_W, "lease_seconds"),

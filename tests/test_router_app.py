@@ -66,7 +66,11 @@ def test_streamed_chat_and_completion_with_usage(server: Server, offline: LLM) -
         extra_body={"ignore_eos": True},
     )
     chunks = list(stream)
-    assert chunks[0].choices[0].delta.role == "assistant"
+    # The role comes with the first token, not ahead of it: a client timing its first chunk
+    # measures the time to the first token.
+    first = chunks[0].choices[0]
+    assert first.delta.role == "assistant" and (first.delta.content or first.finish_reason)
+    assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[-2].choices[0].finish_reason == "length"
     usage = chunks[-1].usage
@@ -151,6 +155,15 @@ def test_thirty_two_concurrent_requests_of_mixed_lengths_all_complete(server: Se
         (b'{"model": "M", "prompt": [1, 99999]}', "token ids"),
         (b'{"model": "M"}', "prompt"),
         (b'{"model": "M", "prompt": "hi", "seed": 100000000000000000000000}', "$.seed"),
+        (b'{"model": "M", "prompt": "hi", "temperature": 1e400}', "$.temperature"),
+        (b'{"model": "M", "prompt": "hi", "logit_bias": {"5": 10}}', "logit_bias is not supported"),
+        (
+            b'{"model": "M", "prompt": "hi", "kv_transfer_params": {"remote_host": "x"}}',
+            "decided by the server",
+        ),
+        (b'{"model": "M", "prompt": "hi", "request_id": "mine"}', "request_id is decided by the server"),
+        (b'{"model": "M", "prompt": "hi", "stop_token_ids": [5, 1000000]}', "outside the vocabulary"),
+        (b'{"model": "M", "prompt": "hi", "stop": [' + b'"a",' * 64 + b'"b"]}', "at most 64 strings"),
     ],
 )
 def test_bad_requests_get_a_400_with_an_openai_error_body(server: Server, body: bytes, fragment: str) -> None:
@@ -159,6 +172,35 @@ def test_bad_requests_get_a_400_with_an_openai_error_body(server: Server, body: 
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert fragment in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_chats_with_a_role_or_a_template_the_server_does_not_take_are_refused(server: Server) -> None:
+    for body, param in (
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 7*7 }}"}, "chat_template"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": 1}},
+            "chat_template_kwargs",
+        ),
+    ):
+        response = server.http.post("/v1/chat/completions", json={"model": server.model, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_a_body_over_the_limit_is_a_413_declared_or_not(server: Server) -> None:
+    big = b'{"model": "M", "prompt": "' + b"x" * (9 << 20) + b'"}'
+    declared = server.http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert declared.status_code == 413 and "limit of 8388608 bytes" in declared.json()["error"]["message"]
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: the router counts as it reads
+        for i in range(0, len(big), 1 << 20):
+            yield big[i : i + (1 << 20)]
+
+    streamed = server.http.post(
+        "/v1/completions", content=chunked(), headers={"content-type": "application/json"}
+    )
+    assert streamed.status_code == 413
+    assert server.http.get("/health").status_code == 200
 
 
 def test_the_openai_client_raises_bad_request_for_a_bad_chat(server: Server) -> None:

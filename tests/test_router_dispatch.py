@@ -15,7 +15,11 @@ import openai
 import pytest
 from serving import Server
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM, SamplingParams, wire
+from pdserve.router.dispatch import Dispatcher, Overloaded, RouterConfig
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.workers import WorkerSet
+from pdserve.security import CurveKeypair
 
 PROMPTS = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * (2 + i) for i in range(8)]
 
@@ -198,6 +202,24 @@ def test_a_burst_over_the_in_flight_limit_gets_429s_never_500s(tiny_llama: Path)
         statuses = asyncio.run(burst())
         assert set(statuses) <= {200, 429} and 429 in statuses and 200 in statuses, statuses
         server.wait_kv_free()
+
+        # A refusal says when to come back.
+        async def over_the_limit() -> httpx.Response:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                long = {"model": server.model, "prompt": PROMPTS[0], "max_tokens": 900, "ignore_eos": True}
+                blockers = [
+                    asyncio.ensure_future(client.post("/v1/completions", json=long)) for _ in range(2)
+                ]
+                await asyncio.sleep(0.5)
+                try:
+                    return await client.post(
+                        "/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 2}
+                    )
+                finally:
+                    assert [r.status_code for r in await asyncio.gather(*blockers)] == [200, 200]
+
+        refused = asyncio.run(over_the_limit())
+        assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1, refused.text
     finally:
         server.stop()
 
@@ -282,3 +304,32 @@ def test_the_cost_model_chooses_paths_and_refuses_what_would_miss_the_slo(
         server.wait_kv_free()
     finally:
         assert server.stop() == 0
+
+
+def test_a_prompt_that_would_overfill_its_pools_queue_is_refused_with_the_time_it_needs() -> None:
+    async def scenario() -> None:
+        workers = WorkerSet(keypair=CurveKeypair.generate())
+        try:
+            links = []
+            for worker_id, role in (
+                ("prefill-0", "prefill"),
+                ("prefill-1", "prefill"),
+                ("decode-0", "decode"),
+            ):
+                link = workers.add_worker(worker_id, role)
+                link._handle(wire.Ready(worker_id, role, "m", 8192, 49152, "shm", "", "", 512, 512, 64))
+                links.append(link)
+            dispatcher = Dispatcher(workers, RouterConfig(max_queued_prompt_tokens=1000), RouterMetrics())
+            dispatcher.check_queue(5000)  # an empty pool takes any one prompt, however long
+            links[0].queued_prompt_tokens, links[1].queued_prompt_tokens = 900, 600
+            links[0].prefill_tokens_per_s, links[1].prefill_tokens_per_s = 300.0, 200.0
+            dispatcher.check_queue(500)  # 1500 + 500 <= 2 workers x 1000
+            with pytest.raises(Overloaded, match="1500 prompt tokens queued") as refused:
+                dispatcher.check_queue(501)
+            assert refused.value.retry_after == pytest.approx(1500 / 500)
+            metric = dispatcher.metrics.queue_rejections.labels("prefill")._value.get()
+            assert metric == 1
+        finally:
+            await workers.close()
+
+    asyncio.run(scenario())

@@ -2,8 +2,15 @@
 
 No torch: text goes through `RouterTokenizer`, tokens through the `Dispatcher`. Bad input is a 400
 with OpenAI's error body before anything is queued; an empty decode pool is a 503, too many
-requests in flight a 429. A stream that fails after it started ends with an error event and
-`[DONE]`. A client that goes away (streaming or not) aborts its request on every worker.
+requests in flight a 429 with Retry-After. A stream that fails after it started ends with an error
+event and `[DONE]`. A client that goes away (streaming or not) aborts its request on every worker.
+
+Admission is bounded before it is costly: a body over `max_body_bytes` is a 413 (by its
+Content-Length, or as soon as it grows past the limit), a body slower than `body_timeout` a 408;
+a text whose length alone proves it longer than the context is a 400 before it is tokenized; the
+availability and in-flight checks come before tokenization; and the chat template and the
+tokenizer run on a thread pool (the tokenizer releases the GIL), so a huge prompt never stalls
+the event loop that carries every other stream and every worker's heartbeat.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +50,7 @@ from pdserve.router.dispatch import (
     Unavailable,
 )
 from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics
+from pdserve.router.openapi import build_openapi
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.workers import WorkerLink, WorkerSet, WorkerState
 from pdserve.security import CurveKeypair
@@ -59,6 +68,19 @@ class RouterSettings:
     signals_window: float = 30.0  # seconds of latency and demand the planner and /pools look at
     cold_start_seconds: float = 5.0  # a worker's first steps are left out of the cost model
     keys: AccessKeys = field(default_factory=AccessKeys)  # none: every route open (pdserve.router.auth)
+    # A completion or chat body above this is refused (413) before it is read whole. 8 MiB holds
+    # a 128k-token prompt as text or as token ids several times over.
+    max_body_bytes: int = 8 << 20
+    body_timeout: float = 30.0  # seconds for a client to send its whole body (408 after)
+    tokenizer_threads: int = 2  # chat templates and tokenization, off the event loop
+
+
+class BodyError(InvalidRequestError):
+    """A body too large (413) or too slow (408)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -82,6 +104,8 @@ class Router:
         self.pools: PoolControl | None = None
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        self._openapi = build_openapi(settings.model_name)
+        self._tokenize_pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="tokenize")
         self.metrics = RouterMetrics()
         self.workers = WorkerSet(
             heartbeat_timeout=settings.heartbeat_timeout,
@@ -104,6 +128,7 @@ class Router:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+                Route("/openapi.json", self.openapi, methods=["GET"]),
                 *admin_routes(lambda: self.pools),
             ],
             lifespan=self._lifespan,
@@ -129,6 +154,7 @@ class Router:
             if self.pools is not None:  # first: nothing may start a worker once the links go
                 await self.pools.close()
             await self.workers.close()
+            self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- endpoints ----------------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -158,6 +184,9 @@ class Router:
             return _json({"status": "unavailable", "reason": str(exc), "workers": workers}, 503)
         return _json({"status": "ok", "workers": workers})
 
+    async def openapi(self, _request: Request) -> Response:
+        return _json(self._openapi)
+
     async def metrics_endpoint(self, _request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -165,9 +194,11 @@ class Router:
     async def _serve(self, request: Request, chat: bool) -> Response:
         arrived = time.monotonic()
         try:
-            run = self._admit(await request.body(), chat, arrived)
+            run = await self._admit(await self._read_body(request), chat, arrived)
+        except BodyError as exc:
+            return self._reject(str(exc), "invalid_request_error", exc.status)
         except InvalidRequestError as exc:
-            return self._reject(str(exc), "invalid_request_error", 400)
+            return self._reject(str(exc), "invalid_request_error", 400, exc.param)
         except Unavailable as exc:
             return self._reject(str(exc), "service_unavailable", 503)
         except Overloaded as exc:
@@ -179,36 +210,57 @@ class Router:
             return StreamingResponse(self._stream(run), media_type="text/event-stream")
         return await self._whole(request, run)
 
-    def _reject(self, message: str, kind: str, status: int) -> Response:
+    def _reject(self, message: str, kind: str, status: int, param: str | None = None) -> Response:
         self.metrics.requests.labels("none", "rejected").inc()
-        return _json(oa.error_body(message, kind, status), status)
+        return _json(oa.error_body(message, kind, status, param), status)
 
-    def _admit(self, body: bytes, chat: bool, arrived: float) -> _Run:
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, within `max_body_bytes` and `body_timeout` (BodyError otherwise)."""
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        too_large = f"the request body is over this server's limit of {limit} bytes"
+        if declared.isdigit() and int(declared) > limit:
+            raise BodyError(too_large, 413)  # before a byte of it is read
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self.settings.body_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise BodyError(too_large, 413)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise BodyError(
+                f"the request body did not arrive within {self.settings.body_timeout:g} s", 408
+            ) from None
+        return b"".join(chunks)
+
+    async def _admit(self, body: bytes, chat: bool, arrived: float) -> _Run:
         req: oa.CompletionRequest | oa.ChatCompletionRequest
+        messages: list[dict[str, Any]] = []
+        prompt: str | list[int] = ""
         if chat:
             chat_req: oa.ChatCompletionRequest = oa.decode_body(body, oa.ChatCompletionRequest)
             messages = oa.check_chat(chat_req)
-            text = self.tokenizer.apply_chat_template(messages, chat_req.add_generation_prompt)
-            # The template already holds any BOS the model wants.
-            prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
             req = chat_req
         else:
             completion_req: oa.CompletionRequest = oa.decode_body(body, oa.CompletionRequest)
             oa.check_completion(completion_req)
             prompt = oa.prompt_of(completion_req)
             req = completion_req
-            prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-            vocab = self.tokenizer.vocab_size
-            if any(not 0 <= t < vocab for t in prompt_ids):
-                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         if req.model != self.settings.model_name:
             raise InvalidRequestError(
                 f"model {req.model!r} is not served here; this server serves {self.settings.model_name!r}"
             )
+        oa.check_token_ids(req, self.tokenizer.vocab_size)
+        # 503 / 429 before the costly part: an overloaded server refuses fast.
         self.dispatcher.check_available()
         context = self._max_model_len()
         if context is None:
             raise Unavailable("no worker is ready")
+        prompt_ids = await self._prompt_ids(chat, req, messages, prompt, context)
+        self.dispatcher.check_available()  # again: others may have been admitted meanwhile
         max_tokens = oa.requested_max_tokens(req)
         if len(prompt_ids) >= context:
             raise InvalidRequestError(
@@ -223,6 +275,7 @@ class Router:
                 f"({len(prompt_ids)} in the prompt, {max_tokens} to generate): lower max_tokens"
             )
         params = oa.sampling_params(req, max_tokens)  # raises InvalidRequestError (max_tokens < 1, ...)
+        self.dispatcher.check_queue(len(prompt_ids))  # raises Overloaded (the pool's queue is full)
         self.dispatcher.check_slo(len(prompt_ids))  # raises Overloaded (--reject-on-slo-miss)
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -244,6 +297,43 @@ class Router:
             ignore_eos=params.ignore_eos,
             arrived=arrived,
         )
+
+    async def _prompt_ids(
+        self,
+        chat: bool,
+        req: oa.CompletionRequest | oa.ChatCompletionRequest,
+        messages: list[dict[str, Any]],
+        prompt: str | list[int],
+        context: int,
+    ) -> list[int]:
+        """The prompt's token ids. Text is rendered and tokenized on the thread pool, after a check
+        that its length alone does not prove it too long for the context."""
+        loop = asyncio.get_running_loop()
+        if chat:
+            self._check_text_length(sum(len(m["content"]) for m in messages), context)
+            add_generation_prompt = isinstance(req, oa.ChatCompletionRequest) and req.add_generation_prompt
+            text = await loop.run_in_executor(
+                self._tokenize_pool, self.tokenizer.apply_chat_template, messages, add_generation_prompt
+            )
+            # The template already holds any BOS the model wants.
+            return await loop.run_in_executor(self._tokenize_pool, self.tokenizer.encode, text, False)
+        if isinstance(prompt, str):
+            self._check_text_length(len(prompt), context)
+            return await loop.run_in_executor(self._tokenize_pool, self.tokenizer.encode, prompt)
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        return prompt
+
+    def _check_text_length(self, chars: int, context: int) -> None:
+        """No token is longer than `max_token_chars`, so a text of N characters has at least
+        N / max_token_chars tokens: past the context that many, it is refused untokenized."""
+        at_least = -(-chars // self.tokenizer.max_token_chars)
+        if at_least >= context:
+            raise InvalidRequestError(
+                f"the prompt has {chars} characters, so at least {at_least} tokens, but the model's "
+                f"context is {context} tokens"
+            )
 
     async def _deltas(self, run: _Run) -> AsyncIterator[tuple[str, str | None, int | str | None]]:
         """(new text, finish reason, stop reason) as tokens arrive; records the latency metrics."""
@@ -273,16 +363,18 @@ class Router:
 
     async def _stream(self, run: _Run) -> AsyncIterator[bytes]:
         b = run.builder
+        role_sent = not b.chat
         try:
-            if b.chat:
-                yield _sse(b.chunk("", role=True))
             async for delta, finish, stop_reason in self._deltas(run):
                 if delta or finish is not None:
-                    yield _sse(b.chunk(delta, finish, stop_reason))
+                    # The role goes with the first token, as vLLM's server sends it: a client that
+                    # times its first chunk (vllm bench serve, aiperf, ...) then measures the TTFT.
+                    yield _sse(b.chunk(delta, finish, stop_reason, role=not role_sent))
+                    role_sent = True
             if run.include_usage:
                 yield _sse(b.usage_chunk(oa.usage(len(run.prompt_ids), len(run.output_ids))))
         except (RequestFailed, Unavailable, Overloaded) as exc:
-            logger.error("request %s failed mid-stream: %s", run.state.request_id, exc)
+            _log_failure(run.state.request_id, exc, "mid-stream")
             yield _sse(oa.error_body(str(exc), *_error_kind(exc)))
         yield b"data: [DONE]\n\n"
 
@@ -311,7 +403,7 @@ class Router:
         try:
             return work.result()
         except (RequestFailed, Unavailable, Overloaded) as exc:
-            logger.error("request %s failed: %s", run.state.request_id, exc)
+            _log_failure(run.state.request_id, exc)
             kind, status = _error_kind(exc)
             return _json(oa.error_body(str(exc), kind, status), status)
 
@@ -362,6 +454,14 @@ class Router:
             for state in WorkerState:
                 if state is not WorkerState.STOPPED:
                     m.pool_workers.labels(pool, state.value).set(counts[state])
+
+
+def _log_failure(request_id: str, exc: Exception, where: str = "") -> None:
+    """A failure after admission is an error; a 429 there (a burst that overtook the in-flight
+    limit while it was tokenized) is load, not a fault."""
+    level = logging.INFO if isinstance(exc, Overloaded) else logging.ERROR
+    logger.log(level, "request %s %s%s: %s", request_id, "refused" if level == logging.INFO else "failed",
+               f" {where}" if where else "", exc)  # fmt: skip
 
 
 def _error_kind(exc: Exception) -> tuple[str, int]:

@@ -80,6 +80,10 @@ class RouterConfig:
     prefill_timeout: float = 300.0  # AddRequest -> first token on a prefill worker, queueing included
     token_timeout: float = 60.0  # the longest wait for the next token of a running stream
     max_in_flight: int = 512  # admitted requests; beyond this new ones get 429
+    # Prompt tokens sent to a pool's workers and not yet prefilled, per worker that is up: a prompt
+    # that would take the pool past this gets 429 (Retry-After: the time the queue needs). It
+    # bounds what a burst can pile up (router and worker memory, and waits no SLO accepts).
+    max_queued_prompt_tokens: int = 131072
     slo: SLO = field(default_factory=SLO)
     # 429 at admission when the pools are at their bounds and the predicted TTFT is above
     # slo_reject_factor x the TTFT SLO.
@@ -184,12 +188,31 @@ class Dispatcher:
             retry_after=max(1.0, wait),
         )
 
+    def check_queue(self, prompt_tokens: int) -> None:
+        """Overloaded (429) if this prompt would take its pool's queue past the limit."""
+        pool = "colocated" if self.workers.up("colocated") else "prefill"
+        links = self.workers.up(pool)
+        if not links:
+            return  # nothing up there: the path choice says so, more clearly
+        queued = sum(link.queued_prompt_tokens for link in links)
+        limit = self.config.max_queued_prompt_tokens * len(links)
+        if queued + prompt_tokens <= limit or queued == 0:  # an empty queue takes any one prompt
+            return
+        rates = [link.prefill_tokens_per_s for link in links if link.prefill_tokens_per_s]
+        retry_after = queued / sum(rates) if rates else 1.0
+        self.metrics.queue_rejections.labels(pool).inc()
+        raise Overloaded(
+            f"the {pool} pool has {queued} prompt tokens queued (limit {limit}): retry later",
+            retry_after=max(1.0, retry_after),
+        )
+
     def check_available(self) -> None:
         if not self.workers.up(*STREAM_POOLS):
             raise Unavailable("no decode worker is up: the decode pool is empty")
         if self.in_flight >= self.config.max_in_flight:
             raise Overloaded(
-                f"{self.in_flight} requests in flight (limit {self.config.max_in_flight}); retry later"
+                f"{self.in_flight} requests in flight (limit {self.config.max_in_flight}); retry later",
+                retry_after=1.0,
             )
 
     async def generate(

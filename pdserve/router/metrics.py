@@ -69,6 +69,12 @@ class RouterMetrics:
             ("path", "outcome"),
             registry=r,
         )
+        self.queue_rejections = Counter(
+            "pdserve_queue_rejections",
+            "Requests answered 429 because their pool's queued prompt tokens were at the limit",
+            ("pool",),
+            registry=r,
+        )
         self.auth_failures = Counter(
             "pdserve_auth_failures",
             "Requests refused with 401 for a missing or wrong key, by route kind (api, admin, metrics)",

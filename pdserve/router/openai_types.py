@@ -2,8 +2,11 @@
 
 Decoding a body into these types checks every field's type and names the field that is wrong
 ("Expected `int`, got `str` - at `$.max_tokens`"); fields we do not know are ignored, as OpenAI
-clients send many. What we know but do not support is refused with a clear 400 rather than
-silently ignored.
+clients send many. What we know but do not support is refused with a clear 400 naming it rather
+than silently ignored: the sampling fields of vLLM and OpenAI this server does not implement, and
+the fields no client may decide here (a chat template or its arguments, KV-transfer parameters,
+request ids): the server's own template renders every prompt, in Jinja's sandbox, and the server
+names every request.
 """
 
 from __future__ import annotations
@@ -21,11 +24,57 @@ from pdserve.sampling_params import SamplingParams
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024  # per stop string: each is matched against the text after every token
+MAX_STOP_TOKEN_IDS = 1024
+# The roles the chat templates of the models served here know; a template told another role may
+# render it as something the model was never trained on.
+CHAT_ROLES = ("system", "user", "assistant")
+
+
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
+class _Refused(msgspec.Struct, kw_only=True):
+    """Fields a client may send that this server does not honour: any that is present is a 400."""
+
+    logit_bias: Any = msgspec.UNSET
+    chat_template: Any = msgspec.UNSET
+    chat_template_kwargs: Any = msgspec.UNSET
+    kv_transfer_params: Any = msgspec.UNSET
+    request_id: Any = msgspec.UNSET
+    guided_json: Any = msgspec.UNSET
+    guided_regex: Any = msgspec.UNSET
+    guided_choice: Any = msgspec.UNSET
+    guided_grammar: Any = msgspec.UNSET
+    structured_outputs: Any = msgspec.UNSET
+    prompt_logprobs: Any = msgspec.UNSET
+    use_beam_search: Any = msgspec.UNSET
+    length_penalty: Any = msgspec.UNSET
+    allowed_token_ids: Any = msgspec.UNSET
+    bad_words: Any = msgspec.UNSET
+    truncate_prompt_tokens: Any = msgspec.UNSET
+    logits_processors: Any = msgspec.UNSET
+    priority: Any = msgspec.UNSET
+    mm_processor_kwargs: Any = msgspec.UNSET
+    documents: Any = msgspec.UNSET
+    continue_final_message: Any = msgspec.UNSET
+    tool_choice: Any = msgspec.UNSET
+    parallel_tool_calls: Any = msgspec.UNSET
+    functions: Any = msgspec.UNSET
+    function_call: Any = msgspec.UNSET
+    audio: Any = msgspec.UNSET
+    modalities: Any = msgspec.UNSET
+    prediction: Any = msgspec.UNSET
+
+
+REFUSED_FIELDS = _Refused.__struct_fields__
+# Fields vLLM takes that steer things the server must decide for itself.
+_SERVER_DECIDES = frozenset({"chat_template", "chat_template_kwargs", "kv_transfer_params", "request_id"})
+
+
+class _SamplingFields(_Refused, kw_only=True):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -90,12 +139,37 @@ def decode_body(body: bytes, kind: type[CompletionRequest] | type[ChatCompletion
 
 
 def check_common(req: _SamplingFields) -> None:
+    for name in REFUSED_FIELDS:
+        if getattr(req, name) is not msgspec.UNSET:
+            why = (
+                "is decided by the server, not the client" if name in _SERVER_DECIDES else "is not supported"
+            )
+            raise InvalidRequestError(f"{name} {why} on this server: leave it out", param=name)
     if req.n != 1:
-        raise InvalidRequestError("only n=1 is supported")
+        raise InvalidRequestError("only n=1 is supported", param="n")
     if req.stream_options is not None and not req.stream:
-        raise InvalidRequestError("stream_options is only allowed when stream is true")
+        raise InvalidRequestError(
+            "stream_options is only allowed when stream is true", param="stream_options"
+        )
     if req.min_tokens:
-        raise InvalidRequestError("min_tokens is not supported")
+        raise InvalidRequestError("min_tokens is not supported", param="min_tokens")
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise InvalidRequestError(
+            f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters", param="stop"
+        )
+    if len(req.stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
+
+
+def check_token_ids(req: _SamplingFields, vocab_size: int) -> None:
+    """Token ids a request names must exist in the model's vocabulary."""
+    outside = [t for t in req.stop_token_ids or [] if not 0 <= t < vocab_size]
+    if outside:
+        raise InvalidRequestError(
+            f"stop_token_ids {outside[:4]} are outside the vocabulary [0, {vocab_size})",
+            param="stop_token_ids",
+        )
 
 
 def check_completion(req: CompletionRequest) -> None:
@@ -123,6 +197,12 @@ def check_chat(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         raise InvalidRequestError("messages must hold at least one message")
     messages = []
     for i, message in enumerate(req.messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"messages[{i}].role {message.role!r} is not one this server's chat template knows "
+                f"({', '.join(CHAT_ROLES)})",
+                param=f"messages[{i}].role",
+            )
         content = message.content
         if isinstance(content, list):
             parts = []

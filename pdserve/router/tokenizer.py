@@ -13,6 +13,7 @@ this one) and cached; see `pdserve.models.gguf_tokenizer.tokenizer_cache_dir`.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -60,7 +61,9 @@ class RouterTokenizer:
 
     # -- encoding and decoding ------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it): a long text tokenized on
+        # another thread then leaves the event loop free.
+        ids: list[int] = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._prepend_bos and ids[:1] != [self.bos_token_id]:
             assert self.bos_token_id is not None
             ids = [self.bos_token_id, *ids]
@@ -69,6 +72,12 @@ class RouterTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         text: str = self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return text
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters in the longest token (as the vocabulary spells it, which is never shorter
+        than its text): a text of N characters has at least N / this many tokens."""
+        return max(1, max(len(t) for t in self._tokenizer.get_vocab(with_added_tokens=True)))
 
     @property
     def vocab_size(self) -> int:

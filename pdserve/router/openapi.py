@@ -1,0 +1,162 @@
+"""The router's OpenAPI 3.1 document (`GET /openapi.json`), made from the same msgspec types that
+decode the bodies, so the document and the server cannot disagree on a field. No torch.
+
+Fields the server refuses (pdserve.router.openai_types._Refused) are left out of it: a client
+reading the document sees only what works. Responses list every status the route may answer
+(400, 401, 408, 413, 429, 503, ...), each with OpenAI's error body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pdserve.router import openai_types as oa
+from pdserve.router.admin import DrainBody, ScaleBody
+
+_REF = "#/components/schemas/{name}"
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["integer", "string", "null"]},
+            },
+        }
+    },
+}
+_STATUS_TEXT = {
+    "400": "A bad request: the message (and `param`) says what is wrong",
+    "401": "A missing or wrong key (when the server has keys)",
+    "404": "No such pool or worker, or this router manages no pools",
+    "408": "The body did not arrive in time",
+    "413": "The body is over the server's limit",
+    "429": "Too many requests in flight, or an SLO the request would miss (see Retry-After)",
+    "503": "No worker can take it now",
+}
+
+
+def _errors(*codes: str) -> dict[str, Any]:
+    return {
+        code: {
+            "description": _STATUS_TEXT[code],
+            "content": {"application/json": {"schema": {"$ref": _REF.format(name="Error")}}},
+        }
+        for code in codes
+    }
+
+
+def _json_body(name: str, required: bool = True) -> dict[str, Any]:
+    return {
+        "required": required,
+        "content": {"application/json": {"schema": {"$ref": _REF.format(name=name)}}},
+    }
+
+
+def _ok(description: str, media: str = "application/json") -> dict[str, Any]:
+    return {"200": {"description": description, "content": {media: {"schema": {}}}}}
+
+
+def _any_value(kind: type) -> dict[str, Any]:
+    """ScaleBody.replicas is typed `object` (the pool manager checks it, to name the bounds)."""
+    if kind is object:
+        return {"description": "any JSON value (the server names what it accepts)"}
+    raise NotImplementedError(kind)
+
+
+def build_openapi(model_name: str) -> dict[str, Any]:
+    (_, components) = msgspec.json.schema_components(
+        [oa.CompletionRequest, oa.ChatCompletionRequest, ScaleBody, DrainBody],
+        schema_hook=_any_value,
+        ref_template=_REF,
+    )
+    for schema in components.values():  # what is refused is not offered
+        for name in oa.REFUSED_FIELDS:
+            schema.get("properties", {}).pop(name, None)
+    for body in ("CompletionRequest", "ChatCompletionRequest"):  # the one model served here
+        components[body]["properties"]["model"] = {"type": "string", "enum": [model_name]}
+    components["ChatMessage"]["properties"]["role"] = {"type": "string", "enum": list(oa.CHAT_ROLES)}
+    components["Error"] = _ERROR
+    generation = ("400", "401", "408", "413", "429", "503")
+    pool_param = {"name": "pool", "in": "path", "required": True, "schema": {"type": "string"}}
+    worker_param = {"name": "worker", "in": "path", "required": True, "schema": {"type": "string"}}
+    paths: dict[str, Any] = {
+        "/v1/completions": {
+            "post": {
+                "summary": "A completion (streamed as server-sent events with stream: true)",
+                "requestBody": _json_body("CompletionRequest"),
+                "responses": {**_ok("The completion, or its events"), **_errors(*generation)},
+            }
+        },
+        "/v1/chat/completions": {
+            "post": {
+                "summary": "A chat completion (streamed as server-sent events with stream: true)",
+                "requestBody": _json_body("ChatCompletionRequest"),
+                "responses": {**_ok("The chat completion, or its events"), **_errors(*generation)},
+            }
+        },
+        "/v1/models": {
+            "get": {"summary": "The model served", "responses": {**_ok("The model list"), **_errors("401")}}
+        },
+        "/health": {
+            "get": {
+                "summary": "Whether a request can be served now, and each worker's state (no key needed)",
+                "responses": {**_ok("Serving"), "503": {"description": "Not serving now"}},
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics",
+                "responses": {**_ok("Metrics", "text/plain"), **_errors("401")},
+            }
+        },
+        "/pools": {
+            "get": {
+                "summary": "Each pool's target, bounds, workers and planner (admin key)",
+                "responses": {**_ok("The pools"), **_errors("401", "404")},
+            }
+        },
+        "/pools/{pool}": {
+            "put": {
+                "summary": "Scale a pool within its bounds (admin key)",
+                "parameters": [pool_param],
+                "requestBody": _json_body("ScaleBody"),
+                "responses": {**_ok("The pool's new target"), **_errors("400", "401", "404")},
+            }
+        },
+        "/pools/{pool}/rebalance": {
+            "post": {
+                "summary": "Move streams from a pool's busiest workers to its idlest (admin key)",
+                "parameters": [pool_param],
+                "responses": {**_ok("The streams moved"), **_errors("400", "401", "404")},
+            }
+        },
+        "/workers/{worker}/drain": {
+            "post": {
+                "summary": "Drain a worker (its streams move, nothing is lost), then stop it (admin key)",
+                "parameters": [worker_param],
+                "requestBody": _json_body("DrainBody", required=False),
+                "responses": {**_ok("The worker's state"), **_errors("400", "401", "404")},
+            }
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "pdserve",
+            "version": "1",
+            "description": f"OpenAI-compatible API of a pdserve router serving {model_name!r}",
+        },
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
