@@ -9,6 +9,7 @@ from pdserve.errors import InvalidRequestError
 
 # Below this a temperature is treated as greedy: dividing logits by ~0 only amplifies noise.
 GREEDY_TEMPERATURE = 1e-5
+MAX_LOGIT_BIAS = 1024  # entries: each one is a write into the step's logits
 
 
 @dataclass
@@ -20,7 +21,8 @@ class SamplingParams:
     the output; `stop_token_ids` end the request after that token (also not included in text).
     `logprobs=k` returns the log-probability of each chosen token and of the k most likely ones
     (k=0: the chosen token only), from the model's raw distribution, before penalties and
-    temperature.
+    temperature. `logit_bias` ({token id: bias in [-100, 100]}, as in OpenAI's API) is added to
+    the logits before penalties and sampling: -100 bans a token, +100 all but forces it.
     """
 
     max_tokens: int = 16
@@ -38,6 +40,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # As in vLLM and OpenAI's API: None means none, and one string means a list of one.
@@ -85,6 +88,22 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             raise bad(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        if (
+            not isinstance(self.logit_bias, dict)
+            or len(self.logit_bias) > MAX_LOGIT_BIAS
+            or not all(
+                isinstance(t, int)
+                and not isinstance(t, bool)
+                and t >= 0
+                and _is_number(b)
+                and -100 <= b <= 100
+                for t, b in self.logit_bias.items()
+            )
+        ):
+            raise bad(
+                f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids >= 0 to biases in [-100, 100], "
+                f"got {self.logit_bias!r}"[:300]
+            )
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int)
             or isinstance(self.logprobs, bool)

@@ -34,12 +34,14 @@ class WireSamplingParams(msgspec.Struct, frozen=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: dict[int, float] = {}
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> WireSamplingParams:
         # Every field here has the same name in SamplingParams.
         fields = {name: getattr(p, name) for name in cls.__struct_fields__}
         fields["stop_token_ids"] = list(p.stop_token_ids)
+        fields["logit_bias"] = dict(p.logit_bias)
         return cls(**fields)
 
     def to_params(self) -> SamplingParams:

@@ -156,7 +156,10 @@ def test_thirty_two_concurrent_requests_of_mixed_lengths_all_complete(server: Se
         (b'{"model": "M"}', "prompt"),
         (b'{"model": "M", "prompt": "hi", "seed": 100000000000000000000000}', "$.seed"),
         (b'{"model": "M", "prompt": "hi", "temperature": 1e400}', "$.temperature"),
-        (b'{"model": "M", "prompt": "hi", "logit_bias": {"5": 10}}', "logit_bias is not supported"),
+        (b'{"model": "M", "prompt": "hi", "logit_bias": {"five": 10}}', "logit_bias keys must be token ids"),
+        (b'{"model": "M", "prompt": "hi", "logit_bias": {"5": 101}}', "biases in [-100, 100]"),
+        (b'{"model": "M", "prompt": "hi", "logit_bias": {"999999": 1}}', "outside the vocabulary"),
+        (b'{"model": "M", "prompt": "hi", "guided_json": {}}', "guided_json is not supported"),
         (
             b'{"model": "M", "prompt": "hi", "kv_transfer_params": {"remote_host": "x"}}',
             "decided by the server",
@@ -172,6 +175,26 @@ def test_bad_requests_get_a_400_with_an_openai_error_body(server: Server, body: 
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert fragment in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_logit_bias_bans_and_forces_tokens_on_both_paths(server: Server, offline: LLM) -> None:
+    for prompt in (LONG_PROMPTS[1], SHORT_PROMPTS[0]):  # remote and local prefill
+        ids = offline.get_tokenizer().encode(prompt)
+        plain = offline.generate([ids], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+        first = plain.outputs[0].token_ids[0]
+        banned = server.client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=4, temperature=0.0,
+            logit_bias={str(first): -100}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        expected = offline.generate(
+            [ids], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logit_bias={first: -100.0})
+        )[0]
+        assert banned.choices[0].text == expected.outputs[0].text != plain.outputs[0].text
+        forced = server.client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=3, temperature=0.7, seed=1,
+            logit_bias={"65": 100}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert forced.choices[0].text == offline.get_tokenizer().decode([65, 65, 65])
 
 
 def test_chats_with_a_role_or_a_template_the_server_does_not_take_are_refused(server: Server) -> None:

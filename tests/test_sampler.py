@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pdserve.engine.sampler import SamplingRow, sample
+from pdserve.errors import InvalidRequestError
 from pdserve.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -249,3 +250,22 @@ def test_logprobs_are_the_raw_log_softmax_and_top_k_is_sorted(k: int) -> None:
         assert values == sorted(values, reverse=True)
         for token_id, value in lp.top.items():
             assert value == pytest.approx(float(reference[i, token_id]), abs=1e-6)
+
+
+def test_logit_bias_bans_and_forces_tokens_and_leaves_the_logprobs_raw() -> None:
+    logits = random_logits(3)
+    best = logits.argmax(dim=-1).tolist()
+    banned = SamplingParams(temperature=0, logit_bias={best[0]: -100.0}, logprobs=0)
+    forced = SamplingParams(temperature=0.9, logit_bias={7: 100.0})
+    plain = SamplingParams(temperature=0)
+    tokens, logprobs = sample(logits.clone(), [row(banned, None), row(forced, 1), row(plain, None)])
+    second = logits[0].clone()
+    second[best[0]] = float("-inf")
+    assert tokens[0] == int(second.argmax()) and tokens[1] == 7 and tokens[2] == best[2]
+    # The reported logprob is the model's own, before the bias (as vLLM's default).
+    assert logprobs[0] is not None
+    assert logprobs[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[tokens[0]]))
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        SamplingParams(logit_bias={3: 101.0})
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        SamplingParams(logit_bias={-1: 1.0})

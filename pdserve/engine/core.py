@@ -144,6 +144,9 @@ class EngineCore:
         for token in prompt_token_ids:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
                 raise InvalidRequestError(f"token id {token!r} is outside the vocabulary [0, {vocab})")
+        outside = [t for t in (*params.stop_token_ids, *params.logit_bias) if t >= vocab]
+        if outside:
+            raise InvalidRequestError(f"token ids {outside[:4]} are outside the vocabulary [0, {vocab})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt_token_ids)} tokens but this engine's context is "

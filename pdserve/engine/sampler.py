@@ -28,9 +28,15 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     raw_logprobs = None
     if any(r.params.logprobs is not None for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)  # [S, V] the model's own distribution
-    if any(r.params.needs_penalties for r in rows):
+    if any(r.params.needs_penalties or r.params.logit_bias for r in rows):
         logits = logits.clone()
         for i, row in enumerate(rows):
+            if row.params.logit_bias:  # as OpenAI: on the logits, before everything else
+                ids = torch.tensor(list(row.params.logit_bias), dtype=torch.long, device=logits.device)
+                bias = torch.tensor(
+                    list(row.params.logit_bias.values()), dtype=logits.dtype, device=logits.device
+                )
+                logits[i].index_add_(0, ids, bias)
             if row.params.needs_penalties:
                 _apply_penalties(logits[i], row)
 

@@ -39,7 +39,6 @@ class StreamOptions(msgspec.Struct):
 class _Refused(msgspec.Struct, kw_only=True):
     """Fields a client may send that this server does not honour: any that is present is a 400."""
 
-    logit_bias: Any = msgspec.UNSET
     chat_template: Any = msgspec.UNSET
     chat_template_kwargs: Any = msgspec.UNSET
     kv_transfer_params: Any = msgspec.UNSET
@@ -94,6 +93,8 @@ class _SamplingFields(_Refused, kw_only=True):
     include_stop_str_in_output: bool = False
     min_tokens: Int64 = 0
     user: str | None = None
+    # OpenAI's shape: token ids as strings, biases in [-100, 100].
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -170,6 +171,23 @@ def check_token_ids(req: _SamplingFields, vocab_size: int) -> None:
             f"stop_token_ids {outside[:4]} are outside the vocabulary [0, {vocab_size})",
             param="stop_token_ids",
         )
+    bias = logit_bias_of(req)
+    if any(not 0 <= t < vocab_size for t in bias):
+        raise InvalidRequestError(
+            f"logit_bias names token ids outside the vocabulary [0, {vocab_size})", param="logit_bias"
+        )
+
+
+def logit_bias_of(req: _SamplingFields) -> dict[int, float]:
+    """logit_bias with integer keys; InvalidRequestError naming the field for a key that is not one."""
+    bias: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.isdigit() or len(key) > 12:
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids, got {key!r}"[:200], param="logit_bias"
+            )
+        bias[int(key)] = value
+    return bias
 
 
 def check_completion(req: CompletionRequest) -> None:
@@ -247,6 +265,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        logit_bias=logit_bias_of(req),
     )
 
 
