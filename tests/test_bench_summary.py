@@ -13,6 +13,7 @@ from pdserve.bench.summary import (
     parse_slos,
     percentile,
     read_records,
+    redacted_command,
     summarize,
     write_records,
 )
@@ -75,3 +76,20 @@ def test_records_round_trip_through_json_lines(tmp_path: Path) -> None:
     records = [record(0, 0.0, [0.1, 0.2], 2), record(1, 0.1, [], 0, error="x")]
     write_records(tmp_path / "r.jsonl", records)
     assert read_records(tmp_path / "r.jsonl") == records
+
+
+def test_a_recorded_command_line_never_holds_a_key() -> None:
+    argv = [
+        "pdserve",
+        "bench",
+        "--api-key",
+        "sk-secret",
+        "--admin-key=adm-secret",
+        "--model",
+        "m",
+        "--url",
+        "u",
+    ]
+    shown = redacted_command(argv)
+    assert "secret" not in shown
+    assert shown == "pdserve bench --api-key <redacted> --admin-key=<redacted> --model m --url u"

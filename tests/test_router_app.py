@@ -157,6 +157,10 @@ def test_thirty_two_concurrent_requests_of_mixed_lengths_all_complete(server: Se
         (b'{"model": "M", "prompt": "hi", "seed": 100000000000000000000000}', "$.seed"),
         (b'{"model": "M", "prompt": "hi", "temperature": 1e400}', "$.temperature"),
         (b'{"model": "M", "prompt": "hi", "logit_bias": {"five": 10}}', "logit_bias keys must be token ids"),
+        (
+            '{"model": "M", "prompt": "hi", "logit_bias": {"\u00b2": 1}}'.encode(),
+            "logit_bias keys must be token ids",
+        ),
         (b'{"model": "M", "prompt": "hi", "logit_bias": {"5": 101}}', "biases in [-100, 100]"),
         (b'{"model": "M", "prompt": "hi", "logit_bias": {"999999": 1}}', "outside the vocabulary"),
         (b'{"model": "M", "prompt": "hi", "guided_json": {}}', "guided_json is not supported"),

@@ -300,3 +300,34 @@ def test_forged_sizes_in_a_header_are_refused_before_anything_is_allocated(
         importer.pull(exporter.address, [0], [0], timeout=5.0, request_id="r", lease_token=token)
         == BLOCK_BYTES
     )
+
+
+def test_silent_strangers_cannot_take_an_importers_slot() -> None:
+    exp = TcpExporter(torch.randn(SHAPE), secret=SECRET, max_handshakes=2)
+    imp = TcpImporter(torch.zeros(SHAPE), secret=SECRET)
+    port = int(exp.address.rsplit(":", 1)[1])
+    try:
+        token = exp.register("r", [0])
+        assert imp.pull(exp.address, [0], [0], timeout=5.0, request_id="r", lease_token=token) == BLOCK_BYTES
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]  # say nothing
+        time.sleep(0.2)
+        # The pooled, authenticated connection still serves while they hold the handshake slots.
+        assert imp.pull(exp.address, [0], [0], timeout=5.0, request_id="r", lease_token=token) == BLOCK_BYTES
+        started = time.monotonic()
+        for sock in silent:  # each is dropped at the handshake timeout
+            sock.settimeout(5)
+            assert sock.recv(4096)  # the HELLO
+            assert sock.recv(4096) == b""
+            sock.close()
+        assert time.monotonic() - started < 4.0
+        fresh = TcpImporter(torch.zeros(SHAPE), secret=SECRET)  # a new connection gets through again
+        try:
+            assert (
+                fresh.pull(exp.address, [0], [0], timeout=5.0, request_id="r", lease_token=token)
+                == BLOCK_BYTES
+            )
+        finally:
+            fresh.close()
+    finally:
+        imp.close()
+        exp.close()

@@ -43,7 +43,7 @@ from pdserve.bench.report import (
     render_timelines,
 )
 from pdserve.bench.run import check_timeline_options, prepare
-from pdserve.bench.summary import RequestRecord, parse_slos, summarize, write_records
+from pdserve.bench.summary import RequestRecord, parse_slos, redacted_command, summarize, write_records
 from pdserve.bench.timeline import DEFAULT_POOL_SAMPLE_INTERVAL_S, DEFAULT_WINDOW_S, build_timeline
 from pdserve.bench.workload import NAMED_MIXES, parse_workload
 from pdserve.errors import PdserveError
@@ -324,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
         {label: summaries[name(label, scales[0])] for label in labels},
         described,
         first.describe(),
-        " ".join(sys.argv),
+        redacted_command(sys.argv),
         plots,
     )
     if interrupted:

@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.client import PreparedRequest, Progress, Target, run_load
-from pdserve.bench.summary import RequestRecord, format_summary, parse_slos, summarize, write_records
+from pdserve.bench.summary import (
+    RequestRecord,
+    format_summary,
+    parse_slos,
+    redacted_command,
+    summarize,
+    write_records,
+)
 from pdserve.bench.timeline import (
     DEFAULT_POOL_SAMPLE_INTERVAL_S,
     DEFAULT_WINDOW_S,
@@ -222,7 +229,7 @@ def write_outputs(
         "rate_scale": args.rate_scale,
         "endpoint": args.endpoint,
         "interrupted": interrupted,
-        "command": " ".join(sys.argv),
+        "command": redacted_command(sys.argv),
     }
     (out / "summary.json").write_text(json.dumps({"run": meta, **summary}, indent=2))
     from pdserve.bench.plots import plot_run, plot_timeline

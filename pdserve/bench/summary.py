@@ -205,3 +205,23 @@ def write_records(path: Path, records: Iterable[RequestRecord]) -> None:
 
 def read_records(path: Path) -> list[RequestRecord]:
     return [RequestRecord.from_json(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def redacted_command(argv: list[str]) -> str:
+    """The command line as a report records it, without the value of any --...-key flag: reports
+    are shared and committed, keys must not be."""
+    shown: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            shown.append("<redacted>")
+            hide_next = False
+        elif arg.startswith("--") and arg.split("=", 1)[0].endswith("-key"):
+            if "=" in arg:
+                shown.append(arg.split("=", 1)[0] + "=<redacted>")
+            else:
+                shown.append(arg)
+                hide_next = True
+        else:
+            shown.append(arg)
+    return " ".join(shown)

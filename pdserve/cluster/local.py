@@ -37,6 +37,7 @@ from pdserve.config import WORKER_CONFIG_ENV, WORKER_PARENT_ENV, WORKER_READY_FD
 from pdserve.security import WorkerSecrets, worker_env
 
 logger = logging.getLogger(__name__)
+ROUTER_KEY_ENV = ("PDSERVE_API_KEY", "PDSERVE_ADMIN_KEY", "PDSERVE_METRICS_KEY")
 
 
 def worker_command(
@@ -45,7 +46,8 @@ def worker_command(
     """The command line and environment of a worker process (without the ready fd). The worker id
     on the command line is only a label for `ps`; the configuration and the secrets are in the
     environment."""
-    env = dict(os.environ)
+    # Not the router's HTTP keys: a worker needs none of them, and nothing it starts should see them.
+    env = {k: v for k, v in os.environ.items() if k not in ROUTER_KEY_ENV}
     env.update(worker_env(secrets))
     env[WORKER_CONFIG_ENV] = msgspec.json.encode(config).decode()
     env[WORKER_PARENT_ENV] = str(os.getpid())

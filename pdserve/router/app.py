@@ -259,8 +259,12 @@ class Router:
         context = self._max_model_len()
         if context is None:
             raise Unavailable("no worker is ready")
-        prompt_ids = await self._prompt_ids(chat, req, messages, prompt, context)
-        self.dispatcher.check_available()  # again: others may have been admitted meanwhile
+        self.dispatcher.admitting += 1  # holds its place against the limit while it is tokenized
+        try:
+            prompt_ids = await self._prompt_ids(chat, req, messages, prompt, context)
+            self.dispatcher.check_available(admitting_self=True)  # the pools may have changed meanwhile
+        finally:
+            self.dispatcher.admitting -= 1
         max_tokens = oa.requested_max_tokens(req)
         if len(prompt_ids) >= context:
             raise InvalidRequestError(
@@ -320,6 +324,11 @@ class Router:
         if isinstance(prompt, str):
             self._check_text_length(len(prompt), context)
             return await loop.run_in_executor(self._tokenize_pool, self.tokenizer.encode, prompt)
+        if len(prompt) >= context:  # before the scan of every id
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens but the model's context is {context} tokens, "
+                "and at least one must be left to generate"
+            )
         vocab = self.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
@@ -405,7 +414,10 @@ class Router:
         except (RequestFailed, Unavailable, Overloaded) as exc:
             _log_failure(run.state.request_id, exc)
             kind, status = _error_kind(exc)
-            return _json(oa.error_body(str(exc), kind, status), status)
+            response = _json(oa.error_body(str(exc), kind, status), status)
+            if isinstance(exc, Overloaded) and exc.retry_after is not None:
+                response.headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+            return response
 
     def describe_signals(self) -> dict[str, Any]:
         """The "signals" section of GET /pools: latency percentiles, demand and KV use per pool."""

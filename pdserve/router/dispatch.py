@@ -160,6 +160,10 @@ class Dispatcher:
         self.metrics = metrics
         self.signals = signals or Signals()
         self.in_flight = 0
+        # Requests past their first availability check and still being admitted (their prompt
+        # tokenized on the router's thread pool): they count against max_in_flight, or a burst
+        # would pass the check while it waits for the tokenizer and pile up beyond the limit.
+        self.admitting = 0
         # Whether every pool is at its bound (or its budget): set by whoever manages the pools.
         # Without one, the pools are as they are: always at their bounds.
         self.at_bounds: Callable[[], bool] = lambda: True
@@ -206,12 +210,15 @@ class Dispatcher:
             retry_after=max(1.0, retry_after),
         )
 
-    def check_available(self) -> None:
+    def check_available(self, admitting_self: bool = False) -> None:
+        """Unavailable (503) with no decode worker up; Overloaded (429) at the in-flight limit,
+        counting the requests being admitted (`admitting_self`: the caller is one of them)."""
         if not self.workers.up(*STREAM_POOLS):
             raise Unavailable("no decode worker is up: the decode pool is empty")
-        if self.in_flight >= self.config.max_in_flight:
+        taken = self.in_flight + self.admitting - (1 if admitting_self else 0)
+        if taken >= self.config.max_in_flight:
             raise Overloaded(
-                f"{self.in_flight} requests in flight (limit {self.config.max_in_flight}); retry later",
+                f"{taken} requests in flight or being admitted (limit {self.config.max_in_flight}); retry later",
                 retry_after=1.0,
             )
 

@@ -182,7 +182,7 @@ def logit_bias_of(req: _SamplingFields) -> dict[int, float]:
     """logit_bias with integer keys; InvalidRequestError naming the field for a key that is not one."""
     bias: dict[int, float] = {}
     for key, value in (req.logit_bias or {}).items():
-        if not key.isdigit() or len(key) > 12:
+        if not (key.isascii() and key.isdigit()) or len(key) > 12:  # "²".isdigit() is True
             raise InvalidRequestError(
                 f"logit_bias keys must be token ids, got {key!r}"[:200], param="logit_bias"
             )

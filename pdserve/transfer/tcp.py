@@ -72,6 +72,7 @@ class TcpExporter(KVExporter):
         send_timeout: float = 30.0,
         idle_timeout: float = 300.0,
         max_connections: int = 64,
+        max_handshakes: int = 128,
     ) -> None:
         super().__init__(kv_cache)  # [L, 2, NB, BS, KVH, D]
         self._secret = secret  # the deployment's KV secret: every connection must prove it holds it
@@ -79,7 +80,12 @@ class TcpExporter(KVExporter):
         self._layout = layout_of(kv_cache)
         self.send_timeout = send_timeout  # one reply must be sent within this
         self.idle_timeout = idle_timeout  # an importer's pooled connection is dropped after this
-        self.max_connections = max_connections
+        self.max_connections = max_connections  # authenticated importers at once
+        # Connections still in the handshake, counted apart: a process without the key that opens
+        # sockets and says nothing holds a slot for at most HANDSHAKE_TIMEOUT, and never one of
+        # the authenticated importers' slots.
+        self.max_handshakes = max_handshakes
+        self._authenticated = 0
         self._listener = socket.create_server((host, port), backlog=64)
         self._listener.settimeout(0.2)  # bounds how long close() waits for the accept thread
         bound_port = self._listener.getsockname()[1]
@@ -124,18 +130,24 @@ class TcpExporter(KVExporter):
             tune_socket(conn)
             thread = threading.Thread(target=self._serve, args=(conn,), name="kv-tcp-serve", daemon=True)
             with self._lock:
-                if len(self._conns) >= self.max_connections:
+                if len(self._conns) - self._authenticated >= self.max_handshakes:
                     conn.close()  # the importer sees EOF: a clear failure, not a hang
                     continue
                 self._conns[conn] = thread
             thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
+        counted = False
         try:
             if not handshake_as_exporter(conn, self._secret):
                 with self._lock:
                     self.refused_connections += 1
                 return
+            with self._lock:
+                if self._authenticated >= self.max_connections:
+                    return  # the importer sees EOF after its handshake: a clear failure
+                self._authenticated += 1
+                counted = True
             while not self._closed.is_set():
                 try:
                     head = recv_exact(conn, REQUEST.size, time.monotonic() + self.idle_timeout, eof_ok=True)
@@ -150,6 +162,7 @@ class TcpExporter(KVExporter):
             self._connection_closed(conn)
             with self._lock:
                 self._conns.pop(conn, None)
+                self._authenticated -= counted
             conn.close()
 
     def _connection_closed(self, conn: socket.socket) -> None:

@@ -43,7 +43,7 @@ NONCE_BYTES = 32
 HELLO = struct.Struct(f"<4sB{NONCE_BYTES}s")  # magic, version, the exporter's nonce
 AUTH = struct.Struct(f"<4sB{NONCE_BYTES}s32s")  # magic, version, the importer's nonce, its HMAC
 PROOF = struct.Struct("<4sB32s")  # magic, version, the exporter's HMAC
-HANDSHAKE_TIMEOUT = 5.0  # seconds for the whole handshake, on either side
+HANDSHAKE_TIMEOUT = 2.0  # seconds for the whole handshake, on either side (loopback or LAN: ms)
 # magic, version, status, message bytes, payload bytes
 REPLY = struct.Struct("<4sBBIQ")
 
