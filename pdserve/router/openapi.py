@@ -53,11 +53,11 @@ def _errors(*codes: str) -> dict[str, Any]:
     }
 
 
-def _json_body(name: str, required: bool = True) -> dict[str, Any]:
-    return {
-        "required": required,
-        "content": {"application/json": {"schema": {"$ref": _REF.format(name=name)}}},
-    }
+def _json_body(name: str, required: bool = True, example: dict[str, Any] | None = None) -> dict[str, Any]:
+    media: dict[str, Any] = {"schema": {"$ref": _REF.format(name=name)}}
+    if example is not None:
+        media["example"] = example
+    return {"required": required, "content": {"application/json": media}}
 
 
 def _ok(description: str, media: str = "application/json") -> dict[str, Any]:
@@ -91,14 +91,24 @@ def build_openapi(model_name: str) -> dict[str, Any]:
         "/v1/completions": {
             "post": {
                 "summary": "A completion (streamed as server-sent events with stream: true)",
-                "requestBody": _json_body("CompletionRequest"),
+                "requestBody": _json_body(
+                    "CompletionRequest",
+                    example={"model": model_name, "prompt": "Once upon a time", "max_tokens": 8},
+                ),
                 "responses": {**_ok("The completion, or its events"), **_errors(*generation)},
             }
         },
         "/v1/chat/completions": {
             "post": {
                 "summary": "A chat completion (streamed as server-sent events with stream: true)",
-                "requestBody": _json_body("ChatCompletionRequest"),
+                "requestBody": _json_body(
+                    "ChatCompletionRequest",
+                    example={
+                        "model": model_name,
+                        "messages": [{"role": "user", "content": "Hi!"}],
+                        "max_tokens": 8,
+                    },
+                ),
                 "responses": {**_ok("The chat completion, or its events"), **_errors(*generation)},
             }
         },
