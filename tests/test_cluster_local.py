@@ -17,7 +17,7 @@ from serving import alive, children
 
 from pdserve import wire
 from pdserve.cluster.base import WorkerExit, WorkerStartError
-from pdserve.cluster.local import LocalCluster
+from pdserve.cluster.local import LocalCluster, worker_command
 from pdserve.config import EngineConfig, Role, WorkerConfig
 from pdserve.security import DeploymentSecrets, curve_client
 from pdserve.transfer.shm import leftover_segments
@@ -142,3 +142,17 @@ def test_a_start_that_times_out_or_is_cancelled_kills_the_process(tiny_llama: Pa
         await cluster.close()
 
     asyncio.run(scenario())
+
+
+def test_a_worker_gets_its_secrets_but_not_the_routers_http_keys(
+    monkeypatch: pytest.MonkeyPatch, tiny_llama: Path
+) -> None:
+    monkeypatch.setenv("PDSERVE_API_KEY", "sk-router-only-0123456789")
+    monkeypatch.setenv("PDSERVE_ADMIN_KEY", "admin-router-only-0123456789")
+    argv, env = worker_command(config(tiny_llama, "w0"), SECRETS.for_workers())
+    assert "PDSERVE_API_KEY" not in env and "PDSERVE_ADMIN_KEY" not in env
+    assert (
+        SECRETS.router.public in env["PDSERVE_WORKER_SECRETS"]
+        and SECRETS.router.secret not in env["PDSERVE_WORKER_SECRETS"]
+    )
+    assert not any("secret" in a.lower() or "key" in a.lower() for a in argv[1:] if a != "--worker-id")

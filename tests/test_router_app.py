@@ -153,6 +153,10 @@ def test_thirty_two_concurrent_requests_of_mixed_lengths_all_complete(server: Se
         (b'{"model": "M", "prompt": "hi", "n": 2}', "n=1"),
         (b'{"model": "M", "prompt": "' + b"x" * 2000 + b'"}', "context"),
         (b'{"model": "M", "prompt": [1, 99999]}', "token ids"),
+        (
+            b'{"model": "M", "prompt": [' + b"5," * 3000 + b"5]}",
+            "context",
+        ),  # a long id list: the context error
         (b'{"model": "M"}', "prompt"),
         (b'{"model": "M", "prompt": "hi", "seed": 100000000000000000000000}', "$.seed"),
         (b'{"model": "M", "prompt": "hi", "temperature": 1e400}', "$.temperature"),

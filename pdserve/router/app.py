@@ -105,6 +105,7 @@ class Router:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self._openapi = build_openapi(settings.model_name)
+        _ = tokenizer.max_token_chars  # a scan of the vocabulary: at start, not in the first request
         self._tokenize_pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="tokenize")
         self.metrics = RouterMetrics()
         self.workers = WorkerSet(
