@@ -91,6 +91,7 @@ class LLM:
                 params.stop,
                 params.include_stop_str_in_output,
                 params.skip_special_tokens,
+                params.min_tokens,
             )
             states[request_id] = _Pending(text, ids, params, detok)
             order.append(request_id)

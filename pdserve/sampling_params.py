@@ -21,11 +21,13 @@ class SamplingParams:
     the output; `stop_token_ids` end the request after that token (also not included in text).
     `logprobs=k` returns the log-probability of each chosen token and of the k most likely ones
     (k=0: the chosen token only), from the model's raw distribution, before penalties and
-    temperature. `logit_bias` ({token id: bias in [-100, 100]}, as in OpenAI's API) is added to
+    temperature. `min_tokens` holds EOS, `stop_token_ids` and stop strings off until that many
+    tokens have been generated (as in vLLM). `logit_bias` ({token id: bias in [-100, 100]}, as in OpenAI's API) is added to
     the logits before penalties and sampling: -100 bans a token, +100 all but forces it.
     """
 
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
@@ -66,6 +68,14 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if (
+            not isinstance(self.min_tokens, int)
+            or isinstance(self.min_tokens, bool)
+            or not 0 <= self.min_tokens <= self.max_tokens
+        ):
+            raise bad(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
         if not _is_number(self.temperature) or self.temperature < 0:
             raise bad(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:

@@ -23,6 +23,7 @@ class WireSamplingParams(msgspec.Struct, frozen=True):
     text; stop token ids, EOS and max_tokens are checked by the engine."""
 
     max_tokens: int
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0

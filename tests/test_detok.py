@@ -195,3 +195,16 @@ def test_streaming_the_held_back_tail_of_an_unfinished_request(byte_tokenizer: A
     # "wor" could still become "world": the last len("world") - 1 characters wait.
     assert detok.streamable_text(finished=False) == "hello"
     assert detok.streamable_text(finished=True) == "hello wor"
+
+
+def test_stop_strings_wait_for_min_tokens(byte_tokenizer: Any) -> None:
+    ids = byte_tokenizer.encode("ab stop cd stop ef", add_special_tokens=False)
+    early = IncrementalDetokenizer(byte_tokenizer, [1], stop=["stop"])
+    late = IncrementalDetokenizer(byte_tokenizer, [1], stop=["stop"], min_tokens=8)
+    for detok in (early, late):
+        for token in ids:
+            if detok.add_token(token) is not None:
+                break
+    assert early.text == "ab " and early.stop_reason == "stop"
+    # The first "stop" ends with the 7th byte token, inside min_tokens: only the second counts.
+    assert late.text == "ab stop cd " and late.stop_reason == "stop"

@@ -205,6 +205,100 @@ def test_logit_bias_bans_and_forces_tokens_on_both_paths(server: Server, offline
         assert forced.choices[0].text == offline.get_tokenizer().decode([65, 65, 65])
 
 
+def test_logprobs_on_both_endpoints_and_both_paths_are_the_offline_engines(
+    server: Server, offline: LLM
+) -> None:
+    for prompt in (LONG_PROMPTS[1], SHORT_PROMPTS[0]):  # remote and local prefill
+        ids = offline.get_tokenizer().encode(prompt)
+        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=3)
+        expected = offline.generate([ids], params)[0].outputs[0]
+        assert expected.logprobs is not None
+        answer = server.client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=5, temperature=0.0, logprobs=3,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        lp = answer.choices[0].logprobs
+        assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+        assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+        assert lp.text_offset is not None and lp.text_offset[0] == 0 and len(lp.text_offset) == 5
+        assert lp.text_offset == sorted(lp.text_offset)
+        decode = offline.get_tokenizer().decode
+        for top, exp in zip(lp.top_logprobs, expected.logprobs, strict=True):
+            # The legacy shape is keyed by text: tokens that read the same share a key, the best stays.
+            keyed: dict[str, float] = {}
+            for token_id, value in sorted(exp.top.items(), key=lambda item: -item[1]):
+                keyed.setdefault(decode([token_id], skip_special_tokens=False), value)
+            keyed.setdefault(decode([exp.token_id], skip_special_tokens=False), exp.logprob)
+            assert top == pytest.approx(keyed, abs=1e-4)
+
+    # Chat, streamed: each chunk carries its tokens' entries; greedy picks the best of the top ones.
+    stream = server.client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": LONG_PROMPTS[1]}], max_tokens=6,
+        temperature=0.0, logprobs=True, top_logprobs=2, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    content = []
+    completion_tokens = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            completion_tokens = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            if choice.logprobs is not None and choice.logprobs.content:
+                content.extend(choice.logprobs.content)
+    assert completion_tokens == 6 and len(content) == 6
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-6)
+        assert entry.bytes is not None
+    # Not asked for: none sent.
+    plain = server.client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert plain.choices[0].logprobs is None
+    for body, param in (
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+    ):
+        response = server.http.post("/v1/chat/completions", json={"model": server.model, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+    response = server.http.post(
+        "/v1/completions", json={"model": server.model, "prompt": "hi", "logprobs": 21}
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logprobs"
+    server.wait_kv_free()
+
+
+def test_min_tokens_holds_off_eos_on_both_paths(server: Server, offline: LLM) -> None:
+    eos = offline.get_tokenizer().eos_token_id
+    assert eos is not None
+    for prompt in (LONG_PROMPTS[1], SHORT_PROMPTS[0]):
+        # EOS forced: the answer ends at its first token, unless min_tokens holds it off.
+        quick = server.client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=10, temperature=0.0, logit_bias={str(eos): 100}
+        )
+        assert quick.choices[0].finish_reason == "stop" and quick.usage is not None
+        assert quick.usage.completion_tokens == 1
+        held = server.client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=10, temperature=0.0, logit_bias={str(eos): 100},
+            extra_body={"min_tokens": 4},
+        )  # fmt: skip
+        assert held.choices[0].finish_reason == "stop" and held.usage is not None
+        assert held.usage.completion_tokens == 5  # four held off, then the EOS
+        ids = offline.get_tokenizer().encode(prompt)
+        expected = offline.generate(
+            [ids], SamplingParams(max_tokens=10, temperature=0.0, logit_bias={eos: 100.0}, min_tokens=4)
+        )[0]
+        assert held.choices[0].text == expected.outputs[0].text
+    response = server.http.post(
+        "/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 3, "min_tokens": 4}
+    )
+    assert response.status_code == 400 and "min_tokens" in response.json()["error"]["message"]
+    server.wait_kv_free()
+
+
 def test_chats_with_a_role_or_a_template_the_server_does_not_take_are_refused(server: Server) -> None:
     for body, param in (
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),

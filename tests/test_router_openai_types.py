@@ -28,6 +28,20 @@ def test_a_completion_body_becomes_sampling_params() -> None:
         3,
     )
     assert params.ignore_eos and oa.prompt_of(req) == "hi"
+    assert params.min_tokens == 0 and params.logprobs is None
+
+
+def test_min_tokens_and_logprobs_reach_the_sampling_params() -> None:
+    req = completion(b'{"model": "m", "prompt": "hi", "min_tokens": 3, "logprobs": 2}')
+    params = oa.sampling_params(req, 5)
+    assert (params.min_tokens, params.logprobs) == (3, 2)
+    chat = oa.decode_body(
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": true}',
+        oa.ChatCompletionRequest,
+    )
+    assert oa.sampling_params(chat, 5).logprobs == 0  # the chosen token's only
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        oa.sampling_params(completion(b'{"model": "m", "prompt": "hi", "min_tokens": 6}'), 5)
 
 
 def test_prompts_as_token_ids_or_a_batch_of_one() -> None:
@@ -43,7 +57,7 @@ def test_prompts_as_token_ids_or_a_batch_of_one() -> None:
     ("body", "fragment"),
     [
         (b'{"model": "m", "prompt": "x", "echo": true}', "echo is not supported"),
-        (b'{"model": "m", "prompt": "x", "logprobs": 2}', "logprobs is not supported"),
+        (b'{"model": "m", "prompt": "x", "logprobs": 21}', "logprobs must be in [0, 20]"),
         (
             b'{"model": "m", "prompt": "x", "stream_options": {"include_usage": true}}',
             "only allowed when stream",

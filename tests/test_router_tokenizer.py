@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.errors import InvalidRequestError, ModelLoadError
-from pdserve.router.tokenizer import RouterTokenizer, load_router_tokenizer
+from pdserve.router.tokenizer import RouterTokenizer, _token_bytes, load_router_tokenizer
 
 TEXTS = ["Hello world", " leading space", "héllo wörld ✓ 日本", "a\nb\n\nc", ""]
 CHAT = [
@@ -95,3 +95,15 @@ def test_missing_files_and_templates_say_what_is_wrong(tmp_path: Path, tiny_llam
     (tmp_path / "tokenizer.json").write_text((tiny_llama / "tokenizer.json").read_text())
     with pytest.raises(InvalidRequestError, match="no chat template"):
         RouterTokenizer(tmp_path).apply_chat_template(CHAT)
+
+
+def test_token_pieces_carry_the_exact_bytes_of_split_characters() -> None:
+    smollm2 = load_router_tokenizer("smollm2-135m")  # byte-level BPE
+    text = "héllo 日本 😀"
+    pieces = [smollm2.token_piece(t) for t in smollm2.encode(text, add_special_tokens=False)]
+    assert b"".join(raw for _, raw in pieces).decode() == text
+    assert any(piece == "\ufffd" or piece.endswith("\ufffd") for piece, _ in pieces)
+    assert smollm2.token_piece(smollm2.encode("Hi", add_special_tokens=False)[0]) == ("Hi", b"Hi")
+    # SentencePiece's byte fallback spells a lone byte <0xNN>; other spellings say nothing.
+    assert _token_bytes("<0xE6>", byte_level=False) == b"\xe6"
+    assert _token_bytes("\u2581hello", byte_level=False) is None

@@ -269,3 +269,23 @@ def test_logit_bias_bans_and_forces_tokens_and_leaves_the_logprobs_raw() -> None
         SamplingParams(logit_bias={3: 101.0})
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         SamplingParams(logit_bias={-1: 1.0})
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_enough_tokens_are_out() -> None:
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 3] = 50.0  # EOS all but certain
+    logits[:, 4] = 40.0  # then the stop id
+    held = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[4], logprobs=0)
+    rows = [
+        SamplingRow(held, None, [], [], (3,)),  # no token out yet: 3 and 4 are banned
+        SamplingRow(held, None, [], [7, 8], (3,)),  # two out: it may stop now
+        SamplingRow(
+            SamplingParams(temperature=0.8, min_tokens=1, ignore_eos=True), row(held).generator, [], [], (3,)
+        ),
+    ]
+    tokens, logprobs = sample(logits.clone(), rows)
+    assert tokens[0] not in (3, 4) and tokens[1] == 3
+    assert tokens[2] == 3  # ignore_eos: EOS does not end it, so it is not banned either
+    # The logprob is still the model's own: the ban is a sampling rule, not the distribution.
+    assert logprobs[0] is not None
+    assert logprobs[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[tokens[0]]))

@@ -58,6 +58,10 @@ NAN = float("nan")
         ("logprobs", 21),
         ("logprobs", 1.0),
         ("logprobs", True),
+        ("min_tokens", -1),
+        ("min_tokens", 17),  # past the default max_tokens of 16
+        ("min_tokens", 1.0),
+        ("min_tokens", True),
     ],
 )
 def test_bad_values_are_refused_with_an_error_naming_the_field(field: str, value: object) -> None:
@@ -90,6 +94,8 @@ def test_invalid_request_error_is_a_value_error() -> None:
         {"stop": ["a", "bc"], "stop_token_ids": [0, 5]},
         {"logprobs": 0},
         {"logprobs": 20},
+        {"min_tokens": 16},
+        {"min_tokens": 0, "max_tokens": 1},
     ],
 )
 def test_edge_values_that_are_allowed(kwargs: dict[str, object]) -> None:

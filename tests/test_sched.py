@@ -118,6 +118,25 @@ def test_stop_conditions_eos_stop_token_length_and_context() -> None:
     assert_no_leak(s)
 
 
+def test_min_tokens_holds_off_eos_and_stop_tokens_but_not_max_tokens() -> None:
+    s = make()
+    r = req("a", 2, max_tokens=6)
+    r.sampling_params.min_tokens = 3
+    r.sampling_params.stop_token_ids = [9]
+    s.add_request(r)
+    for token in (EOS, 9, EOS):  # the first three cannot end it
+        _, updated = run_step(s, token=token)
+        assert updated[0].status is RequestStatus.RUNNING
+    _, updated = run_step(s, token=9)  # the fourth can
+    assert updated[0].status is RequestStatus.FINISHED_STOPPED and updated[0].stop_reason == 9
+    short = req("b", 2, max_tokens=2)
+    short.sampling_params.min_tokens = 2
+    s.add_request(short)
+    drain(s)
+    assert short.status is RequestStatus.FINISHED_LENGTH and len(short.output_token_ids) == 2
+    assert_no_leak(s)
+
+
 def test_ignore_eos_keeps_going_to_max_tokens() -> None:
     s = make()
     r = req("a", 2, max_tokens=3)

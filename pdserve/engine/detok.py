@@ -27,6 +27,7 @@ class IncrementalDetokenizer:
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
@@ -41,12 +42,16 @@ class IncrementalDetokenizer:
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
         self.stop_reason: str | None = None
+        # As in vLLM: stop strings are looked for once more than min_tokens tokens are out.
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
 
     def add_token(self, token_id: int) -> str | None:
         """Append one generated token. Returns the stop string it completed, if any."""
         if self.stop_reason is not None:
             return self.stop_reason
         self._tokens.append(token_id)
+        self._num_tokens += 1
         prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         full_text = self._decode(self._tokens[self._prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
@@ -56,6 +61,8 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._tokens)
         search_from = max(0, len(self.text) - self._holdback)
         self.text += delta
+        if self._num_tokens <= self._min_tokens:
+            return None
         return self._check_stop(search_from)
 
     def streamable_text(self, finished: bool) -> str:

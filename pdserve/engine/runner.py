@@ -198,4 +198,6 @@ class ModelRunner:
                     generator.set_state(state)
                     request.sampler_state = None
                 self._generators[request_id] = generator
-        return SamplingRow(params, generator, request.prompt_token_ids, request.output_token_ids)
+        return SamplingRow(
+            params, generator, request.prompt_token_ids, request.output_token_ids, request.eos_token_ids
+        )

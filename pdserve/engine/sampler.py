@@ -21,6 +21,15 @@ class SamplingRow:
     generator: torch.Generator | None  # None for greedy rows
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def banned_for_min_tokens(self) -> list[int]:
+        """The ids that would end the request while it is still short of min_tokens."""
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            return []
+        eos = () if self.params.ignore_eos else self.eos_token_ids
+        return sorted({*eos, *self.params.stop_token_ids})
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -28,9 +37,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     raw_logprobs = None
     if any(r.params.logprobs is not None for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)  # [S, V] the model's own distribution
-    if any(r.params.needs_penalties or r.params.logit_bias for r in rows):
+    banned = [row.banned_for_min_tokens for row in rows]
+    if any(r.params.needs_penalties or r.params.logit_bias for r in rows) or any(banned):
         logits = logits.clone()
         for i, row in enumerate(rows):
+            if banned[i]:  # -inf stays -inf under the bias and penalties below
+                logits[i, banned[i]] = float("-inf")
             if row.params.logit_bias:  # as OpenAI: on the logits, before everything else
                 ids = torch.tensor(list(row.params.logit_bias), dtype=torch.long, device=logits.device)
                 bias = torch.tensor(

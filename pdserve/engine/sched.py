@@ -387,9 +387,12 @@ class Scheduler:
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
-        if not params.ignore_eos and token in request.eos_token_ids:
+        # Below min_tokens the sampler cannot pick these; a token that came another way (a
+        # forced logit_bias over a ban, say) does not end the request early either.
+        may_stop = request.num_output_tokens > params.min_tokens
+        if may_stop and not params.ignore_eos and token in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
+        if may_stop and token in params.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:

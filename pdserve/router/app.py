@@ -49,6 +49,7 @@ from pdserve.router.dispatch import (
     TokenEvent,
     Unavailable,
 )
+from pdserve.router.logprobs import LogprobsFormatter, TokenLogprobs
 from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdserve.router.openapi import build_openapi
 from pdserve.router.tokenizer import RouterTokenizer
@@ -295,12 +296,14 @@ class Router:
                 params.stop,
                 params.include_stop_str_in_output,
                 params.skip_special_tokens,
+                params.min_tokens,
             ),
             builder=oa.ResponseBuilder(request_id, self.settings.model_name, chat),
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             ignore_eos=params.ignore_eos,
             arrived=arrived,
+            logprobs=LogprobsFormatter(self.tokenizer, chat) if params.logprobs is not None else None,
         )
 
     async def _prompt_ids(
@@ -345,8 +348,8 @@ class Router:
                 f"context is {context} tokens"
             )
 
-    async def _deltas(self, run: _Run) -> AsyncIterator[tuple[str, str | None, int | str | None]]:
-        """(new text, finish reason, stop reason) as tokens arrive; records the latency metrics."""
+    async def _deltas(self, run: _Run) -> AsyncIterator[_Delta]:
+        """The new text (and logprobs) as tokens arrive; records the latency metrics."""
         events = self.dispatcher.generate(run.state, run.prompt_ids, run.params)
         sent = 0
         try:
@@ -354,8 +357,12 @@ class Router:
                 run.token_arrived(time.monotonic(), event, self.metrics, self.signals)
                 finish: str | None = event.finish_reason
                 stop_reason: int | str | None = event.stop_reason
-                for token in event.token_ids:
+                logprobs = _checked_logprobs(run, event)
+                new_logprobs = TokenLogprobs() if logprobs is not None else None
+                for i, token in enumerate(event.token_ids):
                     run.output_ids.append(token)
+                    if new_logprobs is not None and logprobs is not None:
+                        new_logprobs.add(logprobs[i], len(run.detok.text))
                     if token in self.eos_token_ids and not run.ignore_eos:
                         continue  # EOS ends the text; it counts as a token, it prints nothing
                     if run.detok.add_token(token) is not None:
@@ -363,7 +370,7 @@ class Router:
                         break
                 text = run.detok.streamable_text(finished=finish is not None)
                 delta, sent = text[sent:], len(text)
-                yield delta, finish, stop_reason
+                yield _Delta(delta, finish, stop_reason, new_logprobs)
                 if finish is not None:
                     run.state.outcome = "ok"  # also when a stop string ended it before the engine did
                     run.finished(time.monotonic(), self.metrics)
@@ -375,11 +382,14 @@ class Router:
         b = run.builder
         role_sent = not b.chat
         try:
-            async for delta, finish, stop_reason in self._deltas(run):
-                if delta or finish is not None:
+            async for d in self._deltas(run):
+                if d.text or d.finish is not None or (d.logprobs is not None and d.logprobs.entries):
                     # The role goes with the first token, as vLLM's server sends it: a client that
                     # times its first chunk (vllm bench serve, aiperf, ...) then measures the TTFT.
-                    yield _sse(b.chunk(delta, finish, stop_reason, role=not role_sent))
+                    logprobs = run.render_logprobs(d.logprobs)
+                    yield _sse(
+                        b.chunk(d.text, d.finish, d.stop_reason, role=not role_sent, logprobs=logprobs)
+                    )
                     role_sent = True
             if run.include_usage:
                 yield _sse(b.usage_chunk(oa.usage(len(run.prompt_ids), len(run.output_ids))))
@@ -392,11 +402,14 @@ class Router:
         async def collect() -> Response:
             text = ""
             ending: tuple[str | None, int | str | None] = (None, None)
-            async for delta, finish, stop_reason in self._deltas(run):
-                text += delta
-                ending = (finish, stop_reason)
+            logprobs = TokenLogprobs()
+            async for d in self._deltas(run):
+                text += d.text
+                ending = (d.finish, d.stop_reason)
+                if d.logprobs is not None:
+                    logprobs.extend(d.logprobs)
             use = oa.usage(len(run.prompt_ids), len(run.output_ids))
-            return _json(run.builder.whole(text, *ending, use))
+            return _json(run.builder.whole(text, *ending, use, run.render_logprobs(logprobs)))
 
         work = asyncio.create_task(collect())
         gone = asyncio.create_task(_client_gone(request))
@@ -491,6 +504,29 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
+@dataclass(frozen=True)
+class _Delta:
+    """What one worker message added to the answer."""
+
+    text: str
+    finish: str | None
+    stop_reason: int | str | None
+    logprobs: TokenLogprobs | None  # of the tokens it brought, when the request asked for them
+
+
+def _checked_logprobs(run: _Run, event: TokenEvent) -> list[tuple[int, float, dict[int, float]]] | None:
+    """The event's logprobs when the request asked for them; a worker that leaves them out fails
+    the request rather than answering without them."""
+    if run.logprobs is None or not event.token_ids:
+        return None
+    if event.logprobs is None or len(event.logprobs) != len(event.token_ids):
+        raise RequestFailed(
+            f"a worker sent {len(event.token_ids)} tokens without their logprobs "
+            f"({0 if event.logprobs is None else len(event.logprobs)} came)"
+        )
+    return event.logprobs
+
+
 @dataclass
 class _Run:
     """One admitted request on its way through `_deltas`."""
@@ -504,6 +540,7 @@ class _Run:
     include_usage: bool
     ignore_eos: bool
     arrived: float
+    logprobs: LogprobsFormatter | None = None  # None: the request asked for none
     output_ids: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -525,6 +562,11 @@ class _Run:
         self.last_token_at = now
         self.last_pool = event.pool
         metrics.generation_tokens.inc(count)
+
+    def render_logprobs(self, logprobs: TokenLogprobs | None) -> dict[str, Any] | None:
+        if self.logprobs is None or logprobs is None:
+            return None
+        return self.logprobs.render(logprobs)
 
     def finished(self, now: float, metrics: RouterMetrics) -> None:
         metrics.e2e.observe(now - self.arrived)

@@ -97,6 +97,7 @@ class TokenEvent:
     finish_reason: str | None = None
     stop_reason: int | None = None
     pool: str = ""  # the pool of the worker that produced these tokens
+    logprobs: list[tuple[int, float, dict[int, float]]] | None = None  # one per token, if asked for
 
 
 @dataclass
@@ -275,7 +276,11 @@ class Dispatcher:
         attempt = _Attempt(
             leg_id=state.new_leg_id(),
             tokens=prompt + emitted,
-            params=msgspec.structs.replace(params, max_tokens=params.max_tokens - len(emitted)),
+            params=msgspec.structs.replace(
+                params,
+                max_tokens=params.max_tokens - len(emitted),
+                min_tokens=max(0, params.min_tokens - len(emitted)),
+            ),
             emitted=emitted,
             start=len(emitted),
         )
@@ -332,9 +337,13 @@ class Dispatcher:
         state.last_token_at = now
         if answer.finish_reason != "prefilled" or answer.kv is None:
             pleg.done = True  # the first token ended it (EOS, max_tokens=1): nothing to decode
-            yield TokenEvent(answer.token_ids, answer.finish_reason, answer.stop_reason, "prefill")
+            yield TokenEvent(
+                answer.token_ids, answer.finish_reason, answer.stop_reason, "prefill", answer.logprobs
+            )
             return
-        yield TokenEvent(answer.token_ids, pool="prefill")  # the first token goes to the client now
+        yield TokenEvent(
+            answer.token_ids, pool="prefill", logprobs=answer.logprobs
+        )  # the first token goes to the client now
 
         decode = self._pick_decode(blocks_needed=len(answer.kv.block_ids) + 1)
         dleg = self._open(
@@ -424,7 +433,9 @@ class Dispatcher:
                 streamed += len(event.token_ids)
                 if event.finish_reason is not None:
                     leg.done = True
-                yield TokenEvent(event.token_ids, event.finish_reason, event.stop_reason, leg.link.pool)
+                yield TokenEvent(
+                    event.token_ids, event.finish_reason, event.stop_reason, leg.link.pool, event.logprobs
+                )
                 if event.finish_reason is not None:
                     return
         except _Retry:

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from pdserve.errors import InvalidRequestError
+from pdserve.router.logprobs import engine_logprobs
 from pdserve.sampling_params import SamplingParams
 
 # Integers that travel to the workers as 64-bit msgpack ints: bounded here, so a huge one is a
@@ -152,8 +153,6 @@ def check_common(req: _SamplingFields) -> None:
         raise InvalidRequestError(
             "stream_options is only allowed when stream is true", param="stream_options"
         )
-    if req.min_tokens:
-        raise InvalidRequestError("min_tokens is not supported", param="min_tokens")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
         raise InvalidRequestError(
@@ -192,8 +191,8 @@ def logit_bias_of(req: _SamplingFields) -> dict[int, float]:
 
 def check_completion(req: CompletionRequest) -> None:
     check_common(req)
+    logprobs_wanted(req)
     for name, unsupported in (
-        ("logprobs", req.logprobs is not None),
         ("echo", req.echo),
         ("suffix", req.suffix is not None),
         ("best_of", req.best_of not in (None, 1)),
@@ -205,8 +204,7 @@ def check_completion(req: CompletionRequest) -> None:
 def check_chat(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as the chat template wants them: role and text content."""
     check_common(req)
-    if req.logprobs or req.top_logprobs:
-        raise InvalidRequestError("logprobs is not supported by this server")
+    logprobs_wanted(req)
     if req.tools:
         raise InvalidRequestError("tools are not supported by this server")
     if req.response_format not in (None, {"type": "text"}):
@@ -233,6 +231,13 @@ def check_chat(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
+def logprobs_wanted(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """The engine's `logprobs` for this request (alternatives per token; None: none at all)."""
+    if isinstance(req, ChatCompletionRequest):
+        return engine_logprobs(True, req.logprobs, req.top_logprobs)
+    return engine_logprobs(False, req.logprobs, None)
+
+
 def prompt_of(req: CompletionRequest) -> str | list[int]:
     prompt = req.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -252,6 +257,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(
         max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=0 if req.top_k in (None, -1) else req.top_k,  # vLLM spells "off" as -1
@@ -266,6 +272,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         logit_bias=logit_bias_of(req),
+        logprobs=logprobs_wanted(req),
     )
 
 
@@ -306,12 +313,17 @@ class ResponseBuilder:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
 
     def whole(
-        self, text: str, finish_reason: str | None, stop_reason: int | str | None, use: dict[str, int]
+        self,
+        text: str,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        use: dict[str, int],
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         body = self._envelope("whole")
         choice: dict[str, Any] = {
             "index": 0,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
         }
@@ -330,9 +342,10 @@ class ResponseBuilder:
         stop_reason: int | str | None = None,
         *,
         role: bool = False,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         body = self._envelope("chunk")
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
         if self.chat:

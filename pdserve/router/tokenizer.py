@@ -24,6 +24,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
+import tokenizers.decoders
 from tokenizers import Tokenizer
 
 from pdserve.errors import InvalidRequestError, ModelLoadError
@@ -58,6 +59,7 @@ class RouterTokenizer:
             self._prepend_bos = False  # the post-processor already adds it
         self.chat_template = _chat_template(folder, config)
         self._template: jinja2.Template | None = None
+        self._pieces: dict[int, tuple[str, bytes]] = {}  # token_piece's answers: a vocabulary's worth at most
 
     # -- encoding and decoding ------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -72,6 +74,22 @@ class RouterTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         text: str = self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return text
+
+    def token_piece(self, token_id: int) -> tuple[str, bytes]:
+        """One token's text (as it decodes alone) and its exact bytes, for logprobs. A token
+        holding part of a UTF-8 character decodes to U+FFFD; its bytes are still the real ones."""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            text = self.decode([token_id], skip_special_tokens=False)
+            spelled = self._tokenizer.id_to_token(token_id) or ""
+            raw = _token_bytes(spelled, self._byte_level) if "\ufffd" in text else None
+            piece = (text, raw if raw is not None else text.encode("utf-8"))
+            self._pieces[token_id] = piece
+        return piece
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return isinstance(self._tokenizer.decoder, tokenizers.decoders.ByteLevel)
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -195,6 +213,39 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # {"content": "<s>", "lstrip": false, ...}
         value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE spells each byte as one printable character: that map, inverted."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    spelled = {b: b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in spelled:
+            spelled[b] = 256 + shifted
+            shifted += 1
+    return {chr(c): b for b, c in spelled.items()}
+
+
+def _token_bytes(spelled: str, byte_level: bool) -> bytes | None:
+    """The bytes behind a token as the vocabulary spells it, where the spelling says them:
+    byte-level BPE, or SentencePiece's byte fallback `<0xNN>`."""
+    if byte_level:
+        alphabet = _byte_level_alphabet()
+        if all(c in alphabet for c in spelled):
+            return bytes(alphabet[c] for c in spelled)
+        return None
+    if len(spelled) == 6 and spelled.startswith("<0x") and spelled.endswith(">"):
+        try:
+            return bytes([int(spelled[3:5], 16)])
+        except ValueError:
+            return None
+    return None
 
 
 def _read_optional_json(path: Path) -> dict[str, Any]:
