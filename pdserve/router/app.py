@@ -39,6 +39,7 @@ from pdserve.engine.detok import IncrementalDetokenizer
 from pdserve.errors import InvalidRequestError
 from pdserve.router import openai_types as oa
 from pdserve.router.admin import PoolControl, admin_routes
+from pdserve.router.answer import Answer, Delta, checked_logprobs
 from pdserve.router.auth import AccessKeys, AuthMiddleware
 from pdserve.router.dispatch import (
     Dispatcher,
@@ -46,7 +47,6 @@ from pdserve.router.dispatch import (
     RequestFailed,
     RequestState,
     RouterConfig,
-    TokenEvent,
     Unavailable,
 )
 from pdserve.router.logprobs import LogprobsFormatter, TokenLogprobs
@@ -238,7 +238,7 @@ class Router:
             ) from None
         return b"".join(chunks)
 
-    async def _admit(self, body: bytes, chat: bool, arrived: float) -> _Run:
+    async def _admit(self, body: bytes, chat: bool, arrived: float) -> Answer:
         req: oa.CompletionRequest | oa.ChatCompletionRequest
         messages: list[dict[str, Any]] = []
         prompt: str | list[int] = ""
@@ -286,7 +286,7 @@ class Router:
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        return _Run(
+        return Answer(
             state=RequestState(request_id),
             prompt_ids=prompt_ids,
             params=wire.WireSamplingParams.from_params(params),
@@ -348,7 +348,7 @@ class Router:
                 f"context is {context} tokens"
             )
 
-    async def _deltas(self, run: _Run) -> AsyncIterator[_Delta]:
+    async def _deltas(self, run: Answer) -> AsyncIterator[Delta]:
         """The new text (and logprobs) as tokens arrive; records the latency metrics."""
         events = self.dispatcher.generate(run.state, run.prompt_ids, run.params)
         sent = 0
@@ -357,7 +357,7 @@ class Router:
                 run.token_arrived(time.monotonic(), event, self.metrics, self.signals)
                 finish: str | None = event.finish_reason
                 stop_reason: int | str | None = event.stop_reason
-                logprobs = _checked_logprobs(run, event)
+                logprobs = checked_logprobs(run, event)
                 new_logprobs = TokenLogprobs() if logprobs is not None else None
                 for i, token in enumerate(event.token_ids):
                     run.output_ids.append(token)
@@ -370,7 +370,7 @@ class Router:
                         break
                 text = run.detok.streamable_text(finished=finish is not None)
                 delta, sent = text[sent:], len(text)
-                yield _Delta(delta, finish, stop_reason, new_logprobs)
+                yield Delta(delta, finish, stop_reason, new_logprobs)
                 if finish is not None:
                     run.state.outcome = "ok"  # also when a stop string ended it before the engine did
                     run.finished(time.monotonic(), self.metrics)
@@ -378,7 +378,7 @@ class Router:
         finally:
             await events.aclose()  # closing early (stop string, client gone) aborts the request
 
-    async def _stream(self, run: _Run) -> AsyncIterator[bytes]:
+    async def _stream(self, run: Answer) -> AsyncIterator[bytes]:
         b = run.builder
         role_sent = not b.chat
         try:
@@ -398,7 +398,7 @@ class Router:
             yield _sse(oa.error_body(str(exc), *_error_kind(exc)))
         yield b"data: [DONE]\n\n"
 
-    async def _whole(self, request: Request, run: _Run) -> Response:
+    async def _whole(self, request: Request, run: Answer) -> Response:
         async def collect() -> Response:
             text = ""
             ending: tuple[str | None, int | str | None] = (None, None)
@@ -502,73 +502,3 @@ def _error_kind(exc: Exception) -> tuple[str, int]:
 async def _client_gone(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-@dataclass(frozen=True)
-class _Delta:
-    """What one worker message added to the answer."""
-
-    text: str
-    finish: str | None
-    stop_reason: int | str | None
-    logprobs: TokenLogprobs | None  # of the tokens it brought, when the request asked for them
-
-
-def _checked_logprobs(run: _Run, event: TokenEvent) -> list[tuple[int, float, dict[int, float]]] | None:
-    """The event's logprobs when the request asked for them; a worker that leaves them out fails
-    the request rather than answering without them."""
-    if run.logprobs is None or not event.token_ids:
-        return None
-    if event.logprobs is None or len(event.logprobs) != len(event.token_ids):
-        raise RequestFailed(
-            f"a worker sent {len(event.token_ids)} tokens without their logprobs "
-            f"({0 if event.logprobs is None else len(event.logprobs)} came)"
-        )
-    return event.logprobs
-
-
-@dataclass
-class _Run:
-    """One admitted request on its way through `_deltas`."""
-
-    state: RequestState
-    prompt_ids: list[int]
-    params: wire.WireSamplingParams
-    detok: IncrementalDetokenizer
-    builder: oa.ResponseBuilder
-    stream: bool
-    include_usage: bool
-    ignore_eos: bool
-    arrived: float
-    logprobs: LogprobsFormatter | None = None  # None: the request asked for none
-    output_ids: list[int] = field(default_factory=list)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    last_pool: str = ""
-
-    def token_arrived(self, now: float, event: TokenEvent, metrics: RouterMetrics, signals: Signals) -> None:
-        count = len(event.token_ids)
-        if not count:
-            return
-        if self.first_token_at is None:
-            self.first_token_at = now
-            metrics.ttft.labels(event.pool).observe(now - self.arrived)
-        elif self.last_token_at is not None:
-            metrics.itl.labels(event.pool).observe(now - self.last_token_at)
-            if event.pool == self.last_pool:
-                # Not the hand-off (first token from the prefill pool, next from decode): that gap
-                # is the KV transfer's and the first step's, which more decode workers do not shorten.
-                signals.gap(event.pool, now - self.last_token_at, now)
-        self.last_token_at = now
-        self.last_pool = event.pool
-        metrics.generation_tokens.inc(count)
-
-    def render_logprobs(self, logprobs: TokenLogprobs | None) -> dict[str, Any] | None:
-        if self.logprobs is None or logprobs is None:
-            return None
-        return self.logprobs.render(logprobs)
-
-    def finished(self, now: float, metrics: RouterMetrics) -> None:
-        metrics.e2e.observe(now - self.arrived)
-        if self.first_token_at is not None and len(self.output_ids) > 1:
-            metrics.tpot.observe((now - self.first_token_at) / (len(self.output_ids) - 1))
