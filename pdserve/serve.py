@@ -325,8 +325,11 @@ def run(o: dict[str, Any]) -> int:
     router.dispatcher.at_bounds = planner.at_bounds
     pools.describers["planner"] = planner.describe
     pools.describers["signals"] = router.describe_signals
+    from pdserve.router.http_limits import BoundedHttpToolsProtocol
+
     config = uvicorn.Config(
         router.app,
+        http=BoundedHttpToolsProtocol,  # httptools, with a bound on the request head (431)
         host=o["host"],
         port=o["port"],
         log_level=o["log_level"].lower(),

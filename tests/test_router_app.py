@@ -328,6 +328,14 @@ def test_a_body_over_the_limit_is_a_413_declared_or_not(server: Server) -> None:
     assert server.http.get("/health").status_code == 200
 
 
+def test_a_request_head_over_the_limit_is_a_431_and_the_server_serves_on(server: Server) -> None:
+    response = httpx.post(
+        f"{server.url}/v1/completions", headers={"x-padding": "v" * 70_000}, json={}, timeout=10
+    )
+    assert response.status_code == 431
+    assert server.http.get("/health").status_code == 200
+
+
 def test_the_openai_client_raises_bad_request_for_a_bad_chat(server: Server) -> None:
     with pytest.raises(openai.BadRequestError, match="messages"):
         server.client.chat.completions.create(model=server.model, messages=[])
