@@ -74,8 +74,12 @@ def test_normal_and_keep_alive_requests_are_served(port: int) -> None:
     # A large body is not a head: the read that ends it must not count against the next request.
     body = b"b" * 300_000
     large = b"POST /f HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
-    answer = exchange(port, one, large, large, big_but_fine)
-    assert answer.count(b"HTTP/1.1 200") == 4 and b"\r\n\r\n5" in answer and b"300000" in answer
+    # A chunked body of a thousand small chunks: its framing is far under the bound.
+    chunked = b"POST /g HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n64\r\n"
+    chunked += b"\r\n64\r\n".join(b"c" * 100 for _ in range(1000)) + b"\r\n0\r\n\r\n"
+    answer = exchange(port, one, large, large, chunked, big_but_fine)
+    assert answer.count(b"HTTP/1.1 200") == 5 and b"\r\n\r\n5" in answer and b"300000" in answer
+    assert b"100000" in answer
 
 
 def test_a_head_over_the_limit_is_a_431_before_the_app_runs(port: int) -> None:
@@ -89,3 +93,9 @@ def test_a_head_over_the_limit_is_a_431_before_the_app_runs(port: int) -> None:
     answer = exchange(port, many)
     assert answer.startswith(b"HTTP/1.1 431") and b"headers" in answer
     assert CALLS == []
+
+
+def test_a_trailer_that_never_ends_is_refused(port: int) -> None:
+    start = b"POST /t HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nx-trailer: "
+    answer = exchange(port, start, *[b"v" * 8192] * (MAX_HEAD_BYTES // 8192 + 2))
+    assert answer.startswith(b"HTTP/1.1 431") and b"trailers" in answer

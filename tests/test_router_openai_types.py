@@ -40,6 +40,11 @@ def test_min_tokens_and_logprobs_reach_the_sampling_params() -> None:
         oa.ChatCompletionRequest,
     )
     assert oa.sampling_params(chat, 5).logprobs == 0  # the chosen token's only
+    null = oa.decode_body(
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": null}',
+        oa.ChatCompletionRequest,
+    )
+    assert oa.sampling_params(null, 5).logprobs is None  # null is "no", as OpenAI reads it
     with pytest.raises(InvalidRequestError, match="min_tokens"):
         oa.sampling_params(completion(b'{"model": "m", "prompt": "hi", "min_tokens": 6}'), 5)
 

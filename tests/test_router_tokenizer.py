@@ -107,3 +107,32 @@ def test_token_pieces_carry_the_exact_bytes_of_split_characters() -> None:
     # SentencePiece's byte fallback spells a lone byte <0xNN>; other spellings say nothing.
     assert _token_bytes("<0xE6>", byte_level=False) == b"\xe6"
     assert _token_bytes("\u2581hello", byte_level=False) is None
+
+
+def test_token_pieces_of_sentencepiece_and_wrapped_byte_level_vocabularies(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    spm = Tokenizer(models.WordLevel({"\u2581Hello": 0, "\u2581world": 1, "<unk>": 2}, unk_token="<unk>"))
+    spm.pre_tokenizer = pre_tokenizers.Metaspace()
+    spm.decoder = decoders.Metaspace()
+    (tmp_path / "spm").mkdir()
+    spm.save(str(tmp_path / "spm" / "tokenizer.json"))
+    pieces = RouterTokenizer(tmp_path / "spm")
+    # Decoded alone "▁world" reads "world"; its piece keeps the space, so pieces join to the text.
+    assert pieces.token_piece(1) == (" world", b" world")
+    assert pieces.decode([0, 1]) == "Hello world"
+
+    smollm2 = json.loads((tokenizer_folder_of_smollm2() / "tokenizer.json").read_text())
+    smollm2["decoder"] = {"type": "Sequence", "decoders": [smollm2["decoder"]]}
+    (tmp_path / "wrapped").mkdir()
+    (tmp_path / "wrapped" / "tokenizer.json").write_text(json.dumps(smollm2))
+    wrapped = RouterTokenizer(tmp_path / "wrapped")
+    ids = wrapped.encode("😀", add_special_tokens=False)
+    assert len(ids) > 1 and b"".join(wrapped.token_piece(t)[1] for t in ids) == "😀".encode()
+
+
+def tokenizer_folder_of_smollm2() -> Path:
+    from pdserve.models.source import resolve_model
+    from pdserve.router.tokenizer import tokenizer_folder
+
+    return tokenizer_folder(resolve_model("smollm2-135m"))

@@ -28,11 +28,22 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._header_count = 0
         self._refused: str | None = None
         self._messages_ended = 0  # in the read being parsed
+        self._body_bytes = 0  # of the read being parsed, handed to the app
+        self._framing_bytes = 0  # of the current body's reads, not body: chunk sizes, trailers
 
     def data_received(self, data: bytes) -> None:
         in_head_before = self._awaiting_head
         self._messages_ended = 0
+        self._body_bytes = 0
         super().data_received(data)
+        # In a body, what a read holds beyond the body itself is chunk framing and trailers, which
+        # httptools also buffers to itself: bounded like a head (a chunked body's framing is a few
+        # bytes a chunk; a trailer that never ends is not).
+        if not in_head_before and not self._awaiting_head and self._refused is None:
+            self._framing_bytes += max(0, len(data) - self._body_bytes)
+            if self._framing_bytes > MAX_HEAD_BYTES:
+                self._refuse(f"the request's chunk framing and trailers are over {MAX_HEAD_BYTES} bytes")
+                return
         # httptools keeps a header's pieces to itself until the header is whole, so the bytes of a
         # head still incomplete after this read are counted here, not in the callbacks. A read that
         # also ended a message (its tail is the last body's) is not counted: at most one read of
@@ -54,9 +65,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             raise _HeadTooLarge  # the parser stops; uvicorn answers through send_400_response
         super().on_header(name, value)
 
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        super().on_body(body)
+
     def on_headers_complete(self) -> None:
         self._awaiting_head = False
         self._head_bytes = 0
+        self._framing_bytes = 0
         # A head that arrived whole in one read is measured here, from what was parsed.
         size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
         if size > MAX_HEAD_BYTES:
@@ -76,6 +92,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             super().send_400_response(msg)
 
     def _refuse(self, why: str) -> None:
+        # Written straight to the socket, as uvicorn's own 400: a response still being sent on
+        # this connection (a pipelined one) is cut by it, and the connection closes.
         self._refused = why
         if self.transport.is_closing():
             return

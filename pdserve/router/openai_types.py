@@ -122,7 +122,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False  # null allowed, as OpenAI's and vLLM's
     top_logprobs: Int64 | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None

@@ -24,7 +24,6 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
-import tokenizers.decoders
 from tokenizers import Tokenizer
 
 from pdserve.errors import InvalidRequestError, ModelLoadError
@@ -82,6 +81,9 @@ class RouterTokenizer:
         if piece is None:
             text = self.decode([token_id], skip_special_tokens=False)
             spelled = self._tokenizer.id_to_token(token_id) or ""
+            if spelled.startswith("\u2581") and text == spelled.replace("\u2581", " ").lstrip(" "):
+                # SentencePiece: decoded alone, a token loses the space its ▁ stands for.
+                text = spelled.replace("\u2581", " ")
             raw = _token_bytes(spelled, self._byte_level) if "\ufffd" in text else None
             piece = (text, raw if raw is not None else text.encode("utf-8"))
             self._pieces[token_id] = piece
@@ -89,7 +91,15 @@ class RouterTokenizer:
 
     @functools.cached_property
     def _byte_level(self) -> bool:
-        return isinstance(self._tokenizer.decoder, tokenizers.decoders.ByteLevel)
+        """Whether the decoder is byte-level BPE's, alone or inside a Sequence."""
+        decoder = json.loads(self._tokenizer.to_str()).get("decoder") or {}
+        pending = [decoder]
+        while pending:
+            part = pending.pop()
+            if part.get("type") == "ByteLevel":
+                return True
+            pending.extend(p for p in part.get("decoders", []) if isinstance(p, dict))
+        return False
 
     @functools.cached_property
     def max_token_chars(self) -> int:
