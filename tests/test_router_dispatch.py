@@ -86,6 +86,17 @@ def test_dropped_kv_transfers_are_counted_and_retried_not_recomputed_silently(
         assert failures > 0
         assert server.metric("pdserve_request_retries_total", reason="kv_transfer_failed") == failures
         assert server.metric("pdserve_requests_total", outcome="ok") == len(PROMPTS)
+        # A retry after the first token owes one token less of min_tokens as of max_tokens: with
+        # EOS forced, each answer still runs to max_tokens (min_tokens = max_tokens).
+        eos = offline.get_tokenizer().eos_token_id
+        for prompt in PROMPTS:
+            held = server.client.completions.create(
+                model=server.model, prompt=prompt, max_tokens=6, temperature=0.0,
+                logit_bias={str(eos): 100}, extra_body={"min_tokens": 6},
+            )  # fmt: skip
+            assert held.choices[0].finish_reason == "length" and held.usage is not None
+            assert held.usage.completion_tokens == 6
+        assert server.metric("pdserve_request_retries_total", reason="kv_transfer_failed") > failures
         server.wait_kv_free()
     finally:
         server.stop()

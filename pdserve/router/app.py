@@ -358,10 +358,10 @@ class Router:
                 finish: str | None = event.finish_reason
                 stop_reason: int | str | None = event.stop_reason
                 logprobs = checked_logprobs(run, event)
-                new_logprobs = TokenLogprobs() if logprobs is not None else None
+                new_logprobs = TokenLogprobs()
                 for i, token in enumerate(event.token_ids):
                     run.output_ids.append(token)
-                    if new_logprobs is not None and logprobs is not None:
+                    if logprobs is not None:
                         new_logprobs.add(logprobs[i], len(run.detok.text))
                     if token in self.eos_token_ids and not run.ignore_eos:
                         continue  # EOS ends the text; it counts as a token, it prints nothing
@@ -370,7 +370,7 @@ class Router:
                         break
                 text = run.detok.streamable_text(finished=finish is not None)
                 delta, sent = text[sent:], len(text)
-                yield Delta(delta, finish, stop_reason, new_logprobs)
+                yield Delta(delta, finish, stop_reason, new_logprobs if logprobs is not None else None)
                 if finish is not None:
                     run.state.outcome = "ok"  # also when a stop string ended it before the engine did
                     run.finished(time.monotonic(), self.metrics)
