@@ -1,6 +1,7 @@
 """Chaos under load: a real `pdserve serve` (1 prefill + 2 decode workers) serving greedy streams
 while workers are killed (SIGKILL) and frozen (SIGSTOP, then SIGCONT), KV transfers fail on
-purpose (--kv-fault-rate), and clients disconnect at random points. Bounded in time and requests,
+purpose (--kv-fault-rate) or land with a bit flipped (--kv-corrupt-rate: the KV checksum must
+catch each), and clients disconnect at random points. Bounded in time and requests,
 on 127.0.0.1 only; it stops by itself.
 
     .venv/bin/python benchmarks/chaos.py --model smollm2-135m --duration 300 --clients 64   # soak
@@ -13,7 +14,8 @@ Afterwards it checks, and exits 1 (with the reasons) unless every one holds:
   prompt, and the text of every stream that ended early is a prefix of it;
 - no leaked KV block (every worker reports 0 blocks in use), process or shared-memory segment
   (after the server stops);
-- every failure counted: the router's retries and KV transfer failures are in its metrics.
+- every failure counted: the router's retries, KV transfer failures and KV checksum failures are
+  in its metrics.
 Prints a JSON summary on stdout.
 """
 
@@ -186,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--fault-interval", type=float, default=6.0)
     p.add_argument("--kv-fault-rate", type=float, default=0.05)
+    p.add_argument("--kv-corrupt-rate", type=float, default=0.05)
     p.add_argument("--transport", default="shm")
     p.add_argument("--request-timeout", type=float, default=90.0, help="a request not over by then is hung")
     p.add_argument("--seed", type=int, default=0)
@@ -196,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(
         args.model,
         "--prefill", "1", "--decode", "2", "--transport", args.transport,
-        "--kv-fault-rate", str(args.kv_fault_rate), "--num-kv-blocks", "512",
+        "--kv-fault-rate", str(args.kv_fault_rate), "--kv-corrupt-rate", str(args.kv_corrupt_rate),
+        "--num-kv-blocks", "512",
         "--max-retries", "8", "--heartbeat-timeout", "3",
     )  # fmt: skip
     faults = Faults()
@@ -226,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics = {
             "retries": _sum(server, "pdserve_request_retries_total"),
             "kv_transfer_failures": _sum(server, "pdserve_kv_transfer_failures_total"),
+            "kv_checksum_failures": _sum(server, "pdserve_kv_checksum_failures_total"),
             "requests_error": server.metric("pdserve_requests_total", outcome="error"),
             "requests_aborted": server.metric("pdserve_requests_total", outcome="aborted"),
         }

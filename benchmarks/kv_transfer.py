@@ -15,8 +15,14 @@ Each path is timed in turn with its baselines, `--repeats` times for the largest
 for the smaller ones (a 1 MiB pull takes ~1 ms; 200 repeats). torch uses one thread on both
 sides, as a worker does by default.
 
+With `--checksum`, each transport is also timed pulling with the KV checksum on (the importer
+hashes what landed and compares it with the holder's digest, as a worker does by default on a
+CPU) against the same pull without it, and the holder's own hashing of the blocks is timed
+alone (a worker does it once per lease, when it registers the blocks).
+
     .venv/bin/python benchmarks/kv_transfer.py
     .venv/bin/python benchmarks/kv_transfer.py --sizes 16 --repeats 3 --layouts contiguous
+    .venv/bin/python benchmarks/kv_transfer.py --checksum --transports shm tcp
 """
 
 from __future__ import annotations
@@ -289,6 +295,53 @@ class Transport:
         self.child.stop()
 
 
+class Checksummed:
+    """The transport's pull with the checksum on: the importer verifies what landed."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self._digests: dict[tuple[int, ...], str] = {}
+
+    def digest(self, src: list[int]) -> str:
+        from pdserve.transfer.checksum import kv_digest
+
+        key = tuple(src)
+        if key not in self._digests:  # what the holder computed when it leased them
+            self._digests[key] = kv_digest(self.transport.expected, src)
+        return self._digests[key]
+
+    def run(self, src: list[int], dst: list[int]) -> None:
+        digest = self.digest(src)
+        t = self.transport
+        t.importer.pull(
+            t.child.address,
+            src,
+            dst,
+            timeout=60.0,
+            request_id="bench",
+            lease_token=t.child.token,
+            digest=digest,
+        )
+
+    def close(self) -> None:
+        pass  # the transport is closed on its own
+
+
+class HolderDigest:
+    """What the holder pays once per lease: hashing its blocks."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+
+    def run(self, src: list[int], dst: list[int]) -> None:
+        from pdserve.transfer.checksum import kv_digest
+
+        kv_digest(self.transport.expected, src)
+
+    def close(self) -> None:
+        pass
+
+
 def choose_blocks(n: int, num_blocks: int, layout: str, seed: int) -> list[int]:
     if layout == "contiguous":
         return list(range(n))
@@ -315,13 +368,13 @@ class SamePieces:
 
 
 def compare(
-    kind: str, layout: str, sizes: dict[int, int], num_blocks: int, repeats: int
+    kind: str, layout: str, sizes: dict[int, int], num_blocks: int, repeats: int, checksum: bool = False
 ) -> dict[str, dict[int, float]]:
     """Median seconds per size of the transport and of its baselines. All are timed in turn within
     each repeat, so a burst of load on this shared machine hits each of them rather than one."""
     max_bytes = max(sizes.values()) * BLOCK_BYTES
     transport = Transport(kind, num_blocks)
-    baselines: dict[str, Memcpy | RawSocket | RawNixl | SamePieces] = {}
+    baselines: dict[str, Memcpy | RawSocket | RawNixl | SamePieces | Checksummed | HolderDigest] = {}
     if kind == "shm":
         baselines["memcpy"] = Memcpy(max_bytes)
     elif kind == "tcp":
@@ -329,6 +382,9 @@ def compare(
     else:
         baselines["NIXL read, 1 descriptor"] = RawNixl(max_bytes, num_blocks)
         baselines["NIXL read, same pieces"] = SamePieces(transport)
+    if checksum:
+        baselines[CHECKED] = Checksummed(transport)
+        baselines[HOLDER] = HolderDigest(transport)
     results: dict[str, dict[int, float]] = {name: {} for name in [kind, *baselines]}
     try:
         for mib, n in sizes.items():
@@ -355,6 +411,9 @@ def compare(
     return results
 
 
+CHECKED, HOLDER = "with checksum", "holder's digest"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -363,6 +422,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--layouts", nargs="+", default=["scattered", "contiguous"])
     parser.add_argument("--transports", nargs="+", default=["shm", "tcp", "nixl"])
+    parser.add_argument("--checksum", action="store_true", help="also time the pulls with the KV checksum")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--num-blocks", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -385,7 +445,7 @@ def main() -> None:
     lines = [f"| transport | blocks | against | {head} |", "|---|---|---|" + "---|" * len(sizes)]
     for layout in args.layouts:
         for kind in transports:
-            results = compare(kind, layout, sizes, num_blocks, args.repeats)
+            results = compare(kind, layout, sizes, num_blocks, args.repeats, args.checksum)
             for name, base in results.items():
                 if name == kind:
                     continue
@@ -393,6 +453,11 @@ def main() -> None:
                 for mib, n in sizes.items():
                     gb = n * BLOCK_BYTES / 1e9
                     ours = results[kind][mib]
+                    if name in (CHECKED, HOLDER):  # its time, and what it adds to a plain pull
+                        ms = base[mib] * 1e3
+                        extra = base[mib] - ours if name == CHECKED else base[mib]
+                        cells.append(f"{ms:.2f} ms, {gb / base[mib]:.2f} GB/s, **+{extra / ours:.0%}**")
+                        continue
                     cells.append(f"{gb / ours:.2f} vs {gb / base[mib]:.2f} GB/s = **{base[mib] / ours:.0%}**")
                 lines.append(f"| {kind} | {layout} | {name} | " + " | ".join(cells) + " |")
                 print(lines[-1], flush=True)

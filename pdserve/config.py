@@ -50,6 +50,7 @@ class EngineConfig:
 
 
 TRANSPORTS = ("shm", "tcp", "nixl")
+KV_CHECKSUM_MODES = ("auto", "on", "off")  # see WorkerConfig.kv_checksum
 
 # How a cluster backend hands a worker process its configuration (JSON) and where the worker
 # reports that it is ready (an inherited pipe fd): see pdserve.cluster.local and pdserve.worker.
@@ -80,6 +81,10 @@ class WorkerConfig:
     lease_seconds: float = 30.0  # KV blocks held for another worker are freed after this
     kv_pull_timeout: float = 10.0  # seconds for one KV transfer
     kv_fault_rate: float = 0.0  # fault tests only: share of KV pulls to drop on purpose
+    kv_corrupt_rate: float = 0.0  # fault tests only: share of KV pulls to land with a bit flipped
+    # Digest the blocks a worker holds, check the blocks it pulls (transfer/checksum.py): on, off,
+    # or auto (on where the cache is in host memory; a GPU cache would need a copy to the host).
+    kv_checksum: str = "auto"
     # Decode role: how long the loop waits, before a step, for KV pulls it has just started, so
     # their requests join that step instead of the next (an shm pull of a chat prompt takes ~3 ms,
     # a decode step ~100 ms on one CPU). A slower pull finishes in the background meanwhile.
@@ -101,8 +106,11 @@ class WorkerConfig:
         for name in ("lease_seconds", "kv_pull_timeout", "load_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0.0 <= self.kv_fault_rate <= 1.0:
-            raise ValueError(f"kv_fault_rate must be in [0, 1], got {self.kv_fault_rate}")
+        for name in ("kv_fault_rate", "kv_corrupt_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.kv_checksum not in KV_CHECKSUM_MODES:
+            raise ValueError(f"kv_checksum must be one of {KV_CHECKSUM_MODES}, got {self.kv_checksum!r}")
 
     @property
     def role(self) -> Role:

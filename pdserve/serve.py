@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import serve_options
-from pdserve.config import POOL_ROLES, TRANSPORTS, EngineConfig, WorkerConfig
+from pdserve.config import KV_CHECKSUM_MODES, POOL_ROLES, TRANSPORTS, EngineConfig, WorkerConfig
 from pdserve.errors import PdserveError
 from pdserve.planner.law import LawSettings
 from pdserve.planner.loop import MODES, PlannerSettings
@@ -59,6 +59,11 @@ def _check(o: dict[str, Any]) -> None:
         )
     if o["transport"] not in TRANSPORTS:
         raise PdserveError(f"--transport must be shm, tcp or nixl, got {o['transport']!r}")
+    if o["kv_checksum"] not in KV_CHECKSUM_MODES:
+        raise PdserveError(f"--kv-checksum must be auto, on or off, got {o['kv_checksum']!r}")
+    for name in ("kv_fault_rate", "kv_corrupt_rate"):
+        if not 0.0 <= o[name] <= 1.0:
+            raise PdserveError(f"--{name.replace('_', '-')} must be in [0, 1], got {o[name]}")
     for name in ("prefill", "decode", "colocated", "threads", "max_retries"):
         if o[name] < 0:
             raise PdserveError(f"--{name.replace('_', '-')} must be >= 0")
@@ -201,6 +206,8 @@ def worker_config(
         lease_seconds=o["lease_seconds"],
         kv_pull_timeout=o["kv_pull_timeout"],
         kv_fault_rate=o["kv_fault_rate"],
+        kv_corrupt_rate=o["kv_corrupt_rate"],
+        kv_checksum=o["kv_checksum"],
         log_level=o["log_level"],
         eos_token_ids=eos_token_ids,
     )

@@ -120,6 +120,17 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
         _default(_W, "kv_fault_rate"),
         "fault tests only: share of KV transfers to drop on purpose",
     ),
+    "kv_corrupt_rate": (
+        float,
+        _default(_W, "kv_corrupt_rate"),
+        "fault tests only: share of KV transfers to land with one bit flipped on purpose",
+    ),
+    "kv_checksum": (
+        str,
+        _default(_W, "kv_checksum"),
+        "digest each KV transfer and fail one that changed the blocks: on, off, or auto (on for "
+        "caches in host memory)",
+    ),
     "ready_timeout": (
         float,
         _default(_P, "start_timeout"),

@@ -66,6 +66,9 @@ class KVHandle(msgspec.Struct, frozen=True):
     # Hex of the unguessable token the holder made for this lease: a pull must show it (tcp, nixl).
     # Only the router and the worker it hands this handle to see it.
     lease_token: str = ""
+    # Hex XXH3-128 of the blocks as the holder leased them (transfer/checksum.py); the puller
+    # checks what landed against it. Empty: the holder does not digest (a GPU cache by default).
+    kv_digest: str = ""
 
 
 # -- router -> worker --------------------------------------------------------------------------------
@@ -157,6 +160,7 @@ class KVPulled(msgspec.Struct, frozen=True, tag="kv_pulled"):
     nbytes: int
     seconds: float
     error: str | None = None
+    checksum_failed: bool = False  # the blocks arrived but did not match the holder's digest
 
 
 class Migrated(msgspec.Struct, frozen=True, tag="migrated"):

@@ -1,5 +1,5 @@
 """benchmarks/chaos.py, bounded: workers killed and frozen, KV transfers dropped and clients leaving
-mid-stream under load, and afterwards no hung request, no wrong token, no leaked block, process or
+mid-stream under load, KV that lands with a bit flipped, and afterwards no hung request, no wrong token, no leaked block, process or
 segment (the script checks each and exits 1 with the reasons)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ def test_a_short_chaos_run_loses_nothing_and_corrupts_nothing(tiny_llama: Path) 
     command = [
         sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--model", str(tiny_llama),
         "--duration", "30", "--clients", "12", "--fault-interval", "6", "--max-tokens", "40", "--seed", "3",
+        "--kv-corrupt-rate", "0.1",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=240)
     summary = json.loads(done.stdout)
@@ -24,4 +25,7 @@ def test_a_short_chaos_run_loses_nothing_and_corrupts_nothing(tiny_llama: Path) 
     outcomes = summary["outcomes"]
     assert outcomes.get("completed", 0) > 50 and outcomes.get("disconnected", 0) > 5, outcomes
     assert "hung" not in outcomes
-    assert summary["metrics"]["kv_transfer_failures"] > 0 and summary["metrics"]["retries"] > 0  # all counted
+    metrics = summary["metrics"]
+    assert metrics["kv_transfer_failures"] > 0 and metrics["retries"] > 0  # all counted
+    # Every corrupted pull was caught (a missed one would be a wrong token above) and counted.
+    assert 0 < metrics["kv_checksum_failures"] < metrics["kv_transfer_failures"]

@@ -102,6 +102,28 @@ def test_dropped_kv_transfers_are_counted_and_retried_not_recomputed_silently(
         server.stop()
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_kv_that_arrives_changed_is_caught_by_its_checksum_counted_and_retried(
+    tiny_llama: Path, offline: LLM, transport: str
+) -> None:
+    # Every other pull lands with one bit flipped: the checksum turns each into a counted failure
+    # and a retry, so every answer is still exactly the offline engine's.
+    server = Server(
+        tiny_llama, "--prefill", "1", "--decode", "1", "--transport", transport,
+        "--kv-corrupt-rate", "0.5", "--max-retries", "20",
+    )  # fmt: skip
+    try:
+        assert asyncio.run(complete_all(server, 10)) == expected_texts(offline, 10)
+        caught = server.metric("pdserve_kv_checksum_failures_total", transport=transport, kind="prompt")
+        assert caught > 0
+        assert server.metric("pdserve_kv_transfer_failures_total") == caught  # nothing else failed
+        assert server.metric("pdserve_request_retries_total", reason="kv_transfer_failed") == caught
+        assert server.metric("pdserve_requests_total", outcome="ok") == len(PROMPTS)
+        server.wait_kv_free()
+    finally:
+        server.stop()
+
+
 def test_a_killed_decode_worker_ends_its_streams_with_an_error_and_is_avoided(tiny_llama: Path) -> None:
     server = Server(tiny_llama, "--prefill", "1", "--decode", "2", "--no-replace-failed")
     try:

@@ -92,6 +92,23 @@ def test_pool_tables_set_each_pools_engine_bounds_and_slos(tmp_path: Path) -> No
         ),
         ('model = "m"\n', ("--colocated", "2", "--prefill", "1"), "either --colocated"),
         ('model = "m"\n', ("--colocated", "1", "--transport", "udp"), "--transport must be"),
+        (
+            'model = "m"\n',
+            ("--colocated", "1", "--kv-checksum", "yes"),
+            "--kv-checksum must be auto, on or off",
+        ),
+        (
+            'model = "m"\n',
+            ("--colocated", "1", "--kv-corrupt-rate", "2"),
+            "--kv-corrupt-rate must be in [0, 1]",
+        ),
+        ('model = "m"\n', ("--colocated", "1", "--kv-fault-rate", "-0.1"), "--kv-fault-rate must be in"),
+        (
+            'model = "m"\n',
+            ("--colocated", "1", "--max-body-bytes", "100"),
+            "--max-body-bytes must be >= 1024",
+        ),
+        ('model = "m"\n', ("--colocated", "1", "--body-timeout", "0"), "--body-timeout > 0"),
         ('model = "m"\ndecode = 2\nprefill = 1\ndecode-max = 1\n', (), "pool decode: need 0 <= --decode-min"),
         ('model = "m"\n', ("--colocated", "2", "--colocated-min", "3"), "3 <= 2 <= 2"),
         ('model = "m"\n', ("--prefill", "1", "--decode", "1", "--drain-timeout", "0"), "--drain-timeout"),

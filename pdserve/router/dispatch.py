@@ -507,6 +507,8 @@ class Dispatcher:
             self.metrics.kv_transfer_bytes.labels(transport, kind).observe(event.nbytes)
         else:
             self.metrics.kv_transfer_failures.labels(transport, kind).inc()
+            if event.checksum_failed:
+                self.metrics.kv_checksum_failures.labels(transport, kind).inc()
             logger.error("request %s: KV transfer failed (%s): %s", state.request_id, transport, event.error)
 
     # -- helpers ------------------------------------------------------------------------------------------

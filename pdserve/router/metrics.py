@@ -90,6 +90,13 @@ class RouterMetrics:
             ("transport", "kind"),
             registry=r,
         )
+        self.kv_checksum_failures = Counter(
+            "pdserve_kv_checksum_failures",
+            "KV pulls whose blocks arrived changed (they did not match the holder's digest); "
+            "also counted in pdserve_kv_transfer_failures",
+            ("transport", "kind"),
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "pdserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r
         )

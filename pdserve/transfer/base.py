@@ -24,21 +24,27 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.errors import PdserveError
+from pdserve.transfer.checksum import kv_digest
 
 
 class TransferError(PdserveError):
     """A KV pull failed or timed out. The request's blocks on the decode side must be freed."""
 
 
+class ChecksumError(TransferError):
+    """The blocks that arrived are not the blocks the holder leased (see transfer/checksum.py)."""
+
+
 @dataclass
 class TransferStats:
     pulls: int = 0
     failures: int = 0
+    checksum_failures: int = 0  # of `failures`: the blocks arrived, but not as the holder had them
     bytes: int = 0
     seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def record(self, nbytes: int, seconds: float, ok: bool) -> None:
+    def record(self, nbytes: int, seconds: float, ok: bool, checksum_failed: bool = False) -> None:
         with self._lock:
             self.pulls += 1
             self.seconds += seconds
@@ -46,20 +52,38 @@ class TransferStats:
                 self.bytes += nbytes
             else:
                 self.failures += 1
+                self.checksum_failures += checksum_failed
 
 
 class FaultInjector:
-    """Makes a fraction of pulls fail on purpose, for fault tests (`--kv-fault-rate`)."""
+    """Makes a fraction of pulls fail (`--kv-fault-rate`) or land with one byte changed
+    (`--kv-corrupt-rate`) on purpose, for fault tests."""
 
-    def __init__(self, rate: float = 0.0, seed: int = 0) -> None:
-        if not 0.0 <= rate <= 1.0:
-            raise ValueError(f"fault rate must be in [0, 1], got {rate}")
+    def __init__(self, rate: float = 0.0, seed: int = 0, corrupt_rate: float = 0.0) -> None:
+        for name, value in (("fault rate", rate), ("corrupt rate", corrupt_rate)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
         self.rate = rate
+        self.corrupt_rate = corrupt_rate
         self._rng = random.Random(seed)
 
     def maybe_fail(self, what: str) -> None:
         if self.rate and self._rng.random() < self.rate:
             raise TransferError(f"injected fault: {what} dropped")
+
+    def maybe_corrupt(self, kv_cache: torch.Tensor, dst_blocks: Sequence[int]) -> None:
+        """Flip one bit of one of the blocks that just landed, as a bad link or memory would."""
+        if not (self.corrupt_rate and dst_blocks and self._rng.random() < self.corrupt_rate):
+            return
+        block = kv_cache[:, :, self._rng.choice(list(dst_blocks))]  # [L, 2, BS, KVH, D], a view
+        flat = block.reshape(-1)  # a copy when the view is not contiguous: written back below
+        position = self._rng.randrange(flat.numel())
+        as_int = flat[position : position + 1].view(_INT_OF_SIZE[flat.element_size()])
+        as_int ^= 1 << self._rng.randrange(8 * flat.element_size() - 1)
+        block.copy_(flat.view(block.shape))
+
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class KVImporter(abc.ABC):
@@ -79,8 +103,12 @@ class KVImporter(abc.ABC):
         *,
         request_id: str = "",
         lease_token: bytes = b"",
+        digest: str = "",
     ) -> int:
         """Copy `src_blocks` of the cache at `address` into `dst_blocks` here. Returns bytes moved.
+
+        With `digest` (the holder's `kv_digest` of `src_blocks`), what landed is hashed and a
+        difference is a ChecksumError: the blocks are not used.
 
         `request_id` names the prefill side's lease on `src_blocks` and `lease_token` proves the
         right to it (the holder made it, unguessable, and put it in the KVHandle); transports whose
@@ -99,9 +127,17 @@ class KVImporter(abc.ABC):
         nbytes = 0
         try:
             self.faults.maybe_fail(f"pull of {len(src_blocks)} blocks from {address}")
-            nbytes = self._pull_request(
-                request_id, lease_token, address, src_blocks, dst_blocks[: len(src_blocks)], timeout
-            )
+            landed = dst_blocks[: len(src_blocks)]
+            nbytes = self._pull_request(request_id, lease_token, address, src_blocks, landed, timeout)
+            self.faults.maybe_corrupt(self.kv_cache, landed)
+            if digest and (got := kv_digest(self.kv_cache, landed)) != digest:
+                raise ChecksumError(
+                    f"KV checksum mismatch on {len(landed)} blocks pulled from {address}: the "
+                    f"holder's digest is {digest}, what arrived hashes to {got}"
+                )
+        except ChecksumError:
+            self.stats.record(0, time.perf_counter() - started, ok=False, checksum_failed=True)
+            raise
         except TransferError:
             self.stats.record(0, time.perf_counter() - started, ok=False)
             raise

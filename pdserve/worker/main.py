@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache = engine.runner.kv_cache  # [L, 2, NB, BS, KVH, D]
         exporter = _make_exporter(config, kv_cache, secrets.kv_secret_bytes)
         if role is not Role.PREFILL:
-            faults = FaultInjector(config.kv_fault_rate)
+            faults = FaultInjector(config.kv_fault_rate, corrupt_rate=config.kv_corrupt_rate)
             importer = _make_importer(config.transport, kv_cache, faults, secrets.kv_secret_bytes)
         kv_address = segment.name if segment is not None else exporter.address if exporter else ""
         server = WorkerServer(

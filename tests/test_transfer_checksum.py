@@ -1,0 +1,89 @@
+"""The KV checksum: the same blocks hash the same wherever they sit; any change is caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.transfer.base import ChecksumError, FaultInjector
+from pdserve.transfer.checksum import checksum_enabled, kv_digest
+from pdserve.transfer.shm import OwnedSegment, ShmImporter
+
+SHAPE = (3, 2, 10, 4, 2, 8)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
+
+
+def copy_blocks(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int]) -> None:
+    for s, d in zip(src_blocks, dst_blocks, strict=True):
+        dst[:, :, d] = src[:, :, s]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_same_blocks_at_other_ids_hash_the_same(dtype: torch.dtype) -> None:
+    holder = torch.randn(SHAPE).to(dtype)
+    puller = torch.zeros((3, 2, 16, 4, 2, 8), dtype=dtype)  # another size, other ids, other runs
+    src, dst = [3, 4, 5, 9, 0], [0, 7, 8, 1, 15]
+    copy_blocks(holder, src, puller, dst)
+    assert kv_digest(holder, src) == kv_digest(puller, dst)
+    assert len(kv_digest(holder, src)) == 32  # 128 bits
+    # The order of the blocks is part of what is checked: KV in the wrong positions is wrong KV.
+    assert kv_digest(holder, [4, 3, 5, 9, 0]) != kv_digest(holder, src)
+    # Blocks outside the list do not count.
+    before = kv_digest(holder, src)
+    holder[:, :, 7] += 1
+    assert kv_digest(holder, src) == before
+
+
+def test_every_single_bit_flip_changes_the_digest() -> None:
+    holder = torch.randn(SHAPE)
+    blocks = [2, 3, 6]
+    reference = kv_digest(holder, blocks)
+    raw = holder.view(torch.int32)  # [L, 2, NB, BS, KVH, D]
+    for layer, kv, block, bit in [(0, 0, 2, 0), (2, 1, 6, 30), (1, 1, 3, 17), (2, 0, 3, 9)]:
+        raw[layer, kv, block, 1, 1, 5] ^= 1 << bit
+        assert kv_digest(holder, blocks) != reference
+        raw[layer, kv, block, 1, 1, 5] ^= 1 << bit
+        assert kv_digest(holder, blocks) == reference
+
+
+def test_an_injected_corruption_is_caught_by_the_importer_and_counted() -> None:
+    owner = OwnedSegment(SHAPE, torch.float32)
+    owner.tensor.copy_(torch.randn(SHAPE))
+    local = torch.zeros((3, 2, 6, 4, 2, 8))
+    try:
+        digest = kv_digest(owner.tensor, [1, 4, 5])
+        clean = ShmImporter(local)
+        clean.pull(owner.name, [1, 4, 5], [2, 0, 1], timeout=5.0, digest=digest)
+        assert clean.stats.failures == 0 and kv_digest(local, [2, 0, 1]) == digest
+        with pytest.raises(ChecksumError, match="checksum mismatch"):  # a digest of other blocks
+            clean.pull(owner.name, [1, 4, 5], [2, 0, 1], timeout=5.0, digest=kv_digest(owner.tensor, [1, 4]))
+        assert clean.stats.checksum_failures == 1
+        clean.close()
+
+        corrupting = ShmImporter(local, FaultInjector(corrupt_rate=1.0, seed=3))
+        for _ in range(5):  # a different bit of a different block each time: always caught
+            with pytest.raises(ChecksumError):
+                corrupting.pull(owner.name, [1, 4, 5], [2, 0, 1], timeout=5.0, digest=digest)
+        assert corrupting.stats.failures == corrupting.stats.checksum_failures == 5
+        assert corrupting.stats.bytes == 0
+        # Without a digest the same corruption goes through unseen: what the checksum is for.
+        corrupting.pull(owner.name, [1, 4, 5], [2, 0, 1], timeout=5.0)
+        assert kv_digest(local, [2, 0, 1]) != digest
+        corrupting.close()
+    finally:
+        owner.close()
+
+
+def test_the_mode_decides_by_where_the_cache_is() -> None:
+    cpu_cache = torch.zeros(SHAPE)
+    assert checksum_enabled("auto", cpu_cache) and checksum_enabled("on", cpu_cache)
+    assert not checksum_enabled("off", cpu_cache)
+    with pytest.raises(ValueError, match="auto"):
+        checksum_enabled("yes", cpu_cache)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_cache_hashes_like_the_same_blocks_on_the_host() -> None:
+    host = torch.randn(SHAPE).to(torch.bfloat16)
+    device = host.cuda()
+    assert not checksum_enabled("auto", device) and checksum_enabled("on", device)
+    assert kv_digest(device, [5, 1, 2]) == kv_digest(host, [5, 1, 2])
