@@ -139,7 +139,8 @@ class Tokens(msgspec.Struct, frozen=True, tag="tokens"):
 
     A prefill worker's answer carries the first token, finish_reason "prefilled" and `kv`.
     finish_reason "error" comes with `error`: the request failed on this worker (a KV transfer
-    that did not arrive, say) and the router decides whether to retry it."""
+    that did not arrive, say) and the router decides whether to retry it; `invalid` says the
+    worker refused the request itself (bad parameters), which another attempt would not mend."""
 
     request_id: str
     token_ids: list[int]
@@ -149,6 +150,7 @@ class Tokens(msgspec.Struct, frozen=True, tag="tokens"):
     kv: KVHandle | None = None
     error: str | None = None
     queue_seconds: float | None = None  # how long the request waited on this worker to start
+    invalid: bool = False
 
 
 class KVPulled(msgspec.Struct, frozen=True, tag="kv_pulled"):

@@ -16,10 +16,12 @@ import pytest
 from serving import Server
 
 from pdserve import LLM, SamplingParams, wire
-from pdserve.router.dispatch import Dispatcher, Overloaded, RouterConfig
+from pdserve.cluster.local import LocalCluster
+from pdserve.config import EngineConfig, Role, WorkerConfig
+from pdserve.router.dispatch import Dispatcher, Overloaded, RequestFailed, RequestState, RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import WorkerSet
-from pdserve.security import CurveKeypair
+from pdserve.security import CurveKeypair, DeploymentSecrets
 
 PROMPTS = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * (2 + i) for i in range(8)]
 
@@ -364,5 +366,44 @@ def test_a_prompt_that_would_overfill_its_pools_queue_is_refused_with_the_time_i
             assert metric == 1
         finally:
             await workers.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_a_worker_refuses_as_invalid_fails_at_once_without_retries(tiny_llama: Path) -> None:
+    # The router validates every request first, so only a router bug sends a worker a request it
+    # refuses (a retry that once asked for min_tokens > max_tokens): that is no transient fault,
+    # and trying it max_retries times more only delays the error.
+    secrets = DeploymentSecrets.generate()
+
+    async def scenario() -> None:
+        cluster = LocalCluster(secrets.for_workers(), pin_cpus=False)
+        workers = WorkerSet(keypair=secrets.router)
+        dispatcher = Dispatcher(workers, RouterConfig(max_retries=5), RouterMetrics())
+        try:
+            for pool, role in (("prefill", Role.PREFILL), ("decode", Role.DECODE)):
+                engine = EngineConfig(model=str(tiny_llama), dtype="float32", role=role, num_kv_blocks=64)
+                config = WorkerConfig(f"{pool}-0", pool, engine, log_level="WARNING")
+                handle = await cluster.start_worker(config, timeout=120)
+                workers.add_worker(handle.worker_id, pool, handle.rpc_address, handle.rpc_public_key)
+            deadline = time.monotonic() + 30
+            while len(workers.up("prefill", "decode")) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            prompt = list(range(5, 45))  # long enough for the prefill pool
+            good = wire.WireSamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+            tokens = [t for e in [e async for e in dispatcher.generate(RequestState("ok"), prompt, good)] for t in e.token_ids]  # fmt: skip
+            assert len(tokens) == 3
+            bad = wire.WireSamplingParams(max_tokens=3, min_tokens=9)  # what the router never sends
+            for path_prompt in (prompt, prompt[:4]):  # remote prefill, then local (decode worker)
+                state = RequestState(f"bad-{len(path_prompt)}")
+                with pytest.raises(RequestFailed, match=r"refused the request: .*min_tokens"):
+                    async for _ in dispatcher.generate(state, path_prompt, bad):
+                        pass
+                assert state.retries == 0 and state.outcome == "error"
+            exposition = dispatcher.metrics.render().decode()
+            assert "pdserve_request_retries_total{" not in exposition  # no retry of any reason
+        finally:
+            await workers.close()
+            await cluster.close()
 
     asyncio.run(scenario())

@@ -227,6 +227,7 @@ def test_failed_kv_pull_is_reported_not_recomputed(tiny_llama: Path) -> None:
         hand_over(decode, "r", PROMPTS[1], params, first)
         answer = decode.recv_tokens()
         assert answer.finish_reason == "error" and answer.error and "injected fault" in answer.error
+        assert not answer.invalid  # a fault: worth another attempt
         assert [(p.request_id, p.ok) for p in decode.kv_pulled] == [("r", False)]
         assert decode.last_load().kv_blocks_used == 0
     finally:
@@ -267,6 +268,7 @@ def test_bad_requests_get_an_error_and_the_worker_keeps_serving(tiny_llama: Path
         worker.send(wire.AddRequest("empty", [], wire.WireSamplingParams(max_tokens=3)))
         answer = worker.recv_tokens()
         assert answer.finish_reason == "error" and answer.error and "empty" in answer.error
+        assert answer.invalid  # the router fails it at once instead of retrying it
         worker.sock.send(b"\x00 not a frame")
         worker.send(wire.AddRequest("ok", PROMPTS[0], wire.WireSamplingParams(max_tokens=2, temperature=0.0)))
         tokens: list[int] = []

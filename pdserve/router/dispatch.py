@@ -322,6 +322,8 @@ class Dispatcher:
             raise _Retry("prefill_worker_down", f"prefill worker {answer.worker_id} went down")
         if not isinstance(answer, wire.Tokens) or answer.finish_reason == "error":
             pleg.done = True
+            if isinstance(answer, wire.Tokens) and answer.invalid:  # not a fault: do not retry it
+                raise RequestFailed(f"prefill worker {prefill.worker_id}: {answer.error}")
             raise _Retry(
                 "prefill_failed", f"prefill worker {prefill.worker_id}: {getattr(answer, 'error', '')}"
             )
@@ -413,7 +415,7 @@ class Dispatcher:
                     raise RequestFailed(f"worker {worker} went down mid-stream ({event.reason})")
                 if event.finish_reason == "error":
                     leg.done = True
-                    if kv_pending and (kv_failed or streamed == 0):
+                    if kv_pending and (kv_failed or streamed == 0) and not event.invalid:
                         raise _Retry("kv_transfer_failed", f"worker {worker}: {event.error}")
                     raise RequestFailed(f"worker {worker} failed the request: {event.error}")
                 if streamed == 0 and event.queue_seconds is not None:

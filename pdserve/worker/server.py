@@ -265,7 +265,8 @@ class WorkerServer:
                 max_chunk_tokens=msg.max_chunk_tokens,
             )
         except (InvalidRequestError, ValueError) as exc:
-            self._send(wire.Tokens(msg.request_id, [], "error", error=str(exc)), final=True)
+            error = f"the worker refused the request: {exc}"
+            self._send(wire.Tokens(msg.request_id, [], "error", error=error, invalid=True), final=True)
             return
         if msg.kv is not None:
             self._pending_kv[msg.request_id] = msg.kv
