@@ -75,7 +75,9 @@ def test_bad_scale_requests_get_a_400_naming_the_problem(
 def test_bodies_that_are_not_json_or_too_large_get_a_400(server: Server) -> None:
     assert "not JSON" in message(server.http.put("/pools/decode", content=b"{replicas: 2"))
     assert "not JSON" in message(server.http.put("/pools/decode", content=b""))
-    assert "larger than" in message(server.http.put("/pools/decode", content=b" " * 10_000))
+    too_large = server.http.put("/pools/decode", content=b" " * 10_000)
+    assert too_large.status_code == 413, too_large.text
+    assert "over this server's limit of 4096 bytes" in too_large.json()["error"]["message"]
 
 
 def test_bad_drains_get_a_400_and_the_last_worker_needs_to_be_asked_for(server: Server) -> None:

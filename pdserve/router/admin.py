@@ -22,6 +22,7 @@ from starlette.routing import BaseRoute, Route
 
 from pdserve.errors import PdserveError
 from pdserve.router import openai_types as oa
+from pdserve.router.body import BodyError, read_body
 
 MAX_BODY = 4096  # an admin body is a few fields
 
@@ -63,12 +64,8 @@ def _error(message: str, status: int, kind: str = "invalid_request_error") -> Re
     return _json(oa.error_body(message, kind, status), status)
 
 
-async def _body(request: Request, kind: type[_Body], empty_ok: bool) -> _Body:
-    data = b""
-    async for chunk in request.stream():
-        data += chunk
-        if len(data) > MAX_BODY:
-            raise BadInput(f"the body is larger than {MAX_BODY} bytes")
+async def _body(request: Request, kind: type[_Body], empty_ok: bool, timeout: float) -> _Body:
+    data = await read_body(request, MAX_BODY, timeout)  # BodyError: a 413 or a 408
     if not data.strip() and empty_ok:
         data = b"{}"
     try:
@@ -79,8 +76,9 @@ async def _body(request: Request, kind: type[_Body], empty_ok: bool) -> _Body:
         raise BadInput(f"the body is not JSON: {exc}") from None
 
 
-def admin_routes(pools: Callable[[], PoolControl | None]) -> list[BaseRoute]:
-    """The routes; `pools()` is the pool control of the moment (None: this router has none)."""
+def admin_routes(pools: Callable[[], PoolControl | None], body_timeout: float) -> list[BaseRoute]:
+    """The routes; `pools()` is the pool control of the moment (None: this router has none);
+    `body_timeout`: seconds a client has to send a body (the API's --body-timeout)."""
 
     def handler(
         work: Callable[[PoolControl, Request], Awaitable[Any]],
@@ -91,6 +89,8 @@ def admin_routes(pools: Callable[[], PoolControl | None]) -> list[BaseRoute]:
                 return _error("this router manages no pools", 404, "not_found_error")
             try:
                 return _json(await work(control, request))
+            except BodyError as exc:
+                return _error(str(exc), exc.status)
             except PdserveError as exc:  # BadInput, PoolError: what the operator asked cannot be
                 return _error(str(exc), 400)
 
@@ -100,14 +100,14 @@ def admin_routes(pools: Callable[[], PoolControl | None]) -> list[BaseRoute]:
         return control.describe()
 
     async def put_pool(control: PoolControl, request: Request) -> Any:
-        body = await _body(request, ScaleBody, empty_ok=False)
+        body = await _body(request, ScaleBody, empty_ok=False, timeout=body_timeout)
         return control.scale(request.path_params["pool"], body.replicas)
 
     async def rebalance(control: PoolControl, request: Request) -> Any:
         return control.rebalance(request.path_params["pool"])
 
     async def drain(control: PoolControl, request: Request) -> Any:
-        body = await _body(request, DrainBody, empty_ok=True)
+        body = await _body(request, DrainBody, empty_ok=True, timeout=body_timeout)
         return control.drain(request.path_params["worker"], force=body.force, replace=body.replace)
 
     return [

@@ -41,6 +41,7 @@ from pdserve.router import openai_types as oa
 from pdserve.router.admin import PoolControl, admin_routes
 from pdserve.router.answer import Answer, Delta, checked_logprobs
 from pdserve.router.auth import AccessKeys, AuthMiddleware
+from pdserve.router.body import BodyError, read_body
 from pdserve.router.dispatch import (
     Dispatcher,
     Overloaded,
@@ -74,14 +75,6 @@ class RouterSettings:
     max_body_bytes: int = 8 << 20
     body_timeout: float = 30.0  # seconds for a client to send its whole body (408 after)
     tokenizer_threads: int = 2  # chat templates and tokenization, off the event loop
-
-
-class BodyError(InvalidRequestError):
-    """A body too large (413) or too slow (408)."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -131,7 +124,7 @@ class Router:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_endpoint, methods=["GET"]),
                 Route("/openapi.json", self.openapi, methods=["GET"]),
-                *admin_routes(lambda: self.pools),
+                *admin_routes(lambda: self.pools, settings.body_timeout),
             ],
             lifespan=self._lifespan,
             middleware=[
@@ -196,7 +189,8 @@ class Router:
     async def _serve(self, request: Request, chat: bool) -> Response:
         arrived = time.monotonic()
         try:
-            run = await self._admit(await self._read_body(request), chat, arrived)
+            body = await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout)
+            run = await self._admit(body, chat, arrived)
         except BodyError as exc:
             return self._reject(str(exc), "invalid_request_error", exc.status)
         except InvalidRequestError as exc:
@@ -215,28 +209,6 @@ class Router:
     def _reject(self, message: str, kind: str, status: int, param: str | None = None) -> Response:
         self.metrics.requests.labels("none", "rejected").inc()
         return _json(oa.error_body(message, kind, status, param), status)
-
-    async def _read_body(self, request: Request) -> bytes:
-        """The body, within `max_body_bytes` and `body_timeout` (BodyError otherwise)."""
-        limit = self.settings.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        too_large = f"the request body is over this server's limit of {limit} bytes"
-        if declared.isdigit() and int(declared) > limit:
-            raise BodyError(too_large, 413)  # before a byte of it is read
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            async with asyncio.timeout(self.settings.body_timeout):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        raise BodyError(too_large, 413)
-                    chunks.append(chunk)
-        except TimeoutError:
-            raise BodyError(
-                f"the request body did not arrive within {self.settings.body_timeout:g} s", 408
-            ) from None
-        return b"".join(chunks)
 
     async def _admit(self, body: bytes, chat: bool, arrived: float) -> Answer:
         req: oa.CompletionRequest | oa.ChatCompletionRequest
