@@ -28,4 +28,4 @@ def test_a_short_chaos_run_loses_nothing_and_corrupts_nothing(tiny_llama: Path) 
     metrics = summary["metrics"]
     assert metrics["kv_transfer_failures"] > 0 and metrics["retries"] > 0  # all counted
     # Every corrupted pull was caught (a missed one would be a wrong token above) and counted.
-    assert 0 < metrics["kv_checksum_failures"] < metrics["kv_transfer_failures"]
+    assert 0 < metrics["kv_checksum_failures"] <= metrics["kv_transfer_failures"]

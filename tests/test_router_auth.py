@@ -143,6 +143,11 @@ def test_a_server_with_keys_refuses_callers_without_them(tiny_llama: Path, tmp_p
             [*pools, "--admin-key", API_KEY], env=_env(), capture_output=True, text=True
         )
         assert refused_cli.returncode != 0 and "incorrect admin key" in refused_cli.stderr
+        # The OpenAPI document (an API route itself) says which routes take a key here.
+        assert plain.get("/openapi.json").status_code == 401
+        paths = plain.get("/openapi.json", headers=bearer(API_KEY)).json()["paths"]
+        keyed = {path for path, ops in paths.items() if all(op.get("security") for op in ops.values())}
+        assert keyed == set(paths) - {"/health"}  # /metrics has its key here too
     finally:
         assert server.stop() == 0
 

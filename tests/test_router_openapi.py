@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from serving import Server
 
-from pdserve.router.openai_types import REFUSED_FIELDS
+from pdserve.router.openai_types import MAX_STOP_CHARS, MAX_STOP_STRINGS, REFUSED_FIELDS
 from pdserve.router.openapi import build_openapi
 
 SLOWEST_S = 10.0  # a tiny model, a 128-token context: every answer comes well within this
@@ -42,6 +42,13 @@ def test_the_document_describes_every_route_and_offers_no_refused_field(server: 
     assert {"prompt", "max_tokens", "temperature", "stop"} <= set(body["properties"])
     assert not set(REFUSED_FIELDS) & set(body["properties"])
     assert "413" in document["paths"]["/v1/completions"]["post"]["responses"]
+    assert not any(op.get("security") for ops in document["paths"].values() for op in ops.values())  # no keys
+    # The bounds the server enforces are in the document.
+    stop = body["properties"]["stop"]["anyOf"]
+    assert stop[0]["maxLength"] == MAX_STOP_CHARS and stop[1]["maxItems"] == MAX_STOP_STRINGS
+    assert body["properties"]["logprobs"]["anyOf"][0]["maximum"] == 20
+    bias = body["properties"]["logit_bias"]["anyOf"][0]
+    assert bias["additionalProperties"] == {"type": "number", "minimum": -100, "maximum": 100}
     # The document's examples are served as they are.
     for path in ("/v1/completions", "/v1/chat/completions"):
         example = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["example"]

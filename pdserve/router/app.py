@@ -98,7 +98,7 @@ class Router:
         self.pools: PoolControl | None = None
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._openapi = build_openapi(settings.model_name)
+        self._openapi = build_openapi(settings.model_name, settings.keys)
         _ = tokenizer.max_token_chars  # a scan of the vocabulary: at start, not in the first request
         self._tokenize_pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="tokenize")
         self.metrics = RouterMetrics()

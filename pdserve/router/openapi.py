@@ -2,8 +2,10 @@
 decode the bodies, so the document and the server cannot disagree on a field. No torch.
 
 Fields the server refuses (pdserve.router.openai_types._Refused) are left out of it: a client
-reading the document sees only what works. Responses list every status the route may answer
-(400, 401, 408, 413, 429, 503, ...), each with OpenAI's error body.
+reading the document sees only what works, with the bounds the server enforces (stop strings,
+stop token ids, logit_bias, logprobs). Responses list every status the route may answer (400,
+401, 408, 413, 429, 503, ...), each with OpenAI's error body; a route that takes a key on this
+server (pdserve.router.auth) says so with a `security` requirement.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import msgspec
 
 from pdserve.router import openai_types as oa
 from pdserve.router.admin import DrainBody, ScaleBody
+from pdserve.router.auth import AccessKeys, route_kind
+from pdserve.router.logprobs import MAX_TOP_LOGPROBS
+from pdserve.sampling_params import MAX_LOGIT_BIAS
 
 _REF = "#/components/schemas/{name}"
 _ERROR = {
@@ -71,7 +76,28 @@ def _any_value(kind: type) -> dict[str, Any]:
     raise NotImplementedError(kind)
 
 
-def build_openapi(model_name: str) -> dict[str, Any]:
+def _bounded(schema: dict[str, Any], chat: bool) -> None:
+    """The limits the server checks, where a client reading the document can see them."""
+    props = schema["properties"]
+    stop_string = {"type": "string", "maxLength": oa.MAX_STOP_CHARS}
+    props["stop"] = {
+        "anyOf": [
+            stop_string,
+            {"type": "array", "items": stop_string, "maxItems": oa.MAX_STOP_STRINGS},
+            {"type": "null"},
+        ],
+        "default": None,
+    }
+    props["stop_token_ids"]["anyOf"][0]["maxItems"] = oa.MAX_STOP_TOKEN_IDS
+    bias = props["logit_bias"]["anyOf"][0]
+    bias["maxProperties"] = MAX_LOGIT_BIAS
+    bias["additionalProperties"] = {"type": "number", "minimum": -100, "maximum": 100}
+    top = {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}
+    props["top_logprobs" if chat else "logprobs"] = {"anyOf": [top, {"type": "null"}], "default": None}
+
+
+def build_openapi(model_name: str, keys: AccessKeys | None = None) -> dict[str, Any]:
+    """The document; `keys`: which kinds of route take a key on this server (none: all open)."""
     (_, components) = msgspec.json.schema_components(
         [oa.CompletionRequest, oa.ChatCompletionRequest, ScaleBody, DrainBody],
         schema_hook=_any_value,
@@ -82,6 +108,7 @@ def build_openapi(model_name: str) -> dict[str, Any]:
             schema.get("properties", {}).pop(name, None)
     for body in ("CompletionRequest", "ChatCompletionRequest"):  # the one model served here
         components[body]["properties"]["model"] = {"type": "string", "enum": [model_name]}
+        _bounded(components[body], chat=body.startswith("Chat"))
     components["ChatMessage"]["properties"]["role"] = {"type": "string", "enum": list(oa.CHAT_ROLES)}
     components["Error"] = _ERROR
     generation = ("400", "401", "408", "413", "429", "503")
@@ -157,6 +184,10 @@ def build_openapi(model_name: str) -> dict[str, Any]:
             }
         },
     }
+    for path, operations in paths.items():
+        if _needs_key(route_kind(path), keys or AccessKeys()):
+            for operation in operations.values():
+                operation["security"] = [{"bearer": []}]
     return {
         "openapi": "3.1.0",
         "info": {
@@ -170,3 +201,13 @@ def build_openapi(model_name: str) -> dict[str, Any]:
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }
+
+
+def _needs_key(kind: str, keys: AccessKeys) -> bool:
+    """As pdserve.router.auth decides: with API keys and no admin key the admin API is closed,
+    which a client sees as needing a key it does not have."""
+    if kind == "open":
+        return False
+    if kind == "admin":
+        return bool(keys.admin or keys.api)
+    return bool(keys.metrics if kind == "metrics" else keys.api)

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import sys
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -134,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache = engine.runner.kv_cache  # [L, 2, NB, BS, KVH, D]
         exporter = _make_exporter(config, kv_cache, secrets.kv_secret_bytes)
         if role is not Role.PREFILL:
-            faults = FaultInjector(config.kv_fault_rate, corrupt_rate=config.kv_corrupt_rate)
+            # Seeded by the worker's id: a worker started in place of a killed one does not
+            # replay the same faults (reproducible still, for the same ids).
+            seed = zlib.crc32(config.worker_id.encode())
+            faults = FaultInjector(config.kv_fault_rate, seed=seed, corrupt_rate=config.kv_corrupt_rate)
             importer = _make_importer(config.transport, kv_cache, faults, secrets.kv_secret_bytes)
         kv_address = segment.name if segment is not None else exporter.address if exporter else ""
         server = WorkerServer(
