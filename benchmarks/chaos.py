@@ -1,7 +1,7 @@
 """Chaos under load: a real `pdserve serve` (1 prefill + 2 decode workers) serving greedy streams
 while workers are killed (SIGKILL) and frozen (SIGSTOP, then SIGCONT), KV transfers fail on
-purpose (--kv-fault-rate) or land with a bit flipped (--kv-corrupt-rate: the KV checksum must
-catch each), and clients disconnect at random points. Bounded in time and requests,
+purpose (--kv-fault-rate) or land with a bit flipped (--kv-corrupt-rate: the KV checksum turns
+each into a counted, retried failure), and clients disconnect at random points. Bounded in time and requests,
 on 127.0.0.1 only; it stops by itself.
 
     .venv/bin/python benchmarks/chaos.py --model smollm2-135m --duration 300 --clients 64   # soak

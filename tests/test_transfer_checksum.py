@@ -79,6 +79,15 @@ def test_the_mode_decides_by_where_the_cache_is() -> None:
     assert not checksum_enabled("off", cpu_cache)
     with pytest.raises(ValueError, match="auto"):
         checksum_enabled("yes", cpu_cache)
+    with pytest.raises(ValueError, match="contiguous"):  # at the worker's start, not mid-serving
+        checksum_enabled("auto", cpu_cache.transpose(0, 1))
+
+
+def test_block_ids_outside_the_cache_are_an_error_not_a_shorter_digest() -> None:
+    cache = torch.randn(SHAPE)  # 10 blocks
+    for bad in ([9, 10], [-1], [3, 42]):
+        with pytest.raises(ValueError, match="outside this cache of 10 blocks"):
+            kv_digest(cache, bad)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

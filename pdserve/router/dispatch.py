@@ -322,7 +322,9 @@ class Dispatcher:
             raise _Retry("prefill_worker_down", f"prefill worker {answer.worker_id} went down")
         if not isinstance(answer, wire.Tokens) or answer.finish_reason == "error":
             pleg.done = True
-            if isinstance(answer, wire.Tokens) and answer.invalid:  # not a fault: do not retry it
+            # The worker refused the request itself (its parameters; or, from a router bug, a
+            # handle that does not fit): not a fault, which another attempt would not mend.
+            if isinstance(answer, wire.Tokens) and answer.invalid:
                 raise RequestFailed(f"prefill worker {prefill.worker_id}: {answer.error}")
             raise _Retry(
                 "prefill_failed", f"prefill worker {prefill.worker_id}: {getattr(answer, 'error', '')}"

@@ -2,8 +2,10 @@
 decode the bodies, so the document and the server cannot disagree on a field. No torch.
 
 Fields the server refuses (pdserve.router.openai_types._Refused) are left out of it: a client
-reading the document sees only what works, with the bounds the server enforces (stop strings,
-stop token ids, logit_bias, logprobs). Responses list every status the route may answer (400,
+reading the document sees only what works, with the bounds the server enforces on the fields
+with list or map values (stop strings, stop token ids, logit_bias) and on logprobs; the ranges
+of the numeric sampling fields (temperature, top_p, penalties, ...) are checked by the server
+and named in its 400s, not written here. Responses list every status the route may answer (400,
 401, 408, 413, 429, 503, ...), each with OpenAI's error body; a route that takes a key on this
 server (pdserve.router.auth) says so with a `security` requirement.
 """
@@ -44,6 +46,7 @@ _STATUS_TEXT = {
     "408": "The body did not arrive in time",
     "413": "The body is over the server's limit",
     "429": "Too many requests in flight, or an SLO the request would miss (see Retry-After)",
+    "500": "The request failed on the workers (its retries used up, or its worker lost mid-stream)",
     "503": "No worker can take it now",
 }
 
@@ -79,7 +82,7 @@ def _any_value(kind: type) -> dict[str, Any]:
 def _bounded(schema: dict[str, Any], chat: bool) -> None:
     """The limits the server checks, where a client reading the document can see them."""
     props = schema["properties"]
-    stop_string = {"type": "string", "maxLength": oa.MAX_STOP_CHARS}
+    stop_string = {"type": "string", "minLength": 1, "maxLength": oa.MAX_STOP_CHARS}
     props["stop"] = {
         "anyOf": [
             stop_string,
@@ -88,12 +91,22 @@ def _bounded(schema: dict[str, Any], chat: bool) -> None:
         ],
         "default": None,
     }
-    props["stop_token_ids"]["anyOf"][0]["maxItems"] = oa.MAX_STOP_TOKEN_IDS
+    token_id = {"type": "integer", "minimum": 0, "description": "below the vocabulary size"}
+    props["stop_token_ids"] = {
+        "anyOf": [{"type": "array", "items": token_id, "maxItems": oa.MAX_STOP_TOKEN_IDS}, {"type": "null"}],
+        "default": None,
+    }
     bias = props["logit_bias"]["anyOf"][0]
     bias["maxProperties"] = MAX_LOGIT_BIAS
+    bias["propertyNames"] = {
+        "pattern": "^[0-9]{1,12}$",
+        "description": "a token id below the vocabulary size",
+    }
     bias["additionalProperties"] = {"type": "number", "minimum": -100, "maximum": 100}
     top = {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}
     props["top_logprobs" if chat else "logprobs"] = {"anyOf": [top, {"type": "null"}], "default": None}
+    if chat:
+        props["top_logprobs"]["description"] = "needs logprobs: true"
 
 
 def build_openapi(model_name: str, keys: AccessKeys | None = None) -> dict[str, Any]:
@@ -111,7 +124,7 @@ def build_openapi(model_name: str, keys: AccessKeys | None = None) -> dict[str, 
         _bounded(components[body], chat=body.startswith("Chat"))
     components["ChatMessage"]["properties"]["role"] = {"type": "string", "enum": list(oa.CHAT_ROLES)}
     components["Error"] = _ERROR
-    generation = ("400", "401", "408", "413", "429", "503")
+    generation = ("400", "401", "408", "413", "429", "500", "503")
     pool_param = {"name": "pool", "in": "path", "required": True, "schema": {"type": "string"}}
     worker_param = {"name": "worker", "in": "path", "required": True, "schema": {"type": "string"}}
     paths: dict[str, Any] = {
@@ -165,7 +178,7 @@ def build_openapi(model_name: str, keys: AccessKeys | None = None) -> dict[str, 
                 "summary": "Scale a pool within its bounds (admin key)",
                 "parameters": [pool_param],
                 "requestBody": _json_body("ScaleBody"),
-                "responses": {**_ok("The pool's new target"), **_errors("400", "401", "404")},
+                "responses": {**_ok("The pool's new target"), **_errors("400", "401", "404", "408", "413")},
             }
         },
         "/pools/{pool}/rebalance": {
@@ -180,7 +193,7 @@ def build_openapi(model_name: str, keys: AccessKeys | None = None) -> dict[str, 
                 "summary": "Drain a worker (its streams move, nothing is lost), then stop it (admin key)",
                 "parameters": [worker_param],
                 "requestBody": _json_body("DrainBody", required=False),
-                "responses": {**_ok("The worker's state"), **_errors("400", "401", "404")},
+                "responses": {**_ok("The worker's state"), **_errors("400", "401", "404", "408", "413")},
             }
         },
     }

@@ -56,7 +56,7 @@ class TransferStats:
 
 
 class FaultInjector:
-    """Makes a fraction of pulls fail (`--kv-fault-rate`) or land with one byte changed
+    """Makes a fraction of pulls fail (`--kv-fault-rate`) or land with one bit flipped
     (`--kv-corrupt-rate`) on purpose, for fault tests."""
 
     def __init__(self, rate: float = 0.0, seed: int = 0, corrupt_rate: float = 0.0) -> None:

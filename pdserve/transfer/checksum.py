@@ -29,10 +29,14 @@ from pdserve.config import KV_CHECKSUM_MODES
 
 
 def checksum_enabled(mode: str, kv_cache: torch.Tensor) -> bool:
-    """Whether a worker with this cache digests what it holds and checks what it pulls."""
+    """Whether a worker with this cache digests what it holds and checks what it pulls. Checked at
+    the worker's start, so that a cache `kv_digest` cannot read fails there, not mid-serving."""
     if mode not in KV_CHECKSUM_MODES:
         raise ValueError(f"kv checksum mode must be one of {KV_CHECKSUM_MODES}, got {mode!r}")
-    return mode == "on" or (mode == "auto" and kv_cache.device.type == "cpu")
+    enabled = mode == "on" or (mode == "auto" and kv_cache.device.type == "cpu")
+    if enabled and not kv_cache.is_contiguous():
+        raise ValueError("the KV checksum needs one contiguous cache tensor")
+    return enabled
 
 
 def _runs(block_ids: Sequence[int]) -> Iterator[tuple[int, int]]:
@@ -51,10 +55,14 @@ def _runs(block_ids: Sequence[int]) -> Iterator[tuple[int, int]]:
 def kv_digest(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> str:
     """Hex XXH3-128 of `block_ids` of `kv_cache` ([L, 2, NB, BS, KVH, D], contiguous)."""
     hasher = xxhash.xxh3_128()
+    num_blocks = kv_cache.shape[2]
+    if any(not 0 <= block < num_blocks for block in block_ids):  # numpy slicing would just clip
+        raise ValueError(f"block ids outside this cache of {num_blocks} blocks")
     if kv_cache.device.type != "cpu":
         index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_cache.device)
-        gathered = kv_cache.index_select(2, index).cpu()  # [L, 2, n, BS, KVH, D]: the same order
-        hasher.update(gathered.contiguous().view(torch.uint8).numpy().data)
+        for layer in range(kv_cache.shape[0]):  # one layer at a time: no gather of the whole KV
+            gathered = kv_cache[layer].index_select(1, index).cpu()  # [2, n, BS, KVH, D]: same order
+            hasher.update(gathered.contiguous().view(torch.uint8).numpy().data)
         return hasher.hexdigest()
     # A byte view of the whole cache: [L, 2, NB, BS, KVH, D * itemsize], no copy (numpy has no
     # bfloat16, bytes it has).
