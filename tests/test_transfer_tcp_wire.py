@@ -1,5 +1,5 @@
-"""The `tcp` transport's wire format and socket I/O, without an exporter: addresses, block ids, the
-block stream's views of a cache, and whole-buffer sends and receives over a socket pair."""
+"""The `tcp` transport's wire format and socket I/O, without an exporter: addresses, block ids and
+whole-buffer sends and receives over a socket pair."""
 
 from __future__ import annotations
 
@@ -8,13 +8,9 @@ import threading
 import time
 
 import pytest
-import torch
 
 from pdserve.transfer.base import TransferError
 from pdserve.transfer.tcp_wire import (
-    block_views,
-    cache_bytes,
-    layout_of,
     pack_ids,
     parse_address,
     recv_exact,
@@ -36,23 +32,6 @@ def test_block_ids_are_little_endian_uint32() -> None:
     ids = [0, 1, 258, 2**32 - 1]
     assert pack_ids(ids)[:12] == b"\0\0\0\0\1\0\0\0\2\1\0\0"
     assert unpack_ids(pack_ids(ids)) == ids
-
-
-def test_block_views_follow_the_stream_order_one_view_per_run() -> None:
-    cache = torch.arange(2 * 2 * 8 * 3, dtype=torch.float32).reshape(2, 2, 8, 3)  # [L, K/V, NB, piece]
-    num_blocks, pieces, piece, dtype = layout_of(cache.view(2, 2, 8, 1, 1, 3))
-    assert (num_blocks, pieces, piece, dtype) == (8, 4, 12, b"float32")
-    blocks = [5, 6, 7, 2, 0, 1]  # three runs: 5-7, 2, 0-1
-    views = list(block_views(cache_bytes(cache), num_blocks, pieces, piece, blocks))
-    assert len(views) == pieces * 3
-    stream = torch.frombuffer(bytearray(b"".join(bytes(v) for v in views)), dtype=torch.float32)
-    planes = cache.reshape(pieces, num_blocks, 3)
-    assert torch.equal(stream, planes[:, blocks].reshape(-1))
-
-
-def test_cache_bytes_refuses_a_non_contiguous_cache() -> None:
-    with pytest.raises(ValueError, match="contiguous CPU"):
-        cache_bytes(torch.zeros(4, 6).t())
 
 
 def test_views_cross_a_socket_whole_in_batches() -> None:

@@ -33,8 +33,9 @@ import numpy as np
 import torch
 
 from pdserve.transfer.base import FaultInjector, KVImporter, LeaseError, TransferError
+from pdserve.transfer.layout import layout_of
 from pdserve.transfer.tcp import TcpExporter, TcpImporter
-from pdserve.transfer.tcp_wire import BAD_REQUEST, NO_LEASE, layout_of
+from pdserve.transfer.tcp_wire import BAD_REQUEST, NO_LEASE
 
 OP_META, OP_HOLD, OP_DONE = 2, 3, 4
 # base address, blocks, pieces per block, piece bytes, then the agent metadata

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.transfer.base import FaultInjector, KVExporter, KVImporter, LeaseError, TransferError
+from pdserve.transfer.layout import block_views, cache_bytes, layout_of
 from pdserve.transfer.tcp_wire import (
     BAD_REQUEST,
     LAYOUT,
@@ -39,11 +40,8 @@ from pdserve.transfer.tcp_wire import (
     REQUEST,
     STATUS_TEXT,
     VERSION,
-    block_views,
-    cache_bytes,
     handshake_as_exporter,
     handshake_as_importer,
-    layout_of,
     pack_ids,
     parse_address,
     recv_exact,

@@ -13,8 +13,9 @@ Request:  REQUEST header (with the lease's token), request id (utf-8), num_block
           before it reads or allocates anything.
 Reply:    REPLY header, then `payload_bytes` of blocks (status OK) or an error text (otherwise).
 
-Blocks go out and come in as memoryviews of the KV cache tensor itself (`cache_bytes`,
-`block_views`), with `sendmsg` / `recvmsg_into` over batches of them: no per-block Python copy.
+Blocks go out and come in as memoryviews of the KV cache tensor itself
+(`pdserve.transfer.layout`), with `sendmsg` / `recvmsg_into` over batches of them: no per-block
+Python copy.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ import sys
 import time
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
-
-import torch
 
 from pdserve.transfer.base import TransferError
 
@@ -117,42 +116,6 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise TransferError(f"not a host:port KV address: {address!r}")
     return host.strip("[]"), int(port)
-
-
-def cache_bytes(kv_cache: torch.Tensor) -> memoryview:
-    """The whole cache as one flat writable byte view (no copy; works for every dtype)."""
-    if not kv_cache.is_contiguous() or kv_cache.device.type != "cpu":
-        raise ValueError("the tcp transport needs a contiguous CPU KV cache")
-    # numpy's view of a 1-D uint8 array is already format "B"; a .cast() copy of it slices slower.
-    return kv_cache.view(-1).view(torch.uint8).numpy().data
-
-
-def layout_of(kv_cache: torch.Tensor) -> tuple[int, int, int, bytes]:
-    """(blocks, pieces per block, bytes per piece, dtype) of a [L, 2, NB, BS, KVH, D] cache."""
-    layers, two, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
-    piece = block_size * kv_heads * head_dim * kv_cache.element_size()
-    return num_blocks, layers * two, piece, str(kv_cache.dtype).removeprefix("torch.").encode()
-
-
-def block_views(
-    flat: memoryview, num_blocks: int, pieces: int, piece: int, blocks: Sequence[int]
-) -> Iterator[memoryview]:
-    """Views of `blocks` in stream order, one per run of consecutive block ids in each plane.
-
-    A generator: 256 MiB of scattered blocks are ~22k views, and holding them all at once makes
-    the garbage collector run full collections (~100 ms each in a process with torch loaded);
-    made and dropped a batch at a time, they never trigger one."""
-    runs: list[tuple[int, int]] = []  # (first block, count)
-    for b in blocks:
-        if runs and b == runs[-1][0] + runs[-1][1]:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((b, 1))
-    for p in range(pieces):
-        plane = p * num_blocks
-        for first, count in runs:
-            start = (plane + first) * piece
-            yield flat[start : start + count * piece]
 
 
 def pack_ids(ids: Sequence[int]) -> bytes:
