@@ -30,7 +30,7 @@ from pdserve.planner.loop import MODES, PlannerSettings
 from pdserve.pools.manager import PoolSettings, PoolSpec
 from pdserve.router.app import RouterSettings
 from pdserve.router.auth import AccessKeys
-from pdserve.router.dispatch import PATH_CHOICES, RouterConfig
+from pdserve.router.config import PATH_CHOICES, RouterConfig
 from pdserve.security import DeploymentSecrets
 from pdserve.serve_options import DEFAULT_PREFILL_CHUNK_SIZE
 from pdserve.slo import SLO, parse_slo
@@ -329,7 +329,7 @@ def run(o: dict[str, Any]) -> int:
     )
     router.attach_pools(pools)
     planner = Planner(planner_settings(o), router.signals, router.workers, pools, router.metrics)
-    router.dispatcher.at_bounds = planner.at_bounds
+    router.dispatcher.admission.at_bounds = planner.at_bounds
     pools.describers["planner"] = planner.describe
     pools.describers["signals"] = router.describe_signals
     from pdserve.router.http_limits import BoundedHttpToolsProtocol

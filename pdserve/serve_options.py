@@ -19,7 +19,7 @@ from pdserve.planner.law import LawSettings
 from pdserve.planner.loop import PlannerSettings
 from pdserve.pools.manager import PoolSettings
 from pdserve.router.app import RouterSettings
-from pdserve.router.dispatch import RouterConfig
+from pdserve.router.config import RouterConfig
 from pdserve.slo import DEFAULT_PERCENTILE
 
 # name -> (type, default, help). One table: it makes the flags, checks the config file, and

@@ -18,7 +18,9 @@ from serving import Server
 from pdserve import LLM, SamplingParams, wire
 from pdserve.cluster.local import LocalCluster
 from pdserve.config import EngineConfig, Role, WorkerConfig
-from pdserve.router.dispatch import Dispatcher, Overloaded, RequestFailed, RequestState, RouterConfig
+from pdserve.router.admission import Overloaded
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import Dispatcher, RequestFailed, RequestState
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import WorkerSet
 from pdserve.security import CurveKeypair, DeploymentSecrets
@@ -355,12 +357,12 @@ def test_a_prompt_that_would_overfill_its_pools_queue_is_refused_with_the_time_i
                 link._handle(wire.Ready(worker_id, role, "m", 8192, 49152, "shm", "", "", 512, 512, 64))
                 links.append(link)
             dispatcher = Dispatcher(workers, RouterConfig(max_queued_prompt_tokens=1000), RouterMetrics())
-            dispatcher.check_queue(5000)  # an empty pool takes any one prompt, however long
+            dispatcher.admission.check_queue(5000)  # an empty pool takes any one prompt, however long
             links[0].queued_prompt_tokens, links[1].queued_prompt_tokens = 900, 600
             links[0].prefill_tokens_per_s, links[1].prefill_tokens_per_s = 300.0, 200.0
-            dispatcher.check_queue(500)  # 1500 + 500 <= 2 workers x 1000
+            dispatcher.admission.check_queue(500)  # 1500 + 500 <= 2 workers x 1000
             with pytest.raises(Overloaded, match="1500 prompt tokens queued") as refused:
-                dispatcher.check_queue(501)
+                dispatcher.admission.check_queue(501)
             assert refused.value.retry_after == pytest.approx(1500 / 500)
             metric = dispatcher.metrics.queue_rejections.labels("prefill")._value.get()
             assert metric == 1

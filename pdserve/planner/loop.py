@@ -20,8 +20,8 @@ from typing import Any, Protocol
 
 from pdserve.costmodel import Step, chunk_attention
 from pdserve.planner.law import DECODE_PHASE, Decision, LawMemory, LawSettings, PoolPlan, PoolView, decide
-from pdserve.router.dispatch import context_per_stream
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.placement import context_per_stream
 from pdserve.router.workers import WorkerLink, WorkerSet, WorkerState
 from pdserve.signals import Signals, quantile
 from pdserve.slo import SLO

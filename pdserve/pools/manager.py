@@ -28,8 +28,8 @@ from pdserve.config import WorkerConfig
 from pdserve.errors import PdserveError
 from pdserve.pools import drain
 from pdserve.router import policy
-from pdserve.router.dispatch import STREAM_POOLS
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.placement import STREAM_POOLS
 from pdserve.router.workers import WorkerLink, WorkerSet, WorkerState
 
 logger = logging.getLogger(__name__)

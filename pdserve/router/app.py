@@ -39,20 +39,16 @@ from pdserve.engine.detok import IncrementalDetokenizer
 from pdserve.errors import InvalidRequestError
 from pdserve.router import openai_types as oa
 from pdserve.router.admin import PoolControl, admin_routes
+from pdserve.router.admission import Overloaded
 from pdserve.router.answer import Answer, Delta, checked_logprobs
 from pdserve.router.auth import AccessKeys, AuthMiddleware
 from pdserve.router.body import BodyError, read_body
-from pdserve.router.dispatch import (
-    Dispatcher,
-    Overloaded,
-    RequestFailed,
-    RequestState,
-    RouterConfig,
-    Unavailable,
-)
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import Dispatcher, RequestFailed, RequestState
 from pdserve.router.logprobs import LogprobsFormatter, TokenLogprobs
 from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdserve.router.openapi import build_openapi
+from pdserve.router.placement import Unavailable
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.workers import WorkerLink, WorkerSet, WorkerState
 from pdserve.security import CurveKeypair
@@ -174,7 +170,7 @@ class Router:
             for w in self.workers.links.values()
         }
         try:
-            self.dispatcher.check_available()
+            self.dispatcher.admission.check_available()
         except (Unavailable, Overloaded) as exc:
             return _json({"status": "unavailable", "reason": str(exc), "workers": workers}, 503)
         return _json({"status": "ok", "workers": workers})
@@ -229,16 +225,18 @@ class Router:
             )
         oa.check_token_ids(req, self.tokenizer.vocab_size)
         # 503 / 429 before the costly part: an overloaded server refuses fast.
-        self.dispatcher.check_available()
+        self.dispatcher.admission.check_available()
         context = self._max_model_len()
         if context is None:
             raise Unavailable("no worker is ready")
-        self.dispatcher.admitting += 1  # holds its place against the limit while it is tokenized
+        self.dispatcher.admission.admitting += 1  # holds its place against the limit while it is tokenized
         try:
             prompt_ids = await self._prompt_ids(chat, req, messages, prompt, context)
-            self.dispatcher.check_available(admitting_self=True)  # the pools may have changed meanwhile
+            self.dispatcher.admission.check_available(
+                admitting_self=True
+            )  # the pools may have changed meanwhile
         finally:
-            self.dispatcher.admitting -= 1
+            self.dispatcher.admission.admitting -= 1
         max_tokens = oa.requested_max_tokens(req)
         if len(prompt_ids) >= context:
             raise InvalidRequestError(
@@ -253,8 +251,8 @@ class Router:
                 f"({len(prompt_ids)} in the prompt, {max_tokens} to generate): lower max_tokens"
             )
         params = oa.sampling_params(req, max_tokens)  # raises InvalidRequestError (max_tokens < 1, ...)
-        self.dispatcher.check_queue(len(prompt_ids))  # raises Overloaded (the pool's queue is full)
-        self.dispatcher.check_slo(len(prompt_ids))  # raises Overloaded (--reject-on-slo-miss)
+        self.dispatcher.admission.check_queue(len(prompt_ids))  # raises Overloaded (the pool's queue is full)
+        self.dispatcher.admission.check_slo(len(prompt_ids))  # raises Overloaded (--reject-on-slo-miss)
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         self.metrics.prompt_tokens.inc(len(prompt_ids))

@@ -24,37 +24,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal, overload
 
 import msgspec
 
 from pdserve import wire
-from pdserve.costmodel import StepCostModel
 from pdserve.errors import PdserveError
 from pdserve.router import policy
+from pdserve.router.admission import Admission
+from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.placement import Placement, Unavailable
 from pdserve.router.workers import Leg, LegEvent, WorkerDown, WorkerLink, WorkerSet
 from pdserve.signals import Signals
-from pdserve.slo import SLO
 
 logger = logging.getLogger(__name__)
-
-# The pools whose workers stream tokens to clients (the decode pool, or colocated workers).
-STREAM_POOLS = ("decode", "colocated")
-
-
-class Unavailable(PdserveError):
-    """No worker can take the request now (HTTP 503)."""
-
-
-class Overloaded(PdserveError):
-    """Too many requests in flight, or an SLO the request would miss (HTTP 429)."""
-
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after  # seconds, for the Retry-After header
 
 
 class RequestFailed(PdserveError):
@@ -65,30 +50,6 @@ class _Retry(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
-
-
-PATH_CHOICES = ("cost", "threshold")
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    # cost: the cost model chooses each request's path (the threshold decides while it is cold);
-    # threshold: always the fixed threshold (as before the cost model; for comparisons).
-    path_choice: str = "cost"
-    local_prefill_threshold: int = policy.DEFAULT_LOCAL_PREFILL_THRESHOLD
-    max_retries: int = 2  # re-prefills of one request before it fails
-    prefill_timeout: float = 300.0  # AddRequest -> first token on a prefill worker, queueing included
-    token_timeout: float = 60.0  # the longest wait for the next token of a running stream
-    max_in_flight: int = 512  # admitted requests; beyond this new ones get 429
-    # Prompt tokens sent to a pool's workers and not yet prefilled, per worker that is up: a prompt
-    # that would take the pool past this gets 429 (Retry-After: the time the queue needs). It
-    # bounds what a burst can pile up (router and worker memory, and waits no SLO accepts).
-    max_queued_prompt_tokens: int = 131072
-    slo: SLO = field(default_factory=SLO)
-    # 429 at admission when the pools are at their bounds and the predicted TTFT is above
-    # slo_reject_factor x the TTFT SLO.
-    reject_on_slo_miss: bool = False
-    slo_reject_factor: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -160,68 +121,8 @@ class Dispatcher:
         self.config = config
         self.metrics = metrics
         self.signals = signals or Signals()
-        self.in_flight = 0
-        # Requests past their first availability check and still being admitted (their prompt
-        # tokenized on the router's thread pool): they count against max_in_flight, or a burst
-        # would pass the check while it waits for the tokenizer and pile up beyond the limit.
-        self.admitting = 0
-        # Whether every pool is at its bound (or its budget): set by whoever manages the pools.
-        # Without one, the pools are as they are: always at their bounds.
-        self.at_bounds: Callable[[], bool] = lambda: True
-
-    def check_slo(self, prompt_tokens: int) -> None:
-        """--reject-on-slo-miss: Overloaded (429, Retry-After) when the pools cannot grow and the
-        predicted TTFT is above slo_reject_factor x the SLO. Before the request waits, not after."""
-        slo = self.config.slo
-        if not self.config.reject_on_slo_miss or slo.ttft_s is None or not self.signals.cost.ready:
-            return
-        if not self.at_bounds():  # cheap, before the simulation
-            return
-        try:  # the fitted model even with --path-choice threshold: the prediction is what counts here
-            choice, _, _ = self._choose_path(prompt_tokens, self.signals.cost)
-        except Unavailable:
-            return
-        predicted = choice.predicted_ttft
-        limit = self.config.slo_reject_factor * slo.ttft_s
-        if predicted is None or predicted <= limit:
-            return
-        self.metrics.slo_rejections.inc()
-        wait = predicted - (choice.alone_s or 0.0)
-        raise Overloaded(
-            f"the predicted time to first token, {predicted:.1f} s, is above {self.config.slo_reject_factor:g}x "
-            f"the TTFT SLO ({slo.ttft_s * 1000:.0f} ms) and the pools are at their bounds; retry later",
-            retry_after=max(1.0, wait),
-        )
-
-    def check_queue(self, prompt_tokens: int) -> None:
-        """Overloaded (429) if this prompt would take its pool's queue past the limit."""
-        pool = "colocated" if self.workers.up("colocated") else "prefill"
-        links = self.workers.up(pool)
-        if not links:
-            return  # nothing up there: the path choice says so, more clearly
-        queued = sum(link.queued_prompt_tokens for link in links)
-        limit = self.config.max_queued_prompt_tokens * len(links)
-        if queued + prompt_tokens <= limit or queued == 0:  # an empty queue takes any one prompt
-            return
-        rates = [link.prefill_tokens_per_s for link in links if link.prefill_tokens_per_s]
-        retry_after = queued / sum(rates) if rates else 1.0
-        self.metrics.queue_rejections.labels(pool).inc()
-        raise Overloaded(
-            f"the {pool} pool has {queued} prompt tokens queued (limit {limit}): retry later",
-            retry_after=max(1.0, retry_after),
-        )
-
-    def check_available(self, admitting_self: bool = False) -> None:
-        """Unavailable (503) with no decode worker up; Overloaded (429) at the in-flight limit,
-        counting the requests being admitted (`admitting_self`: the caller is one of them)."""
-        if not self.workers.up(*STREAM_POOLS):
-            raise Unavailable("no decode worker is up: the decode pool is empty")
-        taken = self.in_flight + self.admitting - (1 if admitting_self else 0)
-        if taken >= self.config.max_in_flight:
-            raise Overloaded(
-                f"{taken} requests in flight or being admitted (limit {self.config.max_in_flight}); retry later",
-                retry_after=1.0,
-            )
+        self.placement = Placement(workers, config, self.signals)
+        self.admission = Admission(workers, config, metrics, self.signals, self.placement)
 
     async def generate(
         self, state: RequestState, prompt: list[int], params: wire.WireSamplingParams
@@ -229,8 +130,8 @@ class Dispatcher:
         """Token events of one request, the last with its finish reason. Raises Unavailable,
         Overloaded (before any token) or RequestFailed. Closing the iterator early aborts the
         request everywhere."""
-        self.check_available()
-        self.in_flight += 1
+        self.admission.check_available()
+        self.admission.in_flight += 1
         self.metrics.in_flight.inc()
         emitted: list[int] = []
         stream_pool = "colocated" if self.workers.up("colocated") else "decode"
@@ -263,7 +164,7 @@ class Dispatcher:
         finally:
             for leg in state.legs:
                 leg.close(abort=True)  # a no-op for legs the worker is done with
-            self.in_flight -= 1
+            self.admission.in_flight -= 1
             self.metrics.in_flight.dec()
             self.signals.stream_ended(stream_pool)
             self.signals.request_over(state.request_id)
@@ -285,7 +186,7 @@ class Dispatcher:
             start=len(emitted),
         )
         tokens, leg_id = attempt.tokens, attempt.leg_id
-        choice, prefill, local = self._choose_path(len(tokens))
+        choice, prefill, local = self.placement.choose_path(len(tokens))
         self.metrics.path_choices.labels(choice.path, choice.reason).inc()
         first_attempt = state.choice is None  # demand counts once per request, not per retry
         if first_attempt:
@@ -349,7 +250,7 @@ class Dispatcher:
             answer.token_ids, pool="prefill", logprobs=answer.logprobs
         )  # the first token goes to the client now
 
-        decode = self._pick_decode(blocks_needed=len(answer.kv.block_ids) + 1)
+        decode = self.placement.pick_decode(blocks_needed=len(answer.kv.block_ids) + 1)
         dleg = self._open(
             state,
             decode,
@@ -475,7 +376,7 @@ class Dispatcher:
             raise fall_back("moved_before_start", f"worker {source} had not started it")
         if event.output_token_ids != attempt.outputs:  # cannot happen unless a message was lost
             raise fall_back("move_mismatch", f"worker {source} and the router disagree on its tokens")
-        target = self._pick_decode(
+        target = self.placement.pick_decode(
             exclude=leg.link,
             pools=(leg.link.pool,),
             blocks_needed=len(event.kv.block_ids) + 1,
@@ -540,131 +441,3 @@ class Dispatcher:
                 return await leg.events.get()
         except TimeoutError:
             raise RequestFailed(f"timed out after {timeout:g} s waiting for {what}") from None
-
-    def _choose_path(
-        self, prompt_tokens: int, cost: StepCostModel | None = None
-    ) -> tuple[policy.PathChoice, WorkerLink | None, WorkerLink | None]:
-        """(the choice, the prefill worker for a remote prefill, the decode worker for a local one).
-        Raises Unavailable when no decode worker is up."""
-        decode = self._pick_decode()
-        prefill = self._pick_prefill()
-        choice = policy.choose_path_by_cost(
-            cost or (self.signals.cost if self.config.path_choice == "cost" else _NEVER_READY),
-            prompt_tokens,
-            _prefill_candidate(prefill) if prefill is not None else None,
-            _decode_candidate(decode),
-            self.config.slo.itl_s,
-            self.config.local_prefill_threshold,
-        )
-        if choice.path == "local":
-            return choice, None, decode
-        return choice, prefill, None
-
-    def _pick_prefill(self) -> WorkerLink | None:
-        links = {w.worker_id: w for w in self.workers.up("prefill")}
-        views = [
-            policy.PrefillView(
-                w.worker_id, w.queued_prompt_tokens, w.load.queued_prompt_tokens if w.load else 0
-            )
-            for w in links.values()
-        ]
-        chosen = policy.choose_prefill(views)
-        return links[chosen.worker_id] if chosen else None
-
-    @overload
-    def _pick_decode(
-        self,
-        exclude: WorkerLink | None = ...,
-        pools: tuple[str, ...] = ...,
-        blocks_needed: int = ...,
-        required: Literal[True] = ...,
-    ) -> WorkerLink: ...
-
-    @overload
-    def _pick_decode(
-        self,
-        exclude: WorkerLink | None = ...,
-        pools: tuple[str, ...] = ...,
-        blocks_needed: int = ...,
-        *,
-        required: Literal[False],
-    ) -> WorkerLink | None: ...
-
-    def _pick_decode(
-        self,
-        exclude: WorkerLink | None = None,
-        pools: tuple[str, ...] = STREAM_POOLS,
-        blocks_needed: int = 0,
-        required: bool = True,
-    ) -> WorkerLink | None:
-        """The worker to stream from (not `exclude`), preferring one whose last report shows room
-        for `blocks_needed` KV blocks; None, or Unavailable if `required`."""
-        links = {w.worker_id: w for w in self.workers.up(*pools) if w is not exclude}
-        views = [
-            policy.DecodeView(
-                w.worker_id,
-                len(w.legs),
-                w.load.kv_blocks_free if w.load else None,
-                (w.load.kv_blocks_free + w.load.kv_blocks_used) if w.load else None,
-            )
-            for w in links.values()
-        ]
-        chosen = policy.choose_decode(views, blocks_needed)
-        if chosen is None:
-            if required:
-                raise Unavailable("no decode worker is up: the decode pool is empty")
-            return None
-        return links[chosen.worker_id]
-
-
-_NEVER_READY = StepCostModel(min_samples=2**62)  # --path-choice threshold: always "cold"
-
-# Before a worker's Ready says them: the engine's defaults.
-_DEFAULT_CHUNK, _DEFAULT_BUDGET = 512, 2048
-_DEFAULT_CONTEXT = 256.0  # tokens per stream, before a load report says
-
-
-def _ahead(link: WorkerLink) -> tuple[int, ...]:
-    """Prompt tokens still to prefill on a worker, oldest first: the router's own legs, matched to
-    the worker's last report (what it has computed of the oldest; other routers' prompts)."""
-    ahead = [leg.prompt_tokens for leg in link.legs.values() if leg.prompt_tokens > 0]
-    reported = link.load.queued_prompt_tokens if link.load else sum(ahead)
-    extra = reported - sum(ahead)
-    if extra > 0:
-        ahead.append(extra)
-    else:
-        for i in range(len(ahead)):  # the oldest are the ones being computed
-            take = min(ahead[i], -extra)
-            ahead[i] -= take
-            extra += take
-            if extra >= 0:
-                break
-    return tuple(t for t in ahead if t > 0)
-
-
-def _limits(link: WorkerLink) -> tuple[int, int]:
-    ready = link.ready
-    chunk = ready.chunk_size if ready and ready.chunk_size else _DEFAULT_CHUNK
-    budget = ready.max_num_batched_tokens if ready and ready.max_num_batched_tokens else _DEFAULT_BUDGET
-    return chunk, budget
-
-
-def _prefill_candidate(link: WorkerLink) -> policy.PrefillCandidate:
-    chunk, budget = _limits(link)
-    return policy.PrefillCandidate(link.worker_id, _ahead(link), chunk, budget)
-
-
-def context_per_stream(link: WorkerLink) -> float:
-    """Tokens of KV per running request on the worker, from its last load report."""
-    load = link.load
-    if load is None or not load.num_running or not load.block_size:
-        return _DEFAULT_CONTEXT
-    return load.kv_blocks_used * load.block_size / load.num_running
-
-
-def _decode_candidate(link: WorkerLink) -> policy.DecodeCandidate:
-    chunk, budget = _limits(link)
-    streams = sum(1 for leg in link.legs.values() if not leg.done and leg.prompt_tokens == 0)
-    return policy.DecodeCandidate(
-        link.worker_id, streams, context_per_stream(link), _ahead(link), chunk, budget
-    )
