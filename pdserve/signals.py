@@ -118,6 +118,7 @@ class Signals:
         self.paths: Counter[str] = Counter()  # path -> requests, since start
         self._awaiting_pool: dict[str, str] = {}  # key -> the pool whose first token it awaits
         self.cold_steps_skipped = 0
+        self._prediction_ratios = Window(window_s)  # observed / predicted TTFT, per request
 
     def pool(self, name: str) -> PoolSignals:
         signals = self.pools.get(name)
@@ -162,6 +163,16 @@ class Signals:
         signals.ttft.add(ttft_s, now)
         if alone_s is not None:
             signals.ttft_excess.add(max(0.0, ttft_s - alone_s), now)
+
+    def prediction_checked(self, observed_s: float, predicted_s: float, now: float) -> None:
+        """A request's first token came `observed_s` after its arrival; the cost model had said
+        `predicted_s` when it chose the path."""
+        if predicted_s > 0:
+            self._prediction_ratios.add(observed_s / predicted_s, now)
+
+    def prediction_ratios(self, now: float) -> list[float]:
+        """Observed / predicted TTFT of the requests of the window."""
+        return self._prediction_ratios.values(now)
 
     def gap(self, pool: str, seconds: float, now: float) -> None:
         self.pool(pool).itl.add(seconds, now)

@@ -85,3 +85,12 @@ def test_describe_shows_percentiles_demand_and_the_model() -> None:
     assert decode["kv_used"] == 0.25 and decode["ttft_s"] is None
     assert view["paths"] == {"remote": 3}
     assert view["cost_model"]["ready"] is False and view["cost_model"]["coefficients"] is None
+
+
+def test_prediction_ratios_are_kept_for_the_window_only() -> None:
+    signals = Signals(window_s=10.0)
+    signals.prediction_checked(observed_s=0.6, predicted_s=0.3, now=100.0)
+    signals.prediction_checked(observed_s=0.1, predicted_s=0.0, now=101.0)  # nothing predicted: left out
+    signals.prediction_checked(observed_s=0.2, predicted_s=0.4, now=105.0)
+    assert signals.prediction_ratios(105.0) == [2.0, 0.5]
+    assert signals.prediction_ratios(112.0) == [0.5]

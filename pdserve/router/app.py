@@ -251,12 +251,9 @@ class Router:
                 f"({len(prompt_ids)} in the prompt, {max_tokens} to generate): lower max_tokens"
             )
         params = oa.sampling_params(req, max_tokens)  # raises InvalidRequestError (max_tokens < 1, ...)
-        self.dispatcher.admission.check_queue(len(prompt_ids))  # raises Overloaded (the pool's queue is full)
-        self.dispatcher.admission.check_slo(len(prompt_ids))  # raises Overloaded (--reject-on-slo-miss)
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
-        return Answer(
+        answer = Answer(
             state=RequestState(request_id),
             prompt_ids=prompt_ids,
             params=wire.WireSamplingParams.from_params(params),
@@ -275,6 +272,11 @@ class Router:
             arrived=arrived,
             logprobs=LogprobsFormatter(self.tokenizer, chat) if params.logprobs is not None else None,
         )
+        # Raises Overloaded (the pool's queue is full; --reject-on-slo-miss). From here the request
+        # holds its place (in-flight count, queue) until the dispatcher starts it.
+        answer.state.reservation = self.dispatcher.admission.admit(len(prompt_ids))
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        return answer
 
     async def _prompt_ids(
         self,

@@ -73,6 +73,7 @@ class RequestState:
     choice: policy.PathChoice | None = None  # the first attempt's path, and what was predicted
     legs: list[Leg] = field(default_factory=list)
     last_token_at: float | None = None  # monotonic time of the last token streamed
+    reservation: int | None = None  # its place, from admission until it starts (Admission.admit)
     created_at: float = field(default_factory=time.monotonic)
     _next_leg: int = 0
 
@@ -130,6 +131,9 @@ class Dispatcher:
         """Token events of one request, the last with its finish reason. Raises Unavailable,
         Overloaded (before any token) or RequestFailed. Closing the iterator early aborts the
         request everywhere."""
+        if state.reservation is not None:  # admitted: from here its prompt is queued on a worker
+            self.admission.release(state.reservation)
+            state.reservation = None
         self.admission.check_available()
         self.admission.in_flight += 1
         self.metrics.in_flight.inc()
@@ -268,6 +272,7 @@ class Dispatcher:
         self.signals.first_token(pool, ttft, choice.alone_s, now, key=state.request_id)
         if choice.predicted_ttft:
             self.metrics.ttft_prediction_ratio.labels(choice.path).observe(ttft / choice.predicted_ttft)
+            self.signals.prediction_checked(ttft, choice.predicted_ttft, now)
 
     async def _stream(
         self,

@@ -166,7 +166,9 @@ class RouterMetrics:
         )
         self.slo_rejections = Counter(
             "pdserve_slo_rejections",
-            "Requests answered 429 at once because their predicted TTFT missed the SLO (--reject-on-slo-miss)",
+            "Requests answered 429 at once because their predicted TTFT missed the SLO (--reject-on-slo-miss); "
+            "reason: predicted (the cost model, scaled by its recent error) or cold (before it is ready)",
+            ["reason"],
             registry=r,
         )
         self.planner_decisions = Counter(

@@ -8,6 +8,7 @@ turns the router's live links into the views those rules take.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Literal, overload
 
 from pdserve.costmodel import StepCostModel
@@ -32,23 +33,34 @@ class Placement:
         self.signals = signals
 
     def choose_path(
-        self, prompt_tokens: int, cost: StepCostModel | None = None
+        self,
+        prompt_tokens: int,
+        cost: StepCostModel | None = None,
+        reserved: Mapping[str, Sequence[int]] | None = None,
     ) -> tuple[policy.PathChoice, WorkerLink | None, WorkerLink | None]:
         """(the choice, the prefill worker for a remote prefill, the decode worker for a local one).
-        Raises Unavailable when no decode worker is up."""
+        `reserved`: pool -> prompts admitted there and not sent to a worker yet; each worker of
+        the pool is taken to get its share of them, ahead of this one. Raises Unavailable when no
+        decode worker is up."""
         decode = self.pick_decode()
         prefill = self.pick_prefill()
+        reserved = reserved or {}
         choice = policy.choose_path_by_cost(
-            cost or (self.signals.cost if self.config.path_choice == "cost" else _NEVER_READY),
+            cost or (self.signals.cost if self.config.path_choice == "cost" else NEVER_READY),
             prompt_tokens,
-            _prefill_candidate(prefill) if prefill is not None else None,
-            _decode_candidate(decode),
+            _prefill_candidate(prefill, self._share(reserved, "prefill")) if prefill is not None else None,
+            _decode_candidate(decode, self._share(reserved, decode.pool)),
             self.config.slo.itl_s,
             self.config.local_prefill_threshold,
         )
         if choice.path == "local":
             return choice, None, decode
         return choice, prefill, None
+
+    def _share(self, reserved: Mapping[str, Sequence[int]], pool: str) -> tuple[int, ...]:
+        """One worker's share of the prompts reserved for `pool` (every n-th, of n workers up)."""
+        prompts = reserved.get(pool, ())
+        return tuple(prompts[:: max(1, len(self.workers.up(pool)))])
 
     def pick_prefill(self) -> WorkerLink | None:
         links = {w.worker_id: w for w in self.workers.up("prefill")}
@@ -107,7 +119,7 @@ class Placement:
         return links[chosen.worker_id]
 
 
-_NEVER_READY = StepCostModel(min_samples=2**62)  # --path-choice threshold: always "cold"
+NEVER_READY = StepCostModel(min_samples=2**62)  # --path-choice threshold: always "cold"
 
 # Before a worker's Ready says them: the engine's defaults.
 _DEFAULT_CHUNK, _DEFAULT_BUDGET = 512, 2048
@@ -139,9 +151,9 @@ def _limits(link: WorkerLink) -> tuple[int, int]:
     return chunk, budget
 
 
-def _prefill_candidate(link: WorkerLink) -> policy.PrefillCandidate:
+def _prefill_candidate(link: WorkerLink, reserved: tuple[int, ...] = ()) -> policy.PrefillCandidate:
     chunk, budget = _limits(link)
-    return policy.PrefillCandidate(link.worker_id, _ahead(link), chunk, budget)
+    return policy.PrefillCandidate(link.worker_id, _ahead(link) + reserved, chunk, budget)
 
 
 def context_per_stream(link: WorkerLink) -> float:
@@ -152,9 +164,9 @@ def context_per_stream(link: WorkerLink) -> float:
     return load.kv_blocks_used * load.block_size / load.num_running
 
 
-def _decode_candidate(link: WorkerLink) -> policy.DecodeCandidate:
+def _decode_candidate(link: WorkerLink, reserved: tuple[int, ...] = ()) -> policy.DecodeCandidate:
     chunk, budget = _limits(link)
     streams = sum(1 for leg in link.legs.values() if not leg.done and leg.prompt_tokens == 0)
     return policy.DecodeCandidate(
-        link.worker_id, streams, context_per_stream(link), _ahead(link), chunk, budget
+        link.worker_id, streams, context_per_stream(link), _ahead(link) + reserved, chunk, budget
     )
