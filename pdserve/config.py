@@ -111,6 +111,8 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.kv_checksum not in KV_CHECKSUM_MODES:
             raise ValueError(f"kv_checksum must be one of {KV_CHECKSUM_MODES}, got {self.kv_checksum!r}")
+        if self.kv_corrupt_rate > 0 and self.kv_checksum == "off":
+            raise ValueError("kv_corrupt_rate with kv_checksum off would corrupt KV that nothing checks")
 
     @property
     def role(self) -> Role:

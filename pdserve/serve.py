@@ -64,6 +64,10 @@ def _check(o: dict[str, Any]) -> None:
     for name in ("kv_fault_rate", "kv_corrupt_rate"):
         if not 0.0 <= o[name] <= 1.0:
             raise PdserveError(f"--{name.replace('_', '-')} must be in [0, 1], got {o[name]}")
+    if o["kv_corrupt_rate"] > 0 and o["kv_checksum"] == "off":
+        raise PdserveError(
+            "--kv-corrupt-rate with --kv-checksum off would send clients wrong tokens: drop one"
+        )
     for name in ("prefill", "decode", "colocated", "threads", "max_retries"):
         if o[name] < 0:
             raise PdserveError(f"--{name.replace('_', '-')} must be >= 0")

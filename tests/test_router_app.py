@@ -167,6 +167,7 @@ def test_thirty_two_concurrent_requests_of_mixed_lengths_all_complete(server: Se
         ),
         (b'{"model": "M", "prompt": "hi", "logit_bias": {"5": 101}}', "biases in [-100, 100]"),
         (b'{"model": "M", "prompt": "hi", "logit_bias": {"999999": 1}}', "outside the vocabulary"),
+        (b'{"model": "M", "prompt": "hi", "logit_bias": {"5": 1, "05": -1}}', "names token 5 twice"),
         (b'{"model": "M", "prompt": "hi", "guided_json": {}}', "guided_json is not supported"),
         (
             b'{"model": "M", "prompt": "hi", "kv_transfer_params": {"remote_host": "x"}}',

@@ -18,8 +18,9 @@ from serving import Server
 from pdserve import LLM, SamplingParams, wire
 from pdserve.cluster.local import LocalCluster
 from pdserve.config import EngineConfig, Role, WorkerConfig
+from pdserve.router.app import _error_kind
 from pdserve.router.config import RouterConfig
-from pdserve.router.dispatch import Dispatcher, RequestFailed, RequestState
+from pdserve.router.dispatch import Dispatcher, RequestInvalid, RequestState
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import WorkerSet
 from pdserve.security import DeploymentSecrets
@@ -323,10 +324,11 @@ def test_a_request_a_worker_refuses_as_invalid_fails_at_once_without_retries(tin
             bad = wire.WireSamplingParams(max_tokens=3, min_tokens=9)  # what the router never sends
             for path_prompt in (prompt, prompt[:4]):  # remote prefill, then local (decode worker)
                 state = RequestState(f"bad-{len(path_prompt)}")
-                with pytest.raises(RequestFailed, match=r"refused the request: .*min_tokens"):
+                with pytest.raises(RequestInvalid, match=r"refused the request: .*min_tokens") as refused:
                     async for _ in dispatcher.generate(state, path_prompt, bad):
                         pass
                 assert state.retries == 0 and state.outcome == "error"
+                assert _error_kind(refused.value) == ("invalid_request_error", 400)  # a 400, not a 500
             exposition = dispatcher.metrics.render().decode()
             assert "pdserve_request_retries_total{" not in exposition  # no retry of any reason
         finally:

@@ -105,6 +105,11 @@ def test_pool_tables_set_each_pools_engine_bounds_and_slos(tmp_path: Path) -> No
         ('model = "m"\n', ("--colocated", "1", "--kv-fault-rate", "-0.1"), "--kv-fault-rate must be in"),
         (
             'model = "m"\n',
+            ("--prefill", "1", "--decode", "1", "--kv-corrupt-rate", "0.1", "--kv-checksum", "off"),
+            "would send clients wrong tokens",
+        ),
+        (
+            'model = "m"\n',
             ("--colocated", "1", "--max-body-bytes", "100"),
             "--max-body-bytes must be >= 1024",
         ),

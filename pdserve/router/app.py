@@ -44,7 +44,7 @@ from pdserve.router.answer import Answer, Delta, checked_logprobs
 from pdserve.router.auth import AccessKeys, AuthMiddleware
 from pdserve.router.body import BodyError, read_body
 from pdserve.router.config import RouterConfig
-from pdserve.router.dispatch import Dispatcher, RequestFailed, RequestState
+from pdserve.router.dispatch import Dispatcher, RequestFailed, RequestInvalid, RequestState
 from pdserve.router.logprobs import LogprobsFormatter, TokenLogprobs
 from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdserve.router.openapi import build_openapi
@@ -468,6 +468,8 @@ def _error_kind(exc: Exception) -> tuple[str, int]:
         return "service_unavailable", 503
     if isinstance(exc, Overloaded):  # admitted in a burst that overtook the in-flight limit
         return "rate_limit_exceeded", 429
+    if isinstance(exc, RequestInvalid):  # a worker refused what the client sent
+        return "invalid_request_error", 400
     return "server_error", 500
 
 

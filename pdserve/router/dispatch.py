@@ -46,6 +46,18 @@ class RequestFailed(PdserveError):
     """The request failed on the workers after it was admitted (an error event or HTTP 500)."""
 
 
+class RequestInvalid(RequestFailed):
+    """A worker refused the request as the client sent it (its parameters): HTTP 400. The router
+    validates every field first, so this is a check the router lacks; refused after a retry or a
+    move (which change the request), it is the router's fault and a plain RequestFailed."""
+
+
+def _refused(state: RequestState, message: str) -> RequestFailed:
+    if state.retries == 0 and state.migrations == 0:
+        return RequestInvalid(message)
+    return RequestFailed(message)
+
+
 class _Retry(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -230,7 +242,7 @@ class Dispatcher:
             # The worker refused the request itself (its parameters; or, from a router bug, a
             # handle that does not fit): not a fault, which another attempt would not mend.
             if isinstance(answer, wire.Tokens) and answer.invalid:
-                raise RequestFailed(f"prefill worker {prefill.worker_id}: {answer.error}")
+                raise _refused(state, f"prefill worker {prefill.worker_id}: {answer.error}")
             raise _Retry(
                 "prefill_failed", f"prefill worker {prefill.worker_id}: {getattr(answer, 'error', '')}"
             )
@@ -323,7 +335,9 @@ class Dispatcher:
                     raise RequestFailed(f"worker {worker} went down mid-stream ({event.reason})")
                 if event.finish_reason == "error":
                     leg.done = True
-                    if kv_pending and (kv_failed or streamed == 0) and not event.invalid:
+                    if event.invalid:
+                        raise _refused(state, f"worker {worker}: {event.error}")
+                    if kv_pending and (kv_failed or streamed == 0):
                         raise _Retry("kv_transfer_failed", f"worker {worker}: {event.error}")
                     raise RequestFailed(f"worker {worker} failed the request: {event.error}")
                 if streamed == 0 and event.queue_seconds is not None:

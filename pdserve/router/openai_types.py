@@ -185,7 +185,10 @@ def logit_bias_of(req: _SamplingFields) -> dict[int, float]:
             raise InvalidRequestError(
                 f"logit_bias keys must be token ids, got {key!r}"[:200], param="logit_bias"
             )
-        bias[int(key)] = value
+        token = int(key)
+        if token in bias:  # "1" and "01": one of the two values would be dropped unsaid
+            raise InvalidRequestError(f"logit_bias names token {token} twice ({key!r})", param="logit_bias")
+        bias[token] = value
     return bias
 
 

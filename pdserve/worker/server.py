@@ -102,6 +102,8 @@ class WorkerServer:
         self.kv_failures = 0
         # Digest what this worker holds for another, check what it pulls (transfer/checksum.py).
         self._checksum = checksum_enabled(config.kv_checksum, engine.runner.kv_cache)
+        if config.kv_corrupt_rate > 0 and not self._checksum:  # "auto" on a GPU cache: off
+            raise ValueError("kv_corrupt_rate needs the KV checksum, which is off for this cache")
         self._warned_no_digest = False
 
     # -- threads -------------------------------------------------------------------------------------
