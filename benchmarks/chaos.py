@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model,
         "--prefill", "1", "--decode", "2", "--transport", args.transport,
         "--kv-fault-rate", str(args.kv_fault_rate), "--kv-corrupt-rate", str(args.kv_corrupt_rate),
+        "--kv-checksum", "on",  # also on a GPU cache, where auto leaves it off
         "--num-kv-blocks", "512",
         "--max-retries", "8", "--heartbeat-timeout", "3",
     )  # fmt: skip

@@ -114,7 +114,7 @@ def test_kv_that_arrives_changed_is_caught_by_its_checksum_counted_and_retried(
     # and a retry, so every answer is still exactly the offline engine's.
     server = Server(
         tiny_llama, "--prefill", "1", "--decode", "1", "--transport", transport,
-        "--kv-corrupt-rate", "0.5", "--max-retries", "20",
+        "--kv-corrupt-rate", "0.5", "--kv-checksum", "on", "--max-retries", "20",
     )  # fmt: skip
     try:
         assert asyncio.run(complete_all(server, 10)) == expected_texts(offline, 10)

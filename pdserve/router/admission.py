@@ -28,7 +28,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import NEVER_READY, STREAM_POOLS, Placement, Unavailable
 from pdserve.router.workers import WorkerSet
-from pdserve.signals import Signals
+from pdserve.signals import Signals, quantile
 
 RESERVATION_TTL_S = 30.0
 # Observed / predicted TTFT samples needed before they scale the prediction.
@@ -122,13 +122,14 @@ class Admission:
             return pool
         limit = self.config.slo_reject_factor * slo.ttft_s
         limits = f"{self.config.slo_reject_factor:g}x the TTFT SLO ({slo.ttft_s * 1000:.0f} ms)"
-        links = self.workers.up(pool)
-        if not links:
+        chosen = prefill or local
+        if chosen is None:
             return pool  # nobody there to predict for: the path choice answers
-        # A pool with a worker that has no prompt waiting is judged on the plain prediction (none
-        # at all while the model is cold): the request would start at once, and a server that
-        # refused on a pessimistic guess would never serve the requests that correct it.
-        idle = len(self.signals.pool(pool).awaiting) + len(reserved.get(pool, [])) < len(links)
+        # A prompt that goes to a worker with nothing queued ahead of it (sent or reserved) is
+        # judged on the plain prediction (none at all while the model is cold): it would start
+        # at once, and a server that refused on a pessimistic guess would never serve the
+        # requests that correct it.
+        idle = chosen.queued_prompt_tokens == 0 and not reserved.get(pool)
         if not self.signals.cost.ready:
             if not idle:
                 self._check_cold(pool, prompt_tokens, reserved.get(pool, []), limit, limits)
@@ -161,28 +162,27 @@ class Admission:
         ratios = self.signals.prediction_ratios(time.monotonic())
         if len(ratios) < MIN_CALIBRATION_SAMPLES:
             return 1.0
-        ordered = sorted(ratios)
-        rank = min(len(ordered) - 1, int(self.config.slo.percentile * len(ordered)))
-        return max(1.0, ordered[rank])
+        return max(1.0, quantile(ratios, self.config.slo.percentile) or 1.0)
 
     def _check_cold(
         self, pool: str, prompt_tokens: int, reserved: list[int], limit: float, limits: str
     ) -> None:
-        """Before the cost model is ready, with a prompt already waiting on every worker of the
-        pool: the new prompt's TTFT from the pool's measured prefill rate (the tokens queued and
-        reserved there, then its own; the slow steps of a cold worker make it pessimistic, as it
-        should be with so little known); with no rate measured yet, refused."""
+        """Before the cost model is ready, with a prompt already queued on the worker it would go
+        to: the new prompt's TTFT from the pool's measured prefill rate (the tokens queued and
+        reserved there, then its own, at the rate of the workers that have one; the slow steps
+        of a cold worker make it pessimistic, as it should be with so little known); with no
+        rate measured yet, refused."""
         links = self.workers.up(pool)
-        rates = [link.prefill_tokens_per_s for link in links]
-        if all(rates):
+        rate = sum(link.prefill_tokens_per_s or 0.0 for link in links)
+        if rate > 0:
             queued = sum(link.queued_prompt_tokens for link in links) + sum(reserved)
-            predicted = (queued + prompt_tokens) / sum(r for r in rates if r)
+            predicted = (queued + prompt_tokens) / rate
             if predicted <= limit:
                 return
             why = f"its pool's measured prefill rate predicts a first token in {predicted:.2f} s, above {limits}"
-            retry_after = predicted
+            retry_after = queued / rate  # until what is queued now has been prefilled
         else:
-            why = f"every {pool} worker has a prompt waiting and no prefill rate is measured yet"
+            why = f"the {pool} worker it would go to has a prompt waiting and no prefill rate is measured yet"
             retry_after = 1.0
         self.metrics.slo_rejections.labels("cold").inc()
         raise Overloaded(

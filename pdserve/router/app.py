@@ -21,7 +21,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -199,8 +199,19 @@ class Router:
                 response.headers["Retry-After"] = str(max(1, round(exc.retry_after)))
             return response
         if run.stream:
-            return StreamingResponse(self._stream(run), media_type="text/event-stream")
+            return _ReleasingStream(self._stream(run), self._release(run), media_type="text/event-stream")
         return await self._whole(request, run)
+
+    def _release(self, run: Answer) -> Callable[[], None]:
+        """What gives an admitted request's place back if its stream never starts (the client left
+        before the response began: Starlette then never iterates it). A no-op once it started."""
+
+        def release() -> None:
+            if run.state.reservation is not None:
+                self.dispatcher.admission.release(run.state.reservation)
+                run.state.reservation = None
+
+        return release
 
     def _reject(self, message: str, kind: str, status: int, param: str | None = None) -> Response:
         self.metrics.requests.labels("none", "rejected").inc()
@@ -232,9 +243,8 @@ class Router:
         self.dispatcher.admission.admitting += 1  # holds its place against the limit while it is tokenized
         try:
             prompt_ids = await self._prompt_ids(chat, req, messages, prompt, context)
-            self.dispatcher.admission.check_available(
-                admitting_self=True
-            )  # the pools may have changed meanwhile
+            # The pools may have changed meanwhile.
+            self.dispatcher.admission.check_available(admitting_self=True)
         finally:
             self.dispatcher.admission.admitting -= 1
         max_tokens = oa.requested_max_tokens(req)
@@ -471,6 +481,21 @@ def _error_kind(exc: Exception) -> tuple[str, int]:
     if isinstance(exc, RequestInvalid):  # a worker refused what the client sent
         return "invalid_request_error", 400
     return "server_error", 500
+
+
+class _ReleasingStream(StreamingResponse):
+    """A streamed answer that runs `on_close` once it is over, however it ended: sent, failed,
+    or never begun because the client had already gone."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], media_type: str) -> None:
+        super().__init__(content, media_type=media_type)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 async def _client_gone(request: Request) -> None:

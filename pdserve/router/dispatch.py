@@ -282,7 +282,7 @@ class Dispatcher:
         """The request's first token: into the signals, and next to what the cost model predicted."""
         ttft = now - state.created_at
         self.signals.first_token(pool, ttft, choice.alone_s, now, key=state.request_id)
-        if choice.predicted_ttft:
+        if choice.predicted_ttft and state.retries == 0:  # a retry's TTFT includes the failed try
             self.metrics.ttft_prediction_ratio.labels(choice.path).observe(ttft / choice.predicted_ttft)
             self.signals.prediction_checked(ttft, choice.predicted_ttft, now)
 
@@ -335,8 +335,9 @@ class Dispatcher:
                     raise RequestFailed(f"worker {worker} went down mid-stream ({event.reason})")
                 if event.finish_reason == "error":
                     leg.done = True
-                    if event.invalid:
-                        raise _refused(state, f"worker {worker}: {event.error}")
+                    if event.invalid:  # on a leg that brought KV: the router's fault, not the client's
+                        refusal = f"worker {worker}: {event.error}"
+                        raise RequestFailed(refusal) if kv_pending else _refused(state, refusal)
                     if kv_pending and (kv_failed or streamed == 0):
                         raise _Retry("kv_transfer_failed", f"worker {worker}: {event.error}")
                     raise RequestFailed(f"worker {worker} failed the request: {event.error}")
