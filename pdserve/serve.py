@@ -1,4 +1,4 @@
-"""`pdserve serve`: the router and its pools of workers (the `local` cluster backend). No torch.
+"""`pdserve serve`: the router and its pools of workers (the `local` or `ray` cluster backend). No torch.
 
     pdserve serve --model smollm2-135m --prefill 1 --decode 1     # disaggregated
     pdserve serve --model smollm2-135m --colocated 2              # chunked prefill, two mixed workers
@@ -64,6 +64,13 @@ def _check(o: dict[str, Any]) -> None:
     for name in ("kv_fault_rate", "kv_corrupt_rate"):
         if not 0.0 <= o[name] <= 1.0:
             raise PdserveError(f"--{name.replace('_', '-')} must be in [0, 1], got {o[name]}")
+    if o["cluster"] not in ("local", "ray"):
+        raise PdserveError(f"--cluster must be local or ray, got {o['cluster']!r}")
+    if o["cluster"] == "ray":
+        if o["transport"] == "shm":
+            # Workers on two nodes share no memory; choosing shm per pair on one node is not built yet.
+            raise PdserveError("--cluster ray needs --transport tcp (or nixl): shm works on one host only")
+        ray_placements(o)  # raises on bad JSON, strategy or amounts
     if o["kv_corrupt_rate"] > 0 and o["kv_checksum"] == "off":
         raise PdserveError(
             "--kv-corrupt-rate with --kv-checksum off would send clients wrong tokens: drop one"
@@ -263,6 +270,32 @@ def planner_settings(o: dict[str, Any]) -> PlannerSettings:
     )
 
 
+def ray_placements(o: dict[str, Any]) -> dict[str, Any]:
+    """--cluster ray: each pool's RayPlacement (resources per worker, CPUs, GPUs, strategy)."""
+    from pdserve.cluster.ray_backend import RayPlacement, parse_resources
+
+    return {
+        pool: RayPlacement(
+            resources=parse_resources(o[f"ray_{pool}_resources"], f"--ray-{pool}-resources"),
+            num_cpus=o["ray_num_cpus"],
+            num_gpus=o["ray_num_gpus"],
+            strategy=o["ray_strategy"],
+        )
+        for pool in POOL_ROLES
+    }
+
+
+def cluster_backend(o: dict[str, Any], secrets: DeploymentSecrets) -> Any:
+    """The ClusterBackend that --cluster names."""
+    if o["cluster"] == "ray":
+        from pdserve.cluster.ray_backend import RayCluster
+
+        return RayCluster(secrets.for_workers(), o["ray_address"], ray_placements(o))
+    from pdserve.cluster.local import LocalCluster
+
+    return LocalCluster(secrets.for_workers(), pin_cpus=o["pin_cpus"])
+
+
 def pool_specs(o: dict[str, Any], eos_token_ids: tuple[int, ...] | None = None) -> list[Any]:
     return [
         PoolSpec(
@@ -278,7 +311,6 @@ def pool_specs(o: dict[str, Any], eos_token_ids: tuple[int, ...] | None = None) 
 def run(o: dict[str, Any]) -> int:
     import uvicorn
 
-    from pdserve.cluster.local import LocalCluster
     from pdserve.models.config import ModelConfig
     from pdserve.models.source import generation_eos_ids, resolve_model
     from pdserve.planner.loop import Planner
@@ -320,7 +352,7 @@ def run(o: dict[str, Any]) -> int:
     secrets = DeploymentSecrets.generate()  # in memory only: a restart makes new ones
     router = Router(settings, tokenizer, eos, secrets.router)
     pools = PoolManager(
-        LocalCluster(secrets.for_workers(), pin_cpus=o["pin_cpus"]),
+        cluster_backend(o, secrets),
         router.workers,
         router.metrics,
         specs,
@@ -358,6 +390,9 @@ async def _serve(server: Any, pools: Any, planner: Any) -> int:
         loop.add_signal_handler(sig, interrupted.set)
     try:
         try:
+            connect = getattr(pools.backend, "connect", None)  # --cluster ray: join it, or say why not
+            if connect is not None:
+                await connect()
             await pools.start(abort=lambda: "interrupted" if interrupted.is_set() else None)
         except PdserveError as exc:
             logger.log(logging.WARNING if interrupted.is_set() else logging.ERROR, "%s", exc)

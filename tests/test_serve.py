@@ -108,6 +108,18 @@ def test_pool_tables_set_each_pools_engine_bounds_and_slos(tmp_path: Path) -> No
             ("--prefill", "1", "--decode", "1", "--kv-corrupt-rate", "0.1", "--kv-checksum", "off"),
             "would send clients wrong tokens",
         ),
+        ('model = "m"\n', ("--colocated", "1", "--cluster", "k8s"), "--cluster must be local or ray"),
+        ('model = "m"\n', ("--prefill", "1", "--decode", "1", "--cluster", "ray"), "needs --transport tcp"),
+        (
+            'model = "m"\n',
+            ("--colocated", "1", "--cluster", "ray", "--transport", "tcp", "--ray-decode-resources", "{gpu"),
+            "--ray-decode-resources: expected a JSON object",
+        ),
+        (
+            'model = "m"\n',
+            ("--colocated", "1", "--cluster", "ray", "--transport", "tcp", "--ray-strategy", "scatter"),
+            "pack or spread",
+        ),
         (
             'model = "m"\n',
             ("--colocated", "1", "--max-body-bytes", "100"),

@@ -1,0 +1,180 @@
+"""The `ray` cluster backend on a real multi-node Ray cluster on this host (`ray.cluster_utils`):
+a head with no CPUs for workers, a node with the prefill resource, a node with the decode
+resource, every node on 127.0.0.1. `pdserve serve --cluster ray` places each pool's workers on
+its nodes, serves the offline engine's tokens with the KV moving over tcp, scales a pool onto the
+right node, and leaves no actor or process behind; a lost node is a dead worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from serving import Server
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster.base import ClusterError
+from pdserve.cluster.ray_backend import RayCluster, RayPlacement, parse_resources
+from pdserve.security import DeploymentSecrets
+
+# Without it Ray swaps 127.0.0.1 for the machine's interface address (read when Ray is imported);
+# the servers inherit it.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+PROMPTS = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * (2 + i) for i in range(4)]
+
+
+class Nodes:
+    def __init__(self) -> None:
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False},
+        )
+        self.prefill = self.add("pdserve_prefill")
+        self.decode = self.add("pdserve_decode")
+        ray.init(address=self.cluster.address, namespace="pdserve-tests", logging_level="WARNING")
+
+    def add(self, resource: str) -> Any:
+        node = self.cluster.add_node(num_cpus=2, resources={resource: 2}, node_ip_address="127.0.0.1")
+        self.cluster.wait_for_nodes()
+        return node
+
+    def free(self, resource: str) -> float:
+        return float(ray.available_resources().get(resource, 0.0))
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[Nodes]:
+    started = Nodes()
+    try:
+        yield started
+    finally:
+        ray.shutdown()
+        started.cluster.shutdown()
+
+
+def ray_server(model: Path, nodes: Nodes, *args: str) -> Server:
+    return Server(
+        model,
+        "--cluster", "ray", "--ray-address", nodes.cluster.address, "--transport", "tcp",
+        "--ray-prefill-resources", json.dumps({"pdserve_prefill": 1}),
+        "--ray-decode-resources", json.dumps({"pdserve_decode": 1}),
+        *args,
+    )  # fmt: skip
+
+
+def test_bad_placements_are_refused_clearly() -> None:
+    assert parse_resources('{"pdserve_prefill": 1}', "--ray-prefill-resources") == {"pdserve_prefill": 1.0}
+    for text in ("pdserve_prefill", '["a"]', '{"a": "one"}', '{"a": true}'):
+        with pytest.raises(ClusterError, match="--ray-prefill-resources"):
+            parse_resources(text, "--ray-prefill-resources")
+    with pytest.raises(ClusterError, match="pack or spread"):
+        RayPlacement(strategy="random")
+    with pytest.raises(ClusterError, match="must be >= 0"):
+        RayPlacement(resources={"pdserve_decode": -1})
+
+
+def test_no_ray_cluster_is_a_clear_error_not_a_hang() -> None:
+    async def scenario() -> None:
+        secrets = DeploymentSecrets.generate().for_workers()
+        started = time.monotonic()
+        with pytest.raises(ClusterError, match=r"no Ray cluster at '127\.0\.0\.1:9'"):
+            await RayCluster(secrets, "127.0.0.1:9", connect_timeout=20).connect()  # nothing listens
+        assert time.monotonic() - started < 10
+        with pytest.raises(ClusterError, match="host:port"):
+            await RayCluster(secrets, "head-node", connect_timeout=20).connect()
+
+    if ray.is_initialized():  # this process already joined the module's cluster
+        pytest.skip("run before the cluster fixture")
+    asyncio.run(scenario())
+
+
+def test_workers_land_on_their_pools_nodes_and_serve_the_offline_engines_tokens(
+    tiny_llama: Path, nodes: Nodes
+) -> None:
+    offline = LLM(str(tiny_llama), dtype="float32")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].text for o in offline.generate(PROMPTS, params)]
+    server = ray_server(tiny_llama, nodes, "--prefill", "1", "--decode", "1", "--prefill-max", "2")
+    try:
+        pools = server.pools()
+        (prefill,), (decode,) = pools["prefill"]["workers"], pools["decode"]["workers"]
+        assert prefill["node"] == nodes.prefill.node_id and decode["node"] == nodes.decode.node_id
+        assert nodes.free("pdserve_prefill") == 1 and nodes.free("pdserve_decode") == 1
+        answers = [
+            server.client.completions.create(
+                model=server.model, prompt=p, max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+            for p in PROMPTS
+        ]
+        assert answers == expected
+        assert server.metric("pdserve_kv_transfer_bytes_count", transport="tcp") >= len(PROMPTS)
+        assert server.metric("pdserve_kv_transfer_bytes_count", transport="shm") == 0
+
+        # Scaled through the admin API: the new worker's actor lands on the prefill node.
+        assert server.scale("prefill", 2).status_code == 200
+        workers = server.wait_pool("prefill", up=2, timeout=120)
+        assert {w["node"] for w in workers} == {nodes.prefill.node_id}
+        assert nodes.free("pdserve_prefill") == 0
+        server.wait_kv_free()
+    finally:
+        assert server.stop() == 0
+    # Nothing left behind: every actor's resources are back, and stop() checked the processes.
+    deadline = time.monotonic() + 30
+    while (nodes.free("pdserve_prefill"), nodes.free("pdserve_decode")) != (2, 2):
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.2)
+
+
+def test_a_lost_decode_node_ends_its_streams_promptly_and_is_a_dead_worker(
+    tiny_llama_4k: Path, nodes: Nodes
+) -> None:
+    # Last in this module: it takes a node away.
+    server = ray_server(
+        tiny_llama_4k,
+        nodes,
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--ready-timeout",
+        "20",
+        "--num-kv-blocks",
+        "4096",
+    )
+    try:
+        stream = server.client.completions.create(
+            model=server.model, prompt=PROMPTS[0], max_tokens=3500, temperature=0.0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = iter(stream)
+        for _ in range(3):  # the first token comes from the prefill worker; then the decode node's
+            next(chunks)
+        nodes.cluster.remove_node(nodes.decode)
+        removed = time.monotonic()
+        with pytest.raises(Exception, match=r"went down|mid-stream"):
+            for _ in chunks:
+                pass
+        assert time.monotonic() - removed < 15
+        server.wait_for(lambda: not server.workers("decode", "up"), 30, "the decode worker taken out")
+        response = server.http.post(
+            "/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 2}
+        )
+        assert response.status_code == 503, response.text  # no decode node: said, not hung
+        # Its replacement waits for a node with the decode resource (none): stopping the server
+        # gives up on it and leaves nothing behind.
+    finally:
+        assert server.stop() == 0
+    deadline = time.monotonic() + 30
+    while nodes.free("pdserve_prefill") != 2:
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.2)
