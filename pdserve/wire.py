@@ -61,7 +61,10 @@ class KVHandle(msgspec.Struct, frozen=True):
     address: str  # shm segment name, host:port, or a NIXL agent name
     block_ids: list[int]
     num_tokens: int  # tokens of KV in those blocks: every token of the request but its last
-    lease_expires_at: float  # time.time() on the holding side; the blocks are freed after it
+    # Seconds the holder keeps the blocks from when it made this handle: a duration, so that no
+    # two hosts' clocks need agree. The puller counts it from when the handle reached it (the
+    # milliseconds in transit come off the margin it keeps).
+    lease_seconds: float
     lease_id: str  # the request id the holder keeps them under: a pull names it
     # Hex of the unguessable token the holder made for this lease: a pull must show it (tcp, nixl).
     # Only the router and the worker it hands this handle to see it.

@@ -12,7 +12,7 @@ def test_every_message_round_trips() -> None:
     params = wire.WireSamplingParams.from_params(
         SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop_token_ids=[2], logprobs=1)
     )
-    handle = wire.KVHandle("p0", "shm", "pdserve-kv-1", [3, 4], 30, 1e9, "r2")
+    handle = wire.KVHandle("p0", "shm", "pdserve-kv-1", [3, 4], 30, 30.0, "r2")
     messages: list[wire.Message] = [
         wire.AddRequest("r1", [1, 2, 3], params),
         wire.AddRequest("r2", [1, 2], params, output_token_ids=[9], kv=handle),

@@ -91,6 +91,8 @@ class WorkerServer:
         )
         self._leases: dict[str, float] = {}  # prefill role: request id -> monotonic expiry
         self._pending_kv: dict[str, wire.KVHandle] = {}  # decode role: request id -> its source
+        # ... and when its lease ends, on this host's monotonic clock (from the handle's arrival).
+        self._lease_ends: dict[str, float] = {}
         self._to_move: set[str] = set()  # asked to move (Migrate) and not handed over yet
         # Decode role: pulls submitted and not yet reported back. An Abort for one of them waits
         # for the pull to end: freeing its blocks while the pull still writes into them could
@@ -204,6 +206,7 @@ class WorkerServer:
                 self._abort_after_pull.discard(item.request_id)
                 engine.abort(item.request_id)  # the pull is over: now its blocks can go
                 return
+            self._lease_ends.pop(item.request_id, None)
             if self._pending_kv.pop(item.request_id, None) is not None:  # else aborted meanwhile
                 self._send(
                     wire.KVPulled(
@@ -226,6 +229,7 @@ class WorkerServer:
             self._to_move.update(item.request_ids)
         elif isinstance(item, wire.Abort):
             self._pending_kv.pop(item.request_id, None)
+            self._lease_ends.pop(item.request_id, None)
             self._to_move.discard(item.request_id)
             if item.request_id in self._pulls_in_flight:
                 self._abort_after_pull.add(item.request_id)
@@ -273,6 +277,7 @@ class WorkerServer:
             return
         if msg.kv is not None:
             self._pending_kv[msg.request_id] = msg.kv
+            self._lease_ends[msg.request_id] = time.monotonic() + msg.kv.lease_seconds
 
     def _start_pulls(self) -> bool:
         """Submits the pulls the engine asks for; True if any started."""
@@ -283,7 +288,8 @@ class WorkerServer:
                 self._inbox.put(_KVDone(request_id, False, "no KV source for this request"))
                 continue
             self._pulls_in_flight.add(request_id)
-            self._pulls.submit(self._pull, request_id, handle, dst_blocks)
+            lease_ends = self._lease_ends.get(request_id, time.monotonic() + handle.lease_seconds)
+            self._pulls.submit(self._pull, request_id, handle, dst_blocks, lease_ends)
             started = True
         return started
 
@@ -298,11 +304,11 @@ class WorkerServer:
             except queue.Empty:
                 return
 
-    def _pull(self, request_id: str, handle: wire.KVHandle, dst_blocks: list[int]) -> None:
+    def _pull(self, request_id: str, handle: wire.KVHandle, dst_blocks: list[int], lease_ends: float) -> None:
         assert self.importer is not None
         # The shm copy reads the other cache without a lease check of its own: start it only
         # with time to finish well before the blocks may be freed and reused over there.
-        if handle.lease_expires_at - time.time() < min(self.config.kv_pull_timeout, 5.0):
+        if lease_ends - time.monotonic() < min(self.config.kv_pull_timeout, 5.0):
             self._inbox.put(
                 _KVDone(request_id, False, f"the lease on worker {handle.worker_id} expires too soon")
             )
@@ -365,7 +371,7 @@ class WorkerServer:
             address=self.kv_address,
             block_ids=block_ids,
             num_tokens=num_tokens,
-            lease_expires_at=time.time() + self.config.lease_seconds,
+            lease_seconds=self.config.lease_seconds,
             lease_id=request_id,
             lease_token=token.hex(),
             kv_digest=digest,
