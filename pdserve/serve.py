@@ -271,18 +271,23 @@ def planner_settings(o: dict[str, Any]) -> PlannerSettings:
 
 
 def ray_placements(o: dict[str, Any]) -> dict[str, Any]:
-    """--cluster ray: each pool's RayPlacement (resources per worker, CPUs, GPUs, strategy)."""
+    """--cluster ray: each pool's RayPlacement (resources per worker, CPUs, GPUs, strategy). The
+    more specific setting wins: --ray-POOL-resources over [pools.POOL.ray] resources, and that
+    table's num_cpus / num_gpus / strategy over --ray-num-cpus / --ray-num-gpus / --ray-strategy."""
     from pdserve.cluster.ray_backend import RayPlacement, parse_resources
 
-    return {
-        pool: RayPlacement(
-            resources=parse_resources(o[f"ray_{pool}_resources"], f"--ray-{pool}-resources"),
-            num_cpus=o["ray_num_cpus"],
-            num_gpus=o["ray_num_gpus"],
-            strategy=o["ray_strategy"],
+    placements = {}
+    for pool in POOL_ROLES:
+        table = o["pools"].get(pool, {}).get("ray", {})
+        flag = o[f"ray_{pool}_resources"]
+        resources = parse_resources(flag, f"--ray-{pool}-resources") if flag else table.get("resources", {})
+        placements[pool] = RayPlacement(
+            resources={k: float(v) for k, v in resources.items()},
+            num_cpus=float(table.get("num_cpus", o["ray_num_cpus"])),
+            num_gpus=float(table.get("num_gpus", o["ray_num_gpus"])),
+            strategy=table.get("strategy", o["ray_strategy"]),
         )
-        for pool in POOL_ROLES
-    }
+    return placements
 
 
 def cluster_backend(o: dict[str, Any], secrets: DeploymentSecrets) -> Any:

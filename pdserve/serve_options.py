@@ -237,6 +237,14 @@ POOL_TABLE_KEYS: dict[str, type] = {
     "max": int,
     "slo_ttft_ms": float,
     "slo_itl_ms": float,
+    "ray": dict,  # [pools.NAME.ray]: that pool's Ray placement (--cluster ray)
+}
+# [pools.NAME.ray]: resources = {pdserve_prefill = 1}, num_cpus, num_gpus, strategy.
+POOL_RAY_KEYS: dict[str, type | tuple[type, ...]] = {
+    "resources": dict,
+    "num_cpus": (int, float),
+    "num_gpus": (int, float),
+    "strategy": str,
 }
 POOL_TABLE_ALIASES = {"mixed": "colocated"}
 
@@ -308,6 +316,8 @@ def _read_pool_tables(path: Path, tables: Any) -> dict[str, dict[str, Any]]:
                 raise PdserveError(
                     f"{path}: [pools.{pool_key}] {key} must be a {kind.__name__}, got {value!r}"
                 )
+            if name == "ray" and isinstance(value, dict):
+                _check_ray_table(path, pool_key, value)
             settings[name] = value
         ignored = {"prefill": "slo_itl_ms", "decode": "slo_ttft_ms"}.get(pool)
         if ignored in settings:
@@ -317,6 +327,21 @@ def _read_pool_tables(path: Path, tables: Any) -> dict[str, dict[str, Any]]:
             )
         result[pool] = settings
     return result
+
+
+def _check_ray_table(path: Path, pool_key: str, table: dict[str, Any]) -> None:
+    where = f"{path}: [pools.{pool_key}.ray]"
+    for key, value in table.items():
+        kind = POOL_RAY_KEYS.get(key)
+        if kind is None:
+            raise PdserveError(f"{where} has unknown key {key!r} (known: {', '.join(POOL_RAY_KEYS)})")
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise PdserveError(
+                f"{where} {key} must be a {getattr(kind, '__name__', 'number')}, got {value!r}"
+            )
+    resources = table.get("resources", {})
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in resources.values()):
+        raise PdserveError(f"{where} resources must map resource names to numbers, got {resources!r}")
 
 
 def layered(args: argparse.Namespace) -> dict[str, Any]:

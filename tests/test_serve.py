@@ -79,6 +79,24 @@ def test_pool_tables_set_each_pools_engine_bounds_and_slos(tmp_path: Path) -> No
     assert serve.pool_bounds(static, "decode") == (1, 1)
 
 
+def test_each_pools_ray_placement_comes_from_its_flag_or_its_table(tmp_path: Path) -> None:
+    config = tmp_path / "pdserve.toml"
+    config.write_text(
+        'model = "m"\nprefill = 1\ndecode = 1\ncluster = "ray"\ntransport = "tcp"\n'
+        '[pools.prefill.ray]\nresources = {pdserve_prefill = 1}\nstrategy = "spread"\nnum_cpus = 2\n'
+        "[pools.decode.ray]\nresources = {pdserve_decode = 1}\n"
+    )
+    o = options("--ray-decode-resources", '{"big_memory": 0.5}', "--ray-strategy", "pack", config=config)
+    placements = serve.ray_placements(o)
+    prefill, decode = placements["prefill"], placements["decode"]
+    assert (prefill.resources, prefill.strategy, prefill.num_cpus) == (
+        {"pdserve_prefill": 1.0},
+        "spread",
+        2.0,
+    )
+    assert (decode.resources, decode.strategy, decode.num_cpus) == ({"big_memory": 0.5}, "pack", 1.0)
+
+
 @pytest.mark.parametrize(
     ("text", "argv", "fragment"),
     [
@@ -138,6 +156,16 @@ def test_pool_tables_set_each_pools_engine_bounds_and_slos(tmp_path: Path) -> No
         ('model = "m"\ncolocated = 1\n[pools.prefill]\nmin = 1\n', (), "does not have"),
         ('model = "m"\ncolocated = 1\n[pools.gpu]\nmin = 1\n', (), "unknown pool [pools.gpu]"),
         ('model = "m"\ncolocated = 1\n[pools.mixed]\nchunk = 1\n', (), "unknown key 'chunk'"),
+        (
+            'model = "m"\ncolocated = 1\n[pools.mixed.ray]\ncpus = 1\n',
+            (),
+            "[pools.mixed.ray] has unknown key",
+        ),
+        (
+            'model = "m"\ncolocated = 1\n[pools.colocated.ray]\nresources = {gpu = "yes"}\n',
+            (),
+            "resources must map resource names to numbers",
+        ),
         ('model = "m"\ncolocated = 1\n[pools.mixed]\nmax = "2"\n', (), "max must be a int"),
         ('model = "m"\nprefill = 1\ndecode = 1\n[pools.decode]\nslo_ttft_ms = 9\n', (), "by its ITL only"),
     ],
