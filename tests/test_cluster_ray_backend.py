@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 from serving import Server
+from test_pools_drain import PROMPTS as DRAIN_PROMPTS
+from test_pools_drain import check_moves_lost_nothing, offline, run_streams, scale_up_then_drain_the_first
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.base import ClusterError
@@ -133,6 +135,35 @@ def test_workers_land_on_their_pools_nodes_and_serve_the_offline_engines_tokens(
     while (nodes.free("pdserve_prefill"), nodes.free("pdserve_decode")) != (2, 2):
         assert time.monotonic() < deadline, ray.available_resources()
         time.sleep(0.2)
+
+
+def test_streams_move_between_ray_actors_when_decode_scales_up_and_a_worker_drains(
+    tiny_llama_4k: Path, nodes: Nodes
+) -> None:
+    # The elastic pools unchanged on Ray: a second decode actor takes half the streams (KV
+    # migration over tcp), then the first drains (its streams move, then its actor goes).
+    max_tokens = 1500
+    prompts = DRAIN_PROMPTS[:6]
+    expected = offline(tiny_llama_4k, prompts, max_tokens)
+    server = ray_server(
+        tiny_llama_4k,
+        nodes,
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--decode-max",
+        "2",
+        "--num-kv-blocks",
+        "4096",
+    )
+    try:
+        got = run_streams(server, prompts, max_tokens, scale_up_then_drain_the_first(server))
+        check_moves_lost_nothing(server, got, expected)
+        assert {w["node"] for w in server.workers("decode")} == {nodes.decode.node_id}
+        assert nodes.free("pdserve_decode") == 1  # decode-0's actor is gone
+    finally:
+        assert server.stop() == 0
 
 
 def test_a_lost_decode_node_ends_its_streams_promptly_and_is_a_dead_worker(
