@@ -331,6 +331,8 @@ def _read_pool_tables(path: Path, tables: Any) -> dict[str, dict[str, Any]]:
 
 def _check_ray_table(path: Path, pool_key: str, table: dict[str, Any]) -> None:
     where = f"{path}: [pools.{pool_key}.ray]"
+    for key in list(table):  # num-cpus as well as num_cpus, like every other key
+        table[key.replace("-", "_")] = table.pop(key)
     for key, value in table.items():
         kind = POOL_RAY_KEYS.get(key)
         if kind is None:

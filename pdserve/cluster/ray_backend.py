@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -63,6 +64,16 @@ class RayPlacement:
         for name, amount in {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, **self.resources}.items():
             if not amount >= 0:
                 raise ClusterError(f"ray resource {name} must be >= 0, got {amount}")
+            if 0 < amount < 0.0001:  # Ray's smallest unit
+                raise ClusterError(f"ray resource {name} must be 0 or at least 0.0001, got {amount}")
+        reserved = {"CPU", "GPU", "memory", "object_store_memory"} & set(self.resources)
+        if reserved:
+            raise ClusterError(
+                f"ray resources {sorted(reserved)} are Ray's own: give CPUs and GPUs with "
+                "--ray-num-cpus / --ray-num-gpus (or num_cpus / num_gpus in [pools.NAME.ray])"
+            )
+        if self.num_gpus > 1 and self.num_gpus != int(self.num_gpus):
+            raise ClusterError(f"ray num_gpus above 1 must be a whole number, got {self.num_gpus}")
 
 
 def parse_resources(text: str | None, flag: str) -> dict[str, float]:
@@ -171,12 +182,18 @@ class RayCluster:
         self._on_exit: ExitCallback | None = None
         self._keeper: Any = None
         self._connected_here = False
+        self._connecting = asyncio.Lock()
 
     def set_exit_callback(self, callback: ExitCallback) -> None:
         self._on_exit = callback
 
     async def connect(self) -> None:
         """Join the Ray cluster at `address`; ClusterError (not a hang) when there is none."""
+        async with self._connecting:  # one ray.init, however many starts ask at once
+            if self._keeper is None:
+                await self._connect()
+
+    async def _connect(self) -> None:
         try:
             import ray
         except ImportError:
@@ -184,20 +201,29 @@ class RayCluster:
         if not ray.is_initialized():
             # ray.init retries an address where nothing listens for minutes: a plain connect first.
             await self._probe()
-            joined: concurrent.futures.Future[None] = concurrent.futures.Future()
+            loop = asyncio.get_running_loop()
+            joined: asyncio.Future[None] = loop.create_future()
+
+            def settle(exc: BaseException | None) -> None:
+                if not joined.done():
+                    if exc is None:
+                        joined.set_result(None)
+                    else:
+                        joined.set_exception(exc)
 
             def join() -> None:
                 try:
                     ray.init(address=self.address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING)
-                    joined.set_result(None)
                 except BaseException as exc:
-                    joined.set_exception(exc)
+                    loop.call_soon_threadsafe(settle, exc)
+                    return
+                loop.call_soon_threadsafe(settle, None)
 
             # A daemon thread, not the executor's: one stuck in ray.init must not hold up the exit.
             threading.Thread(target=join, name="ray-init", daemon=True).start()
             try:
                 async with asyncio.timeout(self.connect_timeout):
-                    await asyncio.wrap_future(joined)
+                    await asyncio.shield(joined)
             except TimeoutError:
                 raise ClusterError(
                     f"no Ray cluster answered at {self.address!r} within {self.connect_timeout:g} s "
@@ -205,15 +231,17 @@ class RayCluster:
                 ) from None
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 raise ClusterError(f"cannot join the Ray cluster at {self.address!r}: {exc}") from None
-            self._connected_here = True
+            self._connected_here = True  # this process joined: it leaves when it closes
         self._keeper = ray.remote(max_concurrency=4)(WorkerKeeper)  # type: ignore[call-overload]
 
     async def _probe(self) -> None:
-        """ClusterError at once if nothing listens at a host:port address (auto and ray:// are
-        left to Ray, which fails fast on them)."""
+        """ClusterError if nothing listens at a host:port address within the connect timeout
+        (tried again every second: a head that is still starting, as beside a KubeRay sidecar,
+        gets the time it needs); auto and ray:// are left to Ray, which fails fast on them."""
         if self.address == "auto" or "://" in self.address:
             return
         host, _, port = self.address.rpartition(":")
+        host = host.strip("[]")  # [::1]:6379
         if not host or not port.isdigit():
             raise ClusterError(
                 f"--ray-address must be host:port, auto or ray://host:port, got {self.address!r}"
@@ -222,49 +250,57 @@ class RayCluster:
         def connect() -> None:
             socket.create_connection((host, int(port)), timeout=min(5.0, self.connect_timeout)).close()
 
-        try:
-            await asyncio.to_thread(connect)
-        except OSError as exc:
-            raise ClusterError(
-                f"no Ray cluster at {self.address!r} ({exc}): start one with `ray start --head`, "
-                "or give the address of its head with --ray-address"
-            ) from None
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            try:
+                await asyncio.to_thread(connect)
+                return
+            except OSError as exc:
+                if time.monotonic() + 1.0 > deadline:
+                    raise ClusterError(
+                        f"no Ray cluster at {self.address!r} ({exc}) within {self.connect_timeout:g} s: "
+                        "start one with `ray start --head`, or give the address of its head with --ray-address"
+                    ) from None
+            await asyncio.sleep(1.0)
 
     async def start_worker(self, config: WorkerConfig, timeout: float) -> WorkerHandle:
         import ray
 
-        if self._keeper is None:
+        try:
             await self.connect()
+        except ClusterError as exc:
+            raise WorkerStartError(f"worker {config.worker_id}: {exc}") from None
         if config.worker_id in self._workers:
             raise ClusterError(f"worker {config.worker_id} is already running")
         placement = self.placements.get(config.pool, RayPlacement())
-        actor = self._keeper.options(
-            name=None,
-            num_cpus=placement.num_cpus,
-            num_gpus=placement.num_gpus,
-            resources=placement.resources,
-            scheduling_strategy=STRATEGIES[placement.strategy],
-            max_restarts=0,
-        ).remote()
-        worker = _RayWorker(replace(config, cpus=None), actor)
+        worker = _RayWorker(replace(config, cpus=None), None)
         self._workers[config.worker_id] = worker
         logger.info("starting worker %s (%s) as a Ray actor %s", config.worker_id, config.pool, placement)
         config_json = msgspec.json.encode(worker.config)
         try:
             async with asyncio.timeout(timeout):
-                started = await actor.start.remote(config_json, msgspec.json.encode(self._secrets), timeout)
+                # Off the loop: creating an actor writes to the cluster's control store.
+                worker.actor = await asyncio.to_thread(self._new_actor, placement)
+                if worker.stopping:
+                    raise WorkerStartError(f"worker {config.worker_id} was stopped while it started")
+                started = await worker.actor.start.remote(
+                    config_json, msgspec.json.encode(self._secrets), timeout
+                )
+            if worker.stopping:  # stopped while it started
+                raise WorkerStartError(f"worker {config.worker_id} was stopped while it started")
         except BaseException as exc:  # failed, timed out or cancelled: nothing may be left running
             self._workers.pop(config.worker_id, None)
-            with contextlib.suppress(Exception):
-                ray.kill(actor, no_restart=True)
+            await self._kill(worker)
             if isinstance(exc, TimeoutError):
                 raise WorkerStartError(
                     f"worker {config.worker_id} was not ready within {timeout:g} s: no Ray node has "
                     f"what its pool asks for ({placement}), or its model loads slowly"
                 ) from None
-            if isinstance(exc, ray.exceptions.RayError):
+            if isinstance(exc, ray.exceptions.RayTaskError):
                 cause = getattr(exc, "cause", None) or exc
                 raise WorkerStartError(f"worker {config.worker_id} did not start on Ray: {cause}") from None
+            if isinstance(exc, ray.exceptions.RayError | ValueError | TypeError):  # ValueError: options
+                raise WorkerStartError(f"worker {config.worker_id} did not start on Ray: {exc}") from None
             raise
         ready = msgspec.json.decode(started["ready"], type=wire.Ready)
         worker.handle = WorkerHandle(
@@ -274,7 +310,11 @@ class RayCluster:
             kv_address=ready.kv_address,
             node=started["node_id"],
             rpc_public_key=ready.rpc_public_key,
-            details={"pid": started["pid"], "node_ip": started["node_ip"], "actor": actor._actor_id.hex()},
+            details={
+                "pid": started["pid"],
+                "node_ip": started["node_ip"],
+                "actor": worker.actor._actor_id.hex(),
+            },
         )
         worker.watcher = asyncio.create_task(self._watch(worker), name=f"watch-{config.worker_id}")
         logger.info(
@@ -286,25 +326,54 @@ class RayCluster:
         )
         return worker.handle
 
+    def _new_actor(self, placement: RayPlacement) -> Any:
+        return self._keeper.options(
+            num_cpus=placement.num_cpus,
+            num_gpus=placement.num_gpus,
+            resources=placement.resources,
+            scheduling_strategy=STRATEGIES[placement.strategy],
+            max_restarts=0,
+        ).remote()
+
+    async def _kill(self, worker: _RayWorker) -> None:
+        """Kill the actor (its worker process goes with it); off the loop: it may wait on the
+        cluster's control store."""
+        if worker.actor is None:
+            return
+        import ray
+
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(ray.kill, worker.actor, no_restart=True)
+
     async def _watch(self, worker: _RayWorker) -> None:
         import ray
 
+        reason = "ended"
         try:
-            code = await worker.actor.wait.remote()
-            reason = exit_reason(code) if code is not None else "ended"
-        except ray.exceptions.RayActorError as exc:
-            reason = f"its Ray actor died (actor killed or node lost): {str(exc).splitlines()[0]}"
-        worker_id = worker.config.worker_id
-        if self._workers.get(worker_id) is worker:
-            del self._workers[worker_id]
-        if worker.stopping:
-            logger.info("worker %s stopped (%s)", worker_id, reason)
-        else:
-            logger.error("worker %s %s", worker_id, reason)
-        with contextlib.suppress(Exception):
-            ray.kill(worker.actor, no_restart=True)
-        if self._on_exit is not None:
-            self._on_exit(WorkerExit(worker_id, expected=worker.stopping, reason=reason))
+            while True:
+                try:
+                    code = await worker.actor.wait.remote()
+                    reason = exit_reason(code) if code is not None else "ended"
+                    break
+                except ray.exceptions.ActorUnavailableError:
+                    await asyncio.sleep(1.0)  # unreachable for now (a network blip): ask again
+                except ray.exceptions.RayActorError as exc:
+                    reason = f"its Ray actor died (actor killed or node lost): {str(exc).splitlines()[0]}"
+                    break
+                except ray.exceptions.RayError as exc:
+                    reason = f"its Ray actor failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+                    break
+        finally:
+            worker_id = worker.config.worker_id
+            if self._workers.get(worker_id) is worker:
+                del self._workers[worker_id]
+            if worker.stopping:
+                logger.info("worker %s stopped (%s)", worker_id, reason)
+            else:
+                logger.error("worker %s %s", worker_id, reason)
+            await self._kill(worker)
+            if self._on_exit is not None:
+                self._on_exit(WorkerExit(worker_id, expected=worker.stopping, reason=reason))
 
     async def stop_worker(self, worker_id: str, *, graceful: bool = True, timeout: float = 15.0) -> None:
         import ray
@@ -313,6 +382,9 @@ class RayCluster:
         if worker is None:
             return
         worker.stopping = True
+        if worker.handle is None:  # still starting: its start sees `stopping` and cleans up
+            await self._kill(worker)
+            return
         try:
             async with asyncio.timeout(timeout + 20.0):
                 await worker.actor.stop.remote(graceful, timeout)
@@ -320,11 +392,11 @@ class RayCluster:
             logger.warning(
                 "worker %s: its actor did not stop it cleanly (%s): killing the actor", worker_id, exc
             )
-        with contextlib.suppress(Exception):
-            ray.kill(worker.actor, no_restart=True)  # the keeper goes; PDEATHSIG takes what is left
+        finally:
+            await self._kill(worker)  # the keeper goes; PDEATHSIG takes what is left
         if worker.watcher is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await worker.watcher  # the exit is reported before this returns
+            # Shielded: a cancelled stop must not cancel the watcher, which reports the exit.
+            await asyncio.shield(worker.watcher)
 
     def workers(self) -> list[WorkerHandle]:
         return [w.handle for w in self._workers.values() if w.handle is not None]

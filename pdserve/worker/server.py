@@ -288,7 +288,10 @@ class WorkerServer:
                 self._inbox.put(_KVDone(request_id, False, "no KV source for this request"))
                 continue
             self._pulls_in_flight.add(request_id)
-            lease_ends = self._lease_ends.get(request_id, time.monotonic() + handle.lease_seconds)
+            if handle.transport == "shm":  # the holder is on this host: its deadline is exact here
+                lease_ends = handle.lease_ends_monotonic
+            else:  # another host's clock: its lease's length, from the handle's arrival here
+                lease_ends = self._lease_ends.get(request_id, 0.0)
             self._pulls.submit(self._pull, request_id, handle, dst_blocks, lease_ends)
             started = True
         return started
@@ -372,6 +375,7 @@ class WorkerServer:
             block_ids=block_ids,
             num_tokens=num_tokens,
             lease_seconds=self.config.lease_seconds,
+            lease_ends_monotonic=time.monotonic() + self.config.lease_seconds,
             lease_id=request_id,
             lease_token=token.hex(),
             kv_digest=digest,
