@@ -78,6 +78,13 @@ class WorkerConfig:
     # 0.0.0.0 serves on every interface and publishes the hostname.
     kv_host: str = "127.0.0.1"
     kv_port: int = 0
+    # The node it runs on, as its cluster backend names it (the host for `local`, the Ray node
+    # id for `ray`): workers on one node share its /dev/shm.
+    node_id: str = ""
+    # With a tcp or nixl transport: keep the KV cache in a shared-memory segment too, so that a
+    # worker on the same node copies it from there (`shm`) and only pairs on two nodes use the
+    # network. The transport is chosen per pull, by the puller (worker/server.py).
+    same_node_shm: bool = False
     lease_seconds: float = 30.0  # KV blocks held for another worker are freed after this
     kv_pull_timeout: float = 10.0  # seconds for one KV transfer
     kv_fault_rate: float = 0.0  # fault tests only: share of KV pulls to drop on purpose

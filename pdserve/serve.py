@@ -66,10 +66,14 @@ def _check(o: dict[str, Any]) -> None:
             raise PdserveError(f"--{name.replace('_', '-')} must be in [0, 1], got {o[name]}")
     if o["cluster"] not in ("local", "ray"):
         raise PdserveError(f"--cluster must be local or ray, got {o['cluster']!r}")
+    if o["same_node_kv"] not in SAME_NODE_KV:
+        raise PdserveError(f"--same-node-kv must be auto, shm or off, got {o['same_node_kv']!r}")
     if o["cluster"] == "ray":
         if o["transport"] == "shm":
-            # Workers on two nodes share no memory; choosing shm per pair on one node is not built yet.
-            raise PdserveError("--cluster ray needs --transport tcp (or nixl): shm works on one host only")
+            raise PdserveError(
+                "--cluster ray needs --transport tcp (or nixl): shm works on one host only "
+                "(workers on one node still pull over shm: see --same-node-kv)"
+            )
         ray_placements(o)  # raises on bad JSON, strategy or amounts
     if o["kv_corrupt_rate"] > 0 and o["kv_checksum"] == "off":
         raise PdserveError(
@@ -214,6 +218,7 @@ def worker_config(
         pool=pool,
         engine=engine,
         transport=o["transport"],
+        same_node_shm=same_node_shm(o),
         lease_seconds=o["lease_seconds"],
         kv_pull_timeout=o["kv_pull_timeout"],
         kv_fault_rate=o["kv_fault_rate"],
@@ -222,6 +227,18 @@ def worker_config(
         log_level=o["log_level"],
         eos_token_ids=eos_token_ids,
     )
+
+
+SAME_NODE_KV = ("auto", "shm", "off")
+
+
+def same_node_shm(o: dict[str, Any]) -> bool:
+    """Whether tcp / nixl workers also keep their KV in shared memory, for the workers on their
+    own node (auto: with --cluster ray, where a node may hold several; on one host --transport
+    already names what every pair uses)."""
+    if o["transport"] == "shm" or o["same_node_kv"] == "off":
+        return False
+    return bool(o["same_node_kv"] == "shm" or o["cluster"] == "ray")
 
 
 def pool_bounds(o: dict[str, Any], pool: str) -> tuple[int, int]:

@@ -43,6 +43,12 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     "decode": (int, 0, "decode workers (disaggregated)"),
     "colocated": (int, 0, "mixed workers with chunked prefill, instead of --prefill/--decode"),
     "transport": (str, _default(_W, "transport"), "KV transport between workers: shm, tcp or nixl"),
+    "same_node_kv": (
+        str,
+        "auto",
+        "with --transport tcp or nixl: shm (pull KV through shared memory between workers on one "
+        "node, the transport between nodes), off, or auto (shm with --cluster ray, else off)",
+    ),
     "host": (str, "127.0.0.1", "address the HTTP server listens on"),
     "port": (int, 8000, "HTTP port"),
     "served_model_name": (str, None, "the model name clients send (default: --model)"),

@@ -11,7 +11,7 @@ import msgspec
 from pdserve.errors import PdserveError
 from pdserve.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class WireError(PdserveError):
@@ -75,6 +75,11 @@ class KVHandle(msgspec.Struct, frozen=True):
     # time.monotonic() on the holder's host when the lease ends: exact for a puller on the same
     # host (CLOCK_MONOTONIC is one clock per host), so shm pulls, which always are, go by it.
     lease_ends_monotonic: float = 0.0
+    # The node the holder runs on, and its shared-memory segment when it has one besides
+    # `address` (a tcp or nixl worker with same-node shm): a puller on the same node copies from
+    # the segment instead, whatever `transport` says.
+    node_id: str = ""
+    shm_address: str = ""
 
 
 # -- router -> worker --------------------------------------------------------------------------------
@@ -138,6 +143,8 @@ class Ready(msgspec.Struct, frozen=True, tag="ready"):
     max_num_seqs: int = 0
     # Its CURVE public key (Z85): the router connects only to the worker that holds its secret half.
     rpc_public_key: str = ""
+    node_id: str = ""  # the node it runs on (WorkerConfig.node_id)
+    kv_shm_address: str = ""  # its KV segment besides `kv_address` (same-node shm), or ""
 
 
 class Tokens(msgspec.Struct, frozen=True, tag="tokens"):
@@ -169,6 +176,7 @@ class KVPulled(msgspec.Struct, frozen=True, tag="kv_pulled"):
     seconds: float
     error: str | None = None
     checksum_failed: bool = False  # the blocks arrived but did not match the holder's digest
+    transport: str = ""  # the one the pull went over (a tcp deployment pulls over shm on one node)
 
 
 class Migrated(msgspec.Struct, frozen=True, tag="migrated"):

@@ -1,8 +1,9 @@
 """The `ray` cluster backend on a real multi-node Ray cluster on this host (`ray.cluster_utils`):
 a head with no CPUs for workers, a node with the prefill resource, a node with the decode
 resource, every node on 127.0.0.1. `pdserve serve --cluster ray` places each pool's workers on
-its nodes, serves the offline engine's tokens with the KV moving over tcp, scales a pool onto the
-right node, and leaves no actor or process behind; a lost node is a dead worker."""
+its nodes, serves the offline engine's tokens with the KV moving over tcp between nodes and over
+shm within one, scales a pool onto the right node, and leaves no actor or process behind; a lost
+node is a dead worker."""
 
 from __future__ import annotations
 
@@ -150,8 +151,9 @@ def test_workers_land_on_their_pools_nodes_and_serve_the_offline_engines_tokens(
 def test_streams_move_between_ray_actors_when_decode_scales_up_and_a_worker_drains(
     tiny_llama_4k: Path, nodes: Nodes
 ) -> None:
-    # The elastic pools unchanged on Ray: a second decode actor takes half the streams (KV
-    # migration over tcp), then the first drains (its streams move, then its actor goes).
+    # The elastic pools unchanged on Ray: a second decode actor takes half the streams, then the
+    # first drains (its streams move, then its actor goes). Both decode actors are on the decode
+    # node, so the streams move over shm; the prompts come from the prefill node over tcp.
     max_tokens = 1500
     prompts = DRAIN_PROMPTS[:6]
     expected = offline(tiny_llama_4k, prompts, max_tokens)
@@ -171,6 +173,13 @@ def test_streams_move_between_ray_actors_when_decode_scales_up_and_a_worker_drai
         got = run_streams(server, prompts, max_tokens, scale_up_then_drain_the_first(server))
         check_moves_lost_nothing(server, got, expected)
         assert {w["node"] for w in server.workers("decode")} == {nodes.decode.node_id}
+        moves = server.metric("pdserve_request_migrations_total", outcome="ok")
+        assert server.metric("pdserve_kv_transfer_bytes_count", transport="shm", kind="stream") == moves
+        assert server.metric("pdserve_kv_transfer_bytes_count", transport="tcp", kind="stream") == 0
+        assert server.metric("pdserve_kv_transfer_bytes_count", transport="tcp", kind="prompt") == len(
+            prompts
+        )
+        assert server.metric("pdserve_kv_transfer_bytes_count", transport="shm", kind="prompt") == 0
         nodes.wait_free("pdserve_decode", 1)  # decode-0's actor is gone
     finally:
         assert server.stop() == 0

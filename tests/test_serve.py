@@ -97,6 +97,20 @@ def test_each_pools_ray_placement_comes_from_its_flag_or_its_table(tmp_path: Pat
     assert (decode.resources, decode.strategy, decode.num_cpus) == ({"big_memory": 0.5}, "pack", 1.0)
 
 
+def test_same_node_shm_is_on_under_ray_and_where_asked_for() -> None:
+    def same_node_shm(*argv: str) -> bool:
+        o = options("--model", "m", "--prefill", "1", "--decode", "1", *argv)
+        return serve.worker_config(o, "decode", "d").same_node_shm
+
+    # On one host --transport names what every pair uses; on Ray, workers that share a node
+    # copy over shm and the others use the transport.
+    assert not same_node_shm("--transport", "tcp")
+    assert same_node_shm("--transport", "tcp", "--cluster", "ray")
+    assert not same_node_shm("--transport", "nixl", "--cluster", "ray", "--same-node-kv", "off")
+    assert same_node_shm("--transport", "tcp", "--same-node-kv", "shm")
+    assert not same_node_shm("--transport", "shm", "--same-node-kv", "shm")  # shm everywhere already
+
+
 @pytest.mark.parametrize(
     ("text", "argv", "fragment"),
     [
@@ -127,6 +141,7 @@ def test_each_pools_ray_placement_comes_from_its_flag_or_its_table(tmp_path: Pat
             "would send clients wrong tokens",
         ),
         ('model = "m"\n', ("--colocated", "1", "--cluster", "k8s"), "--cluster must be local or ray"),
+        ('model = "m"\n', ("--colocated", "1", "--same-node-kv", "on"), "--same-node-kv must be auto"),
         ('model = "m"\n', ("--prefill", "1", "--decode", "1", "--cluster", "ray"), "needs --transport tcp"),
         (
             'model = "m"\n',

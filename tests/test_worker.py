@@ -325,3 +325,46 @@ def test_tcp_pull_after_release_is_refused(tiny_llama: Path) -> None:
         assert decode.last_load().kv_blocks_used == 0
     finally:
         assert prefill.stop() == 0 and decode.stop() == 0
+
+
+def test_the_transport_is_chosen_per_pair_shm_on_one_node_tcp_across(tiny_llama: Path) -> None:
+    """A tcp deployment with same-node shm: the holder's handle names its node and its segment;
+    a puller on that node copies from the segment, one on another node reads over tcp, and each
+    says which it used. The tokens are the offline engine's either way."""
+    tcp = {"transport": "tcp", "same_node_shm": True}
+    prefill = Worker(tiny_llama, "prefill", "p0", node_id="node-a", **tcp)
+    near = Worker(tiny_llama, "decode", "d-near", node_id="node-a", **tcp)
+    far = Worker(tiny_llama, "decode", "d-far", node_id="node-b", **tcp)
+    try:
+        assert isinstance(prefill.ready, wire.Ready) and prefill.ready.node_id == "node-a"
+        assert prefill.ready.kv_address.startswith("127.0.0.1:")
+        assert prefill.ready.kv_shm_address.startswith("pdserve-kv-")
+        expected = [
+            o.outputs[0].token_ids
+            for o in LLM(str(tiny_llama), dtype="float32").generate(PROMPTS[1:], GREEDY)
+        ]
+        params = wire.WireSamplingParams.from_params(GREEDY)
+        got = []
+        for decode, prompt in zip((near, far), PROMPTS[1:], strict=True):
+            prefill.send(wire.AddRequest("r", prompt, params))
+            first = prefill.recv_tokens()
+            assert first.kv is not None and first.kv.transport == "tcp"
+            assert (first.kv.node_id, first.kv.shm_address) == ("node-a", prefill.ready.kv_shm_address)
+            hand_over(decode, "r", prompt, params, first)
+            tokens = list(first.token_ids)
+            while True:
+                answer = decode.recv_tokens()
+                assert answer.error is None, answer.error
+                tokens += answer.token_ids
+                if answer.finish_reason:
+                    break
+            prefill.send(wire.Release("r"))
+            got.append(tokens)
+        assert got == expected
+        assert [(p.ok, p.transport) for p in near.kv_pulled] == [(True, "shm")]
+        assert [(p.ok, p.transport) for p in far.kv_pulled] == [(True, "tcp")]
+        assert prefill.last_load().kv_blocks_used == 0
+    finally:
+        for worker in (prefill, near, far):
+            assert worker.stop() == 0
+    assert prefill.ready.kv_shm_address not in leftover_segments()  # type: ignore[union-attr]

@@ -129,7 +129,7 @@ class LocalCluster:
     async def start_worker(self, config: WorkerConfig, timeout: float) -> WorkerHandle:
         if config.worker_id in self._cpus:
             raise ClusterError(f"worker {config.worker_id} is already running")
-        config = replace(config, cpus=config.cpus or self._pick_cpu())
+        config = replace(config, cpus=config.cpus or self._pick_cpu(), node_id=config.node_id or self.node)
         self._cpus[config.worker_id] = config.cpus  # before any await: the next start sees it
         try:
             return await self._start(config, timeout)

@@ -108,9 +108,11 @@ class WorkerKeeper:
         import ray
 
         ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        node_id = ray.get_runtime_context().get_node_id()
         config = msgspec.json.decode(config_json, type=WorkerConfig)
-        # Its sockets on this node's address (the router and the other workers reach it there).
-        config = replace(config, rpc_bind=f"tcp://{ip}:*", kv_host=ip)
+        # Its sockets on this node's address (the router and the other workers reach it there);
+        # the Ray node names the node, so that workers on one node pull KV over shm (same-node shm).
+        config = replace(config, rpc_bind=f"tcp://{ip}:*", kv_host=ip, node_id=node_id)
         secrets = msgspec.json.decode(secrets_json, type=WorkerSecrets)
         started: concurrent.futures.Future[wire.Ready] = concurrent.futures.Future()
 
@@ -133,7 +135,7 @@ class WorkerKeeper:
             "ready": msgspec.json.encode(ready),
             "pid": self._process.pid,
             "node_ip": ip,
-            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_id": node_id,
         }
 
     def wait(self) -> int | None:

@@ -367,11 +367,11 @@ class PoolManager:
             if outcome == "timeout":
                 reason = f"--drain-timeout ({self.drain_timeout:g} s) passed while draining"
             self.metrics.worker_drains.labels(pool.name, outcome).inc()
-            kv_address = link.ready.kv_address if link.ready else ""
+            ready = link.ready
             await self.workers.remove_worker(worker_id, reason, forget=False)
             await self.backend.stop_worker(worker_id, graceful=True, timeout=self.stop_timeout)
             # Only now: until it stopped, a late pull could have mapped its segment again.
-            self.workers.forget_kv(kv_address)
+            self.workers.forget_kv(ready)
             logger.info("worker %s: %s; stopped", worker_id, reason)
         finally:
             pool.drains.pop(worker_id, None)

@@ -422,6 +422,8 @@ class Dispatcher:
     def _kv_pulled(
         self, state: RequestState, event: wire.KVPulled, source_leg: Leg | None, transport: str, kind: str
     ) -> None:
+        # The puller says which transport it used (a tcp deployment copies over shm on one node).
+        transport = event.transport or transport
         # The puller has the KV (or gave up on it): the holder's blocks can go.
         if source_leg is not None and not source_leg.done:
             if source_leg.link.connected:

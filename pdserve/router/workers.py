@@ -436,17 +436,19 @@ class WorkerSet:
         if link is None:
             return
         await link.close(reason)
-        if forget and link.ready is not None:
-            self.forget_kv(link.ready.kv_address)
+        if forget:
+            self.forget_kv(link.ready)
 
-    def forget_kv(self, kv_address: str) -> None:
-        """Every worker drops what it keeps to read the KV at this address (an shm mapping would
-        keep a gone worker's whole cache in memory)."""
-        if not kv_address:
+    def forget_kv(self, ready: wire.Ready | None) -> None:
+        """Every worker drops what it keeps to read the KV of the worker that sent `ready` (an shm
+        mapping would keep a gone worker's whole cache in memory): at its address, and at its
+        shared-memory segment when it had one besides (same-node shm)."""
+        if ready is None:
             return
-        for other in self.links.values():
-            if other.connected:
-                other.send(wire.Forget(kv_address))
+        for kv_address in {ready.kv_address, ready.kv_shm_address} - {""}:
+            for other in self.links.values():
+                if other.connected:
+                    other.send(wire.Forget(kv_address))
 
     async def _keep(self) -> None:
         """Every 0.5 s: greet the workers that are down (a hello lost in a reconnect would leave

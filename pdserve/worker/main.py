@@ -11,6 +11,8 @@ KV transports (`transport`, the same on every worker of a deployment):
 - `shm`: same host; a worker's KV cache lives in /dev/shm, other workers copy out of it.
 - `tcp`: across hosts; a worker serves leased blocks on `kv_host`:`kv_port`.
 - `nixl`: NIXL (UCX) reads of a worker's registered cache; needs `pip install pdserve[nixl]`.
+With `same_node_shm` a tcp or nixl worker keeps its cache in /dev/shm as well, and a pull from a
+worker on the same node (`node_id`) copies from there: the transport is chosen per pair.
 """
 
 from __future__ import annotations
@@ -127,9 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     # decode (or mixed) worker hands over when it drains or rebalances. With shm the cache lives in
     # shared memory, which the others copy out of; the other transports serve it from ordinary
     # memory. Decode and mixed workers also pull KV in.
-    allocator = allocate_in_shm if config.transport == "shm" else None
+    # With same-node shm a tcp or nixl worker's cache is in shared memory too, for the workers
+    # on its own node (see WorkerConfig.same_node_shm).
+    in_shm = config.transport == "shm" or config.same_node_shm
+    allocator = allocate_in_shm if in_shm else None
     exporter: KVExporter | None = None
     importer: KVImporter | None = None
+    same_node_importer: KVImporter | None = None
     try:
         engine, _ = build_engine(config.engine, kv_allocator=allocator, eos_token_ids=config.eos_token_ids)
         kv_cache = engine.runner.kv_cache  # [L, 2, NB, BS, KVH, D]
@@ -140,9 +146,20 @@ def main(argv: list[str] | None = None) -> int:
             seed = zlib.crc32(config.worker_id.encode())
             faults = FaultInjector(config.kv_fault_rate, seed=seed, corrupt_rate=config.kv_corrupt_rate)
             importer = _make_importer(config.transport, kv_cache, faults, secrets.kv_secret_bytes)
-        kv_address = segment.name if segment is not None else exporter.address if exporter else ""
+            if config.same_node_shm and config.transport != "shm":
+                same_node_importer = _make_importer("shm", kv_cache, faults, secrets.kv_secret_bytes)
+        shm_name = segment.name if segment is not None else ""
+        kv_address = exporter.address if exporter is not None else shm_name
         server = WorkerServer(
-            engine, config, kv_address, importer, secrets=secrets, exporter=exporter, on_bound=_report_ready
+            engine,
+            config,
+            kv_address,
+            importer,
+            secrets=secrets,
+            exporter=exporter,
+            on_bound=_report_ready,
+            shm_address=shm_name if exporter is not None else "",
+            same_node_importer=same_node_importer,
         )
 
         def on_signal(_signum: int, _frame: object) -> None:

@@ -46,6 +46,7 @@ class _KVDone:
     nbytes: int = 0
     seconds: float = 0.0
     checksum_failed: bool = False
+    transport: str = ""  # the one the pull went over
 
 
 class WorkerServer:
@@ -59,10 +60,14 @@ class WorkerServer:
         secrets: WorkerSecrets,
         exporter: KVExporter | None = None,
         on_bound: Callable[[wire.Ready], None] | None = None,
+        shm_address: str = "",
+        same_node_importer: KVImporter | None = None,
     ) -> None:
         """`kv_address`: where this worker's KV can be read ("" if nowhere); `secrets`: the router
         keys it obeys (pdserve.security); `on_bound`: called with the Ready message once the RPC
-        socket is bound (the cluster backend waits for it)."""
+        socket is bound (the cluster backend waits for it). Same-node shm (a tcp or nixl worker
+        whose cache is in shared memory too): `shm_address` is its segment, for the workers on its
+        node, and `same_node_importer` copies from theirs."""
         self.engine = engine
         self._steps: list[wire.StepSample] = []  # since the last load report
         self._last_recorded: object = None
@@ -70,6 +75,8 @@ class WorkerServer:
         self.kv_address = kv_address
         self._on_bound = on_bound
         self.importer = importer
+        self.shm_address = shm_address
+        self.same_node_importer = same_node_importer
         # Prefill role with a transport that serves reads (tcp, nixl): told which blocks are
         # leased, so it never serves a block after it was freed (see the lease hooks below).
         self.exporter = exporter
@@ -132,8 +139,9 @@ class WorkerServer:
             self._outbox.close()
             if self._pulls is not None:
                 self._pulls.shutdown(wait=True, cancel_futures=True)
-            if self.importer is not None:
-                self.importer.close()
+            for importer in (self.importer, self.same_node_importer):
+                if importer is not None:
+                    importer.close()
             if self.exporter is not None:
                 self.exporter.close()
 
@@ -161,6 +169,8 @@ class WorkerServer:
             max_num_batched_tokens=self.engine.config.max_num_batched_tokens,
             max_num_seqs=self.engine.config.max_num_seqs,
             rpc_public_key=self.rpc.keypair.public,
+            node_id=self.config.node_id,
+            kv_shm_address=self.shm_address,
         )
 
     def _engine_loop(self) -> None:
@@ -210,7 +220,13 @@ class WorkerServer:
             if self._pending_kv.pop(item.request_id, None) is not None:  # else aborted meanwhile
                 self._send(
                     wire.KVPulled(
-                        item.request_id, item.ok, item.nbytes, item.seconds, item.error, item.checksum_failed
+                        item.request_id,
+                        item.ok,
+                        item.nbytes,
+                        item.seconds,
+                        item.error,
+                        item.checksum_failed,
+                        item.transport,
                     )
                 )
             failed = engine.kv_received(item.request_id, item.ok)
@@ -243,8 +259,11 @@ class WorkerServer:
             self._lease_ended(item.request_id)
             engine.release(item.request_id)
         elif isinstance(item, wire.Forget):
-            if self.importer is not None and item.kv_address != self.kv_address:
-                self.importer.forget(item.kv_address)
+            if item.kv_address in (self.kv_address, self.shm_address):
+                return
+            for importer in (self.importer, self.same_node_importer):
+                if importer is not None:
+                    importer.forget(item.kv_address)
         elif isinstance(item, wire.Shutdown):
             self._stop.set()
 
@@ -288,13 +307,22 @@ class WorkerServer:
                 self._inbox.put(_KVDone(request_id, False, "no KV source for this request"))
                 continue
             self._pulls_in_flight.add(request_id)
-            if handle.transport == "shm":  # the holder is on this host: its deadline is exact here
+            transport, address = self._route(handle)
+            if transport == "shm":  # the holder is on this host: its deadline is exact here
                 lease_ends = handle.lease_ends_monotonic
             else:  # another host's clock: its lease's length, from the handle's arrival here
                 lease_ends = self._lease_ends.get(request_id, 0.0)
-            self._pulls.submit(self._pull, request_id, handle, dst_blocks, lease_ends)
+            self._pulls.submit(self._pull, request_id, handle, dst_blocks, lease_ends, transport, address)
             started = True
         return started
+
+    def _route(self, handle: wire.KVHandle) -> tuple[str, str]:
+        """The transport and address of a pull, per pair of workers: the holder's shared-memory
+        segment when it is on this node and has one, else its own transport (tcp, nixl)."""
+        same_node = bool(handle.node_id) and handle.node_id == self.config.node_id
+        if same_node and handle.shm_address and self.same_node_importer is not None:
+            return "shm", handle.shm_address
+        return handle.transport, handle.address
 
     def _await_pulls(self, deadline: float) -> None:
         """Apply messages until no pull is in flight or the deadline passes (see kv_join_wait)."""
@@ -307,14 +335,22 @@ class WorkerServer:
             except queue.Empty:
                 return
 
-    def _pull(self, request_id: str, handle: wire.KVHandle, dst_blocks: list[int], lease_ends: float) -> None:
-        assert self.importer is not None
+    def _pull(
+        self,
+        request_id: str,
+        handle: wire.KVHandle,
+        dst_blocks: list[int],
+        lease_ends: float,
+        transport: str,
+        address: str,
+    ) -> None:
+        importer = self.importer if transport == handle.transport else self.same_node_importer
+        assert importer is not None
         # The shm copy reads the other cache without a lease check of its own: start it only
         # with time to finish well before the blocks may be freed and reused over there.
         if lease_ends - time.monotonic() < min(self.config.kv_pull_timeout, 5.0):
-            self._inbox.put(
-                _KVDone(request_id, False, f"the lease on worker {handle.worker_id} expires too soon")
-            )
+            error = f"the lease on worker {handle.worker_id} expires too soon"
+            self._inbox.put(_KVDone(request_id, False, error, transport=transport))
             return
         if self._checksum and not handle.kv_digest and not self._warned_no_digest:
             self._warned_no_digest = True  # once: a holder with --kv-checksum off, or a GPU one
@@ -325,8 +361,8 @@ class WorkerServer:
             )
         started = time.perf_counter()
         try:
-            nbytes = self.importer.pull(
-                handle.address,
+            nbytes = importer.pull(
+                address,
                 handle.block_ids,
                 dst_blocks,
                 self.config.kv_pull_timeout,
@@ -337,9 +373,11 @@ class WorkerServer:
         except TransferError as exc:
             bad_sum = isinstance(exc, ChecksumError)
             seconds = time.perf_counter() - started
-            self._inbox.put(_KVDone(request_id, False, str(exc), 0, seconds, checksum_failed=bad_sum))
+            self._inbox.put(_KVDone(request_id, False, str(exc), 0, seconds, bad_sum, transport))
             return
-        self._inbox.put(_KVDone(request_id, True, None, nbytes, time.perf_counter() - started))
+        self._inbox.put(
+            _KVDone(request_id, True, None, nbytes, time.perf_counter() - started, False, transport)
+        )
 
     # -- handing streams over -------------------------------------------------------------------------
     def _hand_over(self) -> None:
@@ -379,6 +417,8 @@ class WorkerServer:
             lease_id=request_id,
             lease_token=token.hex(),
             kv_digest=digest,
+            node_id=self.config.node_id,
+            shm_address=self.shm_address,
         )
 
     # -- outputs --------------------------------------------------------------------------------------
