@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import openai
 
-from pdserve.transfer.shm import leftover_segments
+from pdserve.transfer.segments import leftover_segments
 
 
 def free_port() -> int:

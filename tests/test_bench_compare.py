@@ -17,7 +17,7 @@ from serving import Server, children
 from pdserve.bench.compare import DEFAULT_CONFIGS, _labelled, columns
 from pdserve.bench.summary import read_records
 from pdserve.errors import PdserveError
-from pdserve.transfer.shm import leftover_segments
+from pdserve.transfer.segments import leftover_segments
 
 
 def test_two_started_configurations_and_a_running_endpoint_side_by_side(

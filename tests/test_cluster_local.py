@@ -20,7 +20,7 @@ from pdserve.cluster.base import WorkerExit, WorkerStartError
 from pdserve.cluster.local import LocalCluster, worker_command
 from pdserve.config import EngineConfig, Role, WorkerConfig
 from pdserve.security import DeploymentSecrets, curve_client
-from pdserve.transfer.shm import leftover_segments
+from pdserve.transfer.segments import leftover_segments
 
 SECRETS = DeploymentSecrets.generate()
 

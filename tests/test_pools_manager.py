@@ -17,7 +17,7 @@ from pathlib import Path
 from serving import Server, alive
 from test_pools_drain import PROMPTS, offline, poll, run_streams
 
-from pdserve.transfer.shm import leftover_segments
+from pdserve.transfer.segments import leftover_segments
 
 # Short prompts go to the decode worker itself, longer ones through the prefill pool.
 LOAD_PROMPTS = [

@@ -16,7 +16,7 @@ from serving import Server, alive, children
 
 from pdserve import serve
 from pdserve.errors import PdserveError
-from pdserve.transfer.shm import leftover_segments
+from pdserve.transfer.segments import leftover_segments
 
 SERVE = [sys.executable, "-m", "pdserve.cli", "serve"]
 

@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from pdserve.transfer.shm import AttachedSegment, OwnedSegment, SharedSegmentError, leftover_segments
+from pdserve.transfer.segments import leftover_segments
+from pdserve.transfer.shm import AttachedSegment, OwnedSegment, SharedSegmentError
 
 
 def test_another_process_reads_what_the_owner_wrote() -> None:

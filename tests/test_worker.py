@@ -21,7 +21,7 @@ from pdserve.cluster.local import start_worker_process
 from pdserve.config import EngineConfig, Role, WorkerConfig
 from pdserve.security import DeploymentSecrets, curve_client
 from pdserve.transfer import nixl_backend
-from pdserve.transfer.shm import leftover_segments
+from pdserve.transfer.segments import leftover_segments
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [list(range(20, 20 + n)) for n in (3, 17, 40)]

@@ -35,6 +35,7 @@ from pdserve import wire
 from pdserve.cluster.base import ClusterError, ExitCallback, WorkerExit, WorkerHandle, WorkerStartError
 from pdserve.config import WORKER_CONFIG_ENV, WORKER_PARENT_ENV, WORKER_READY_FD_ENV, WorkerConfig
 from pdserve.security import WorkerSecrets, worker_env
+from pdserve.transfer.segments import sweep_dead_segments
 
 logger = logging.getLogger(__name__)
 ROUTER_KEY_ENV = ("PDSERVE_API_KEY", "PDSERVE_ADMIN_KEY", "PDSERVE_METRICS_KEY")
@@ -243,3 +244,6 @@ class LocalCluster:
 
     async def close(self, timeout: float = 15.0) -> None:
         await asyncio.gather(*(self.stop_worker(w, timeout=timeout) for w in list(self._workers)))
+        # A worker killed together with its resource tracker (an OOM kill of the process group)
+        # left its KV segment behind: remove what no live process owns.
+        await asyncio.to_thread(sweep_dead_segments)

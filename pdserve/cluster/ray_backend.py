@@ -157,6 +157,14 @@ class WorkerKeeper:
         return self._code
 
 
+def sweep_node() -> list[str]:
+    """Run as a Ray task on one node: remove the KV segments there that no live process owns
+    (a worker killed with its whole process tree: a lost raylet, an OOM kill)."""
+    from pdserve.transfer.segments import sweep_dead_segments
+
+    return sweep_dead_segments()
+
+
 @dataclass(eq=False)
 class _RayWorker:
     config: WorkerConfig
@@ -181,6 +189,7 @@ class RayCluster:
         self.placements = placements or {}
         self.connect_timeout = connect_timeout
         self._workers: dict[str, _RayWorker] = {}
+        self._nodes_used: set[str] = set()  # the Ray nodes this deployment ran workers on
         self._on_exit: ExitCallback | None = None
         self._keeper: Any = None
         self._connected_here = False
@@ -305,6 +314,7 @@ class RayCluster:
                 raise WorkerStartError(f"worker {config.worker_id} did not start on Ray: {exc}") from None
             raise
         ready = msgspec.json.decode(started["ready"], type=wire.Ready)
+        self._nodes_used.add(started["node_id"])
         worker.handle = WorkerHandle(
             worker_id=config.worker_id,
             pool=config.pool,
@@ -376,6 +386,42 @@ class RayCluster:
             await self._kill(worker)
             if self._on_exit is not None:
                 self._on_exit(WorkerExit(worker_id, expected=worker.stopping, reason=reason))
+            if not worker.stopping and worker.handle is not None:
+                # Its KV segment may be left on its node (if the node lives on): free that memory.
+                await self._sweep_nodes({worker.handle.node})
+
+    async def _sweep_nodes(self, node_ids: set[str], timeout: float = 30.0) -> None:
+        """Remove dead workers' KV segments on those of `node_ids` that are alive; a failure is
+        logged, never raised (the sweep is cleanup)."""
+        if not node_ids:
+            return
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        def sweep() -> None:
+            nodes = ray.nodes()  # type: ignore[no-untyped-call]
+            alive = [n["NodeID"] for n in nodes if n.get("Alive") and n["NodeID"] in node_ids]
+            task = ray.remote(num_cpus=0, max_retries=0)(sweep_node)
+            refs = {
+                node: task.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+                ).remote()
+                for node in alive
+            }
+            deadline = time.monotonic() + timeout
+            for node, ref in refs.items():
+                try:
+                    ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+                except Exception as exc:
+                    logger.warning(
+                        "could not sweep node %s for dead workers' KV segments: %s", node[:12], exc
+                    )
+                    ray.cancel(ref, force=True)
+
+        try:
+            await asyncio.to_thread(sweep)
+        except Exception as exc:
+            logger.warning("could not sweep the Ray nodes for dead workers' KV segments: %s", exc)
 
     async def stop_worker(self, worker_id: str, *, graceful: bool = True, timeout: float = 15.0) -> None:
         import ray
@@ -405,6 +451,10 @@ class RayCluster:
 
     async def close(self, timeout: float = 15.0) -> None:
         await asyncio.gather(*(self.stop_worker(w, timeout=timeout) for w in list(self._workers)))
+        # Leave no segment on any node that ran a worker: one killed with its process tree (a
+        # lost node whose host lives on, an OOM kill) left its segment there.
+        if self._keeper is not None:
+            await self._sweep_nodes(self._nodes_used)
         if self._connected_here:
             import ray
 

@@ -5,7 +5,8 @@ The prefill worker's whole KV cache lives in one POSIX shared-memory segment
 request's blocks straight out of it: one memcpy per block and layer, no serialization, no socket.
 
 The creating process owns the segment and unlinks it on close. Python's resource tracker also
-unlinks it if that process dies without closing (SIGKILL), so no segment outlives its worker.
+unlinks it if that process dies without closing (SIGKILL). When both are killed at once, the
+owner's lock on the file is what tells a later sweep that the segment is garbage (segments.py).
 An attaching process maps the file directly and never registers it with its own tracker (which
 would unlink a segment that is not its own when it exits).
 """
@@ -19,15 +20,19 @@ import secrets
 import threading
 import warnings
 from multiprocessing import shared_memory
-from pathlib import Path
 
 import torch
 
 from pdserve.errors import PdserveError
 from pdserve.transfer.base import FaultInjector, KVImporter, TransferError, block_nbytes
+from pdserve.transfer.segments import (
+    SEGMENT_PREFIX,
+    SHM_DIR,
+    SegmentSpaceError,
+    create_locked_segment,
+    segment_name,
+)
 
-SEGMENT_PREFIX = "pdserve-kv-"
-_SHM_DIR = Path("/dev/shm")
 _MADV_POPULATE_WRITE = 23  # not in Python's mmap module yet
 
 
@@ -40,40 +45,41 @@ class OwnedSegment:
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        self.name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        self.name = segment_name(os.getpid(), secrets.token_hex(4))
+        self._shm: shared_memory.SharedMemory | None = None
+        self._lock_fd: int | None = None
         try:
-            self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
-                name=self.name, create=True, size=max(nbytes, 1)
-            )
+            # Locked from birth and held until close, or until this process ends however it
+            # ends: what tells a sweep whether the segment still has an owner (segments.py).
+            self._lock_fd = create_locked_segment(self.name, nbytes)
+        except SegmentSpaceError as exc:
+            raise SharedSegmentError(
+                f"/dev/shm has no room for a {nbytes / 2**20:.0f} MiB KV cache segment "
+                f"(`df -h /dev/shm`; lower --kv-cache-memory-gib or --num-kv-blocks): {exc}"
+            ) from exc
         except OSError as exc:
             raise SharedSegmentError(
                 f"cannot create a {nbytes / 2**20:.0f} MiB shared-memory segment for the KV cache "
-                f"(is /dev/shm large enough? `df -h /dev/shm`): {exc}"
+                f"(is /dev/shm there and writable? `df -h /dev/shm`): {exc}"
             ) from exc
-        self._allocate(nbytes)
+        try:
+            # Attached by name: Python's resource tracker then removes it if this process is
+            # killed alone (the common case; the lock covers the rest).
+            self._shm = shared_memory.SharedMemory(name=self.name)
+        except OSError as exc:
+            self.close()
+            raise SharedSegmentError(f"cannot map the new KV segment {self.name}: {exc}") from exc
+        self._populate()
         # [shape] view over the segment; the segment is fresh, so already zero.
         self.tensor = torch.frombuffer(self._shm.buf, dtype=dtype, count=torch.Size(shape).numel()).view(
             shape
         )
 
-    def _allocate(self, nbytes: int) -> None:
-        """Give the segment its memory now. /dev/shm hands out pages on first touch: without this,
-        a segment larger than what /dev/shm has left would kill the worker with SIGBUS mid-request,
-        and the first KV written into each page (a prompt, a pull into a worker that just
-        started) would pay for allocating it: several times slower than the copy itself."""
-        fd = os.open(_SHM_DIR / self.name, os.O_RDWR)
-        try:
-            os.posix_fallocate(fd, 0, max(nbytes, 1))
-        except OSError as exc:
-            self.close()
-            raise SharedSegmentError(
-                f"/dev/shm has no room for a {nbytes / 2**20:.0f} MiB KV cache segment "
-                f"(`df -h /dev/shm`; lower --kv-cache-memory-gib or --num-kv-blocks): {exc}"
-            ) from exc
-        finally:
-            os.close(fd)
-        # And map every page now (MADV_POPULATE_WRITE, Linux 5.14+: content unchanged), so that
-        # the first write to each page does not fault either; ~0.5 s a GiB at start, once.
+    def _populate(self) -> None:
+        """Map every page now, so that the first KV written into each page (a prompt, a pull
+        into a worker that just started) does not pay for a page fault: several times slower
+        than the copy itself."""
+        # MADV_POPULATE_WRITE, Linux 5.14+: content unchanged; ~0.5 s a GiB at start, once.
         mapping = getattr(self._shm, "_mmap", None)
         if mapping is not None:
             with contextlib.suppress(OSError, ValueError):
@@ -82,15 +88,20 @@ class OwnedSegment:
     def close(self) -> None:
         """Drop the mapping and remove the segment. Safe to call twice."""
         shm, self._shm = self._shm, None
-        if shm is None:
-            return
+        lock_fd, self._lock_fd = self._lock_fd, None
         if hasattr(self, "tensor"):
             del self.tensor  # the tensor holds an export of the buffer: release it before closing
-        # BufferError: a view is still alive somewhere; the unlink below still removes the name.
-        with contextlib.suppress(BufferError):
-            shm.close()
-        with contextlib.suppress(FileNotFoundError):
-            shm.unlink()
+        if shm is not None:
+            # BufferError: a view is still alive somewhere; the unlink below still removes the name.
+            with contextlib.suppress(BufferError):
+                shm.close()
+            with contextlib.suppress(FileNotFoundError):
+                shm.unlink()  # and out of the resource tracker's list
+        elif lock_fd is not None:  # created, never mapped
+            with contextlib.suppress(FileNotFoundError):
+                (SHM_DIR / self.name).unlink()
+        if lock_fd is not None:
+            os.close(lock_fd)  # after the unlink: a sweep never sees it ownerless
 
 
 class AttachedSegment:
@@ -99,7 +110,7 @@ class AttachedSegment:
     def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         if not name.startswith(SEGMENT_PREFIX) or "/" in name:
             raise SharedSegmentError(f"not a pdserve KV segment name: {name!r}")
-        path = _SHM_DIR / name
+        path = SHM_DIR / name
         count = torch.Size(shape).numel()
         nbytes = count * torch.empty((), dtype=dtype).element_size()
         try:
@@ -129,15 +140,6 @@ class AttachedSegment:
             mapping.close()
 
 
-def leftover_segments(pid: int | None = None) -> list[str]:
-    """Names of pdserve KV segments in /dev/shm (of one process, if `pid` is given)."""
-    prefix = SEGMENT_PREFIX if pid is None else f"{SEGMENT_PREFIX}{pid}-"
-    try:
-        return sorted(p.name for p in _SHM_DIR.iterdir() if p.name.startswith(prefix))
-    except FileNotFoundError:
-        return []
-
-
 class ShmImporter(KVImporter):
     """Decode side of `shm`: maps the prefill worker's cache segment and copies blocks out of it."""
 
@@ -156,7 +158,7 @@ class ShmImporter(KVImporter):
                 layers, two, _, block_size, kv_heads, head_dim = self.kv_cache.shape
                 per_block = block_nbytes(self.kv_cache)
                 try:
-                    size = (_SHM_DIR / address).stat().st_size
+                    size = (SHM_DIR / address).stat().st_size
                 except OSError as exc:
                     raise TransferError(f"KV segment {address} is gone: {exc}") from exc
                 # The source may have a different number of blocks; everything else must match.

@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     # Imported here: a bad configuration is answered without loading torch.
     from pdserve.engine.factory import build_engine
     from pdserve.transfer.base import FaultInjector
+    from pdserve.transfer.segments import sweep_dead_segments
     from pdserve.transfer.shm import OwnedSegment
     from pdserve.worker.server import WorkerServer
 
@@ -133,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     # on its own node (see WorkerConfig.same_node_shm).
     in_shm = config.transport == "shm" or config.same_node_shm
     allocator = allocate_in_shm if in_shm else None
+    if in_shm:
+        # A worker that died here with its resource tracker (a lost Ray node, an OOM-killed
+        # process group) left its segment behind; its memory is this worker's /dev/shm too.
+        sweep_dead_segments()
     exporter: KVExporter | None = None
     importer: KVImporter | None = None
     same_node_importer: KVImporter | None = None
