@@ -11,7 +11,7 @@ import msgspec
 from pdserve.errors import PdserveError
 from pdserve.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class WireError(PdserveError):
@@ -87,8 +87,9 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
     params: WireSamplingParams
-    # With `kv`: the tokens already sampled elsewhere (the prefill worker's first token, or all of
-    # a moving stream's tokens so far); the KV of the prompt and all of them but the last is at `kv`.
+    # The tokens already sampled elsewhere (the prefill worker's first token, or all of a moving
+    # stream's tokens so far). With `kv`, the KV of the prompt and all of them but the last is
+    # there; without, the worker computes it again (a stream resumed after its worker died).
     output_token_ids: list[int] = []
     kv: KVHandle | None = None
     sampler_state: bytes | None = None  # a moving stream's sampling generator, where it stopped

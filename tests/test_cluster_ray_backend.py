@@ -3,7 +3,7 @@ a head with no CPUs for workers, a node with the prefill resource, a node with t
 resource, every node on 127.0.0.1. `pdserve serve --cluster ray` places each pool's workers on
 its nodes, serves the offline engine's tokens with the KV moving over tcp between nodes and over
 shm within one, scales a pool onto the right node, and leaves no actor or process behind; a lost
-node is a dead worker."""
+node is a dead worker whose streams go on on another node."""
 
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ class Nodes:
         self.decode = self.add("pdserve_decode")
         ray.init(address=self.cluster.address, namespace="pdserve-tests", logging_level="WARNING")
 
-    def add(self, resource: str) -> Any:
-        node = self.cluster.add_node(num_cpus=2, resources={resource: 2}, node_ip_address="127.0.0.1")
+    def add(self, resource: str, amount: float = 2) -> Any:
+        node = self.cluster.add_node(num_cpus=2, resources={resource: amount}, node_ip_address="127.0.0.1")
         self.cluster.wait_for_nodes()
         return node
 
@@ -185,37 +185,43 @@ def test_streams_move_between_ray_actors_when_decode_scales_up_and_a_worker_drai
         assert server.stop() == 0
 
 
-def test_a_lost_decode_node_ends_its_streams_promptly_and_is_a_dead_worker(
+def test_a_lost_decode_node_is_a_dead_worker_whose_streams_go_on_on_another_node(
     tiny_llama_4k: Path, nodes: Nodes
 ) -> None:
-    # A node of its own, so that the module's nodes stay for any test after this one.
-    doomed = nodes.add("pdserve_decode_lost")
+    # Two decode workers spread over two nodes that offer the decode resource: the module's and
+    # one of this test's own (so the module's nodes stay for any test after this one). That node
+    # is lost mid-stream: its worker is a dead worker, and its streams go on on the other node
+    # (prefilled again from what their clients have seen), every one whole.
+    max_tokens = 2000
+    prompts = DRAIN_PROMPTS[:4]
+    expected = offline(tiny_llama_4k, prompts, max_tokens)
+    doomed = nodes.add("pdserve_decode", amount=1)
     server = ray_server(
-        tiny_llama_4k, nodes, "--prefill", "1", "--decode", "1", "--ready-timeout", "20", "--num-kv-blocks", "4096",
-        "--ray-decode-resources", json.dumps({"pdserve_decode_lost": 1}),  # the last one given wins
+        tiny_llama_4k, nodes, "--prefill", "1", "--decode", "2", "--ready-timeout", "60",
+        "--num-kv-blocks", "4096", "--ray-strategy", "spread",
     )  # fmt: skip
     try:
-        stream = server.client.completions.create(
-            model=server.model, prompt=PROMPTS[0], max_tokens=3500, temperature=0.0, stream=True,
-            extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        chunks = iter(stream)
-        for _ in range(3):  # the first token comes from the prefill worker; then the decode node's
-            next(chunks)
-        assert server.workers("decode")[0]["node"] == doomed.node_id
-        nodes.cluster.remove_node(doomed)
-        removed = time.monotonic()
-        with pytest.raises(Exception, match=r"went down|mid-stream"):
-            for _ in chunks:
-                pass
-        assert time.monotonic() - removed < 15
-        server.wait_for(lambda: not server.workers("decode", "up"), 30, "the decode worker taken out")
-        response = server.http.post(
-            "/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 2}
-        )
-        assert response.status_code == 503, response.text  # no decode node: said, not hung
-        # Its replacement waits for a node with the decode resource (none): stopping the server
-        # gives up on it and leaves nothing behind.
+        decode_nodes = {w["node"] for w in server.workers("decode")}
+        assert decode_nodes == {nodes.decode.node_id, doomed.node_id}
+        removed = 0.0
+
+        async def lose_the_node() -> None:
+            nonlocal removed
+            # Both workers have streams (the router spreads them by load).
+            assert all(w["running"] > 0 for w in server.workers("decode")), server.workers("decode")
+            await asyncio.to_thread(nodes.cluster.remove_node, doomed)
+            removed = time.monotonic()
+
+        got = run_streams(server, prompts, max_tokens, lose_the_node)
+        assert got == expected  # every stream whole, greedy-identical to the offline engine
+        assert server.metric("pdserve_request_retries_total", reason="decode_worker_down") >= 1
+        assert server.metric("pdserve_requests_total", outcome="ok") == len(prompts)
+        # The lost worker is out, and its replacement started on the node that has room.
+        workers = server.wait_pool("decode", up=2, timeout=120)
+        assert {w["node"] for w in workers} == {nodes.decode.node_id}
+        assert time.monotonic() - removed < 120
+        server.wait_kv_free()
     finally:
-        assert server.stop() == 0
+        assert server.stop() == 0  # and no segment of the lost worker left on this host
     nodes.wait_free("pdserve_prefill", 2)
+    nodes.wait_free("pdserve_decode", 2)

@@ -207,3 +207,25 @@ def test_a_seeded_stream_moved_twice_before_it_samples_again_keeps_its_generator
     move(b, c)  # before b sampled anything: the state it came with goes on
     got += run_to_end(c)["r"]
     assert got == expected
+
+
+@pytest.mark.parametrize("role", [Role.DECODE, Role.MIXED, Role.PREFILL])
+def test_a_stream_resumed_without_its_kv_recomputes_it_and_goes_on_with_the_same_tokens(
+    tiny_llama: Path, role: Role
+) -> None:
+    """A stream whose worker died: another one is given its tokens so far with no KV, computes
+    prompt and outputs again (as after a preemption) and samples what the first would have."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, frequency_penalty=0.5)
+    first = engine(tiny_llama, Role.MIXED)
+    first.add_request("r", PROMPTS[3], params)
+    expected = run_to_end(first)["r"]
+    resumed = engine(tiny_llama, role)
+    resumed.add_request("r", PROMPTS[3], params, output_token_ids=expected[:5], kv_elsewhere=False)
+    assert resumed.stats().queued_prompt_tokens == len(PROMPTS[3]) + 5
+    got = run_to_end(resumed)["r"]
+    if role is Role.PREFILL:  # one token, then its blocks are held for a decode worker
+        assert got == expected[5:6]
+        assert resumed.stats().num_held == 1
+    else:
+        assert got == expected[5:]
+        assert resumed.stats().kv_blocks_used == 0

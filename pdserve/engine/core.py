@@ -160,12 +160,15 @@ class EngineCore:
         params: SamplingParams,
         *,
         output_token_ids: Sequence[int] = (),
+        kv_elsewhere: bool = True,
         sampler_state: bytes | None = None,
         max_chunk_tokens: int = 0,
     ) -> None:
         """Queue a request. `output_token_ids`: tokens it already sampled on another worker (the
         first token from a prefill worker, or all of a stream's tokens so far when it moves here);
-        the KV of every token but the last will arrive from that worker (`take_kv_to_receive`).
+        the KV of every token but the last will arrive from that worker (`take_kv_to_receive`),
+        or, without `kv_elsewhere`, is computed here again, prompt and outputs together, as after
+        a preemption (a stream whose worker died goes on from what its client has seen).
         `sampler_state`: where its sampling generator stood there (`hand_over`).
         `max_chunk_tokens`: at most this many of its prompt tokens in one step (0: the engine's
         chunk size)."""
@@ -181,7 +184,7 @@ class EngineCore:
         if output_token_ids:
             self._validate_outputs(list(output_token_ids), params, len(prompt_token_ids))
             request.output_token_ids.extend(output_token_ids)
-            request.remote_kv = True
+            request.remote_kv = kv_elsewhere
             request.sampler_state = sampler_state
         self.scheduler.add_request(request)
 

@@ -5,12 +5,14 @@ is passed on at once (TTFT); the decode worker pulls the KV, acknowledges (`KVPu
 router releases the prefill worker's blocks), then streams the rest. Local path: the decode (or
 mixed) worker prefills and decodes by itself.
 
-When a prefill worker dies or a KV transfer fails, the request is prefilled again (on another
-prefill worker, or locally) from what the client has already seen: the prompt plus the tokens
-already streamed, with the remaining token budget. Each retry is logged with the request id and
-counted (`pdserve_request_retries_total`). A decode worker that dies after it streamed tokens ends
-the stream with an error (its KV is gone). Every wait has a timeout. Whatever happens, every leg
-still open on a worker is aborted when the request ends, so no KV block is left behind.
+When a prefill worker dies, a KV transfer fails, or a decode worker dies mid-stream, the request
+is prefilled again (on another prefill worker, or locally) from what the client has already seen:
+the prompt, and the tokens already streamed as its outputs (their KV computed again, as after a
+preemption, so penalties, min_tokens and max_tokens still count them). A greedy stream goes on
+with the tokens it would have had; a sampled one with a fresh draw (its generator died with the
+worker). Each retry is logged with the request id and counted (`pdserve_request_retries_total`).
+Every wait has a timeout. Whatever happens, every leg still open on a worker is aborted when the
+request ends, so no KV block is left behind.
 
 A stream moves (its worker drains, or the pool rebalances): the worker answers `Migrate` with
 `Migrated` and holds the stream's blocks under a lease; the stream continues on another worker,
@@ -26,8 +28,6 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-
-import msgspec
 
 from pdserve import wire
 from pdserve.errors import PdserveError
@@ -99,18 +99,18 @@ class RequestState:
 @dataclass
 class _Attempt:
     """One try at the request, from `start` tokens into it: a retry continues from what the
-    client has seen, so those tokens become prompt."""
+    client has seen, those tokens its outputs so far (their KV computed again)."""
 
     leg_id: str
-    tokens: list[int]  # the request's prompt + the `start` tokens streamed before this attempt
-    params: wire.WireSamplingParams  # max_tokens: what was left at its start
+    tokens: list[int]  # the request's prompt
+    params: wire.WireSamplingParams
     emitted: list[int]  # every token of the request streamed so far (shared, it grows)
-    start: int
+    start: int  # tokens streamed before this attempt
 
     @property
     def outputs(self) -> list[int]:
-        """The tokens this attempt has streamed."""
-        return self.emitted[self.start :]
+        """The request's outputs so far, as its worker knows them."""
+        return self.emitted
 
 
 @dataclass
@@ -152,6 +152,7 @@ class Dispatcher:
         emitted: list[int] = []
         stream_pool = "colocated" if self.workers.up("colocated") else "decode"
         self.signals.stream_started(stream_pool)  # decode demand counts from admission
+        last_retry: _Retry | None = None
         try:
             while True:
                 try:
@@ -160,7 +161,13 @@ class Dispatcher:
                         yield event
                     state.outcome = "ok"
                     return
+                except Unavailable as exc:
+                    if last_retry is None:
+                        raise
+                    # Say why it needed another worker, not only that there was none.
+                    raise Unavailable(f"{last_retry}, and it cannot go on: {exc}") from None
                 except _Retry as retry:
+                    last_retry = retry
                     for leg in state.legs:  # the failed attempt's blocks go now, not at the end
                         leg.close(abort=True)
                     state.retries += 1
@@ -191,18 +198,12 @@ class Dispatcher:
         self, state: RequestState, prompt: list[int], emitted: list[int], params: wire.WireSamplingParams
     ) -> AsyncIterator[TokenEvent]:
         attempt = _Attempt(
-            leg_id=state.new_leg_id(),
-            tokens=prompt + emitted,
-            params=msgspec.structs.replace(
-                params,
-                max_tokens=params.max_tokens - len(emitted),
-                min_tokens=max(0, params.min_tokens - len(emitted)),
-            ),
-            emitted=emitted,
-            start=len(emitted),
+            leg_id=state.new_leg_id(), tokens=prompt, params=params, emitted=emitted, start=len(emitted)
         )
         tokens, leg_id = attempt.tokens, attempt.leg_id
-        choice, prefill, local = self.placement.choose_path(len(tokens))
+        resumed = list(emitted)  # a retry's outputs so far: computed again with the prompt
+        to_compute = len(tokens) + len(resumed)
+        choice, prefill, local = self.placement.choose_path(to_compute)
         self.metrics.path_choices.labels(choice.path, choice.reason).inc()
         first_attempt = state.choice is None  # demand counts once per request, not per retry
         if first_attempt:
@@ -220,8 +221,10 @@ class Dispatcher:
                     # none): its demand still shows there, so the planner can give it a worker.
                     self.signals.prompt_admitted("prefill", len(tokens), choice.alone_s, now)
             state.path = "colocated" if decode.pool == "colocated" else "local_prefill"
-            add = wire.AddRequest(leg_id, tokens, attempt.params, max_chunk_tokens=choice.chunk)
-            leg = self._open(state, decode, len(tokens), add)
+            add = wire.AddRequest(
+                leg_id, tokens, params, output_token_ids=resumed, max_chunk_tokens=choice.chunk
+            )
+            leg = self._open(state, decode, to_compute, add)
             async for event in self._stream(state, attempt, leg, kv_pending=False, choice=choice):
                 yield event
             return
@@ -230,7 +233,9 @@ class Dispatcher:
             self.signals.prompt_admitted("prefill", len(tokens), choice.alone_s, now)
             self.signals.awaiting_first_token(state.request_id, "prefill", now, choice.alone_s)
         state.path = "remote_prefill"
-        pleg = self._open(state, prefill, len(tokens), wire.AddRequest(leg_id, tokens, attempt.params))
+        pleg = self._open(
+            state, prefill, to_compute, wire.AddRequest(leg_id, tokens, params, output_token_ids=resumed)
+        )
         sent_at = time.monotonic()
         answer = await self._next(
             pleg, self.config.prefill_timeout, "the first token from the prefill worker"
@@ -271,7 +276,9 @@ class Dispatcher:
             state,
             decode,
             0,
-            wire.AddRequest(leg_id, tokens, attempt.params, output_token_ids=answer.token_ids, kv=answer.kv),
+            wire.AddRequest(
+                leg_id, tokens, params, output_token_ids=resumed + answer.token_ids, kv=answer.kv
+            ),
         )
         async for event in self._stream(
             state, attempt, dleg, kv_pending=True, source_leg=pleg, transport=answer.kv.transport
@@ -328,11 +335,9 @@ class Dispatcher:
                     kv_pending, kv_failed, streamed = True, False, 0
                     continue
                 if isinstance(event, WorkerDown):
-                    if streamed == 0:
-                        raise _Retry(
-                            "decode_worker_down", f"worker {worker} went down before its first token"
-                        )
-                    raise RequestFailed(f"worker {worker} went down mid-stream ({event.reason})")
+                    # Its KV went with it: prefilled again from the prompt and the tokens so far.
+                    when = "before its first token" if streamed == 0 else f"mid-stream ({event.reason})"
+                    raise _Retry("decode_worker_down", f"worker {worker} went down {when}")
                 if event.finish_reason == "error":
                     leg.done = True
                     if event.invalid:  # on a leg that brought KV: the router's fault, not the client's

@@ -280,13 +280,12 @@ class WorkerServer:
                         f"the KV handle holds {msg.kv.num_tokens} tokens, the request needs "
                         f"{len(msg.prompt_token_ids) + len(msg.output_token_ids) - 1}"
                     )
-            elif msg.output_token_ids:
-                raise InvalidRequestError("tokens sampled elsewhere come with their KV")
             self.engine.add_request(
                 msg.request_id,
                 msg.prompt_token_ids,
                 params,
                 output_token_ids=msg.output_token_ids,
+                kv_elsewhere=msg.kv is not None,
                 sampler_state=msg.sampler_state,
                 max_chunk_tokens=msg.max_chunk_tokens,
             )
@@ -425,7 +424,8 @@ class WorkerServer:
     def _emit(self, out: EngineOutput) -> None:
         kv = None
         if out.finish_reason == "prefilled":
-            kv = self._hold(out.request_id, len(self.engine.scheduler.held[out.request_id].prompt_token_ids))
+            # Every token but the one just sampled: the prompt, and the outputs of a resumed stream.
+            kv = self._hold(out.request_id, self.engine.scheduler.held[out.request_id].num_tokens - 1)
         logprobs = None
         if out.new_logprobs is not None:
             logprobs = [(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs]
