@@ -90,8 +90,8 @@ def test_dropped_kv_transfers_are_counted_and_retried_not_recomputed_silently(
         assert failures > 0
         assert server.metric("pdserve_request_retries_total", reason="kv_transfer_failed") == failures
         assert server.metric("pdserve_requests_total", outcome="ok") == len(PROMPTS)
-        # A retry after the first token owes one token less of min_tokens as of max_tokens: with
-        # EOS forced, each answer still runs to max_tokens (min_tokens = max_tokens).
+        # A retry after the first token carries it as an output, which min_tokens and max_tokens
+        # count: with EOS forced, each answer still runs to max_tokens (min_tokens = max_tokens).
         eos = offline.get_tokenizer().eos_token_id
         for prompt in PROMPTS:
             held = server.client.completions.create(
