@@ -293,7 +293,7 @@ def test_what_a_frozen_worker_held_is_aborted_when_it_reconnects(tiny_llama_4k: 
         os.kill(decode, signal.SIGSTOP)
         # No other decode worker to go on on: the stream ends, saying why.
         with pytest.raises(
-            openai.APIError, match="went down mid-stream .* cannot go on: .*decode pool is empty"
+            openai.APIError, match=r"went down mid-stream .* cannot go on: .*decode pool is empty"
         ):
             for _ in stream:
                 pass

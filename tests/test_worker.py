@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
+from serving import alive
 
 from pdserve import LLM, SamplingParams, wire
 from pdserve.cluster.local import start_worker_process
@@ -368,3 +370,32 @@ def test_the_transport_is_chosen_per_pair_shm_on_one_node_tcp_across(tiny_llama:
         for worker in (prefill, near, far):
             assert worker.stop() == 0
     assert prefill.ready.kv_shm_address not in leftover_segments()  # type: ignore[union-attr]
+
+
+def test_a_worker_that_ignores_its_sigterm_still_ends_once_its_parent_is_gone() -> None:
+    """PR_SET_PDEATHSIG asks for a clean stop; an engine wedged in a step never makes it. The
+    parent watch ends the process a grace period after its parent is gone."""
+    child = (
+        "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+        "from pdserve.worker.main import watch_parent; watch_parent(os.getppid(), 1.0);"
+        "print(os.getpid(), flush=True); time.sleep(60)"
+    )
+    parent = (
+        f"import subprocess, sys, time;subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        orphan = int(proc.stdout.readline())
+        time.sleep(1.5)
+        assert alive(orphan)  # its parent lives: left alone
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while alive(orphan) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    gone = not alive(orphan)
+    if not gone:
+        os.kill(orphan, signal.SIGKILL)
+    assert gone, "the orphaned worker outlived its grace period"

@@ -23,6 +23,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -95,6 +97,31 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() != int(parent):
         sys.exit(f"the process that started this worker ({parent}) is gone")
+    watch_parent(int(parent), ORPHAN_GRACE_SECONDS)
+
+
+# How long a worker whose parent is gone may take to stop on its SIGTERM before it exits hard.
+ORPHAN_GRACE_SECONDS = 30.0
+
+
+def watch_parent(parent: int, grace: float) -> None:
+    """The SIGTERM of PR_SET_PDEATHSIG asks for a clean stop, which an engine wedged in a step
+    would never make: a daemon thread notices the parent is gone (we were re-parented), gives the
+    clean stop `grace` seconds, then ends the process (its resource tracker, or the next sweep,
+    removes its KV segment). So a worker never outlives its parent, or its Ray actor, for long."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        time.sleep(grace)
+        # No logging: its lock may be held by the wedged thread.
+        os.write(
+            2,
+            f"worker: the process that started it is gone, still running after {grace:g} s: exiting\n".encode(),
+        )
+        os._exit(1)
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
