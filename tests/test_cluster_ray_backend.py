@@ -70,10 +70,10 @@ def nodes() -> Iterator[Nodes]:
         started.cluster.shutdown()
 
 
-def ray_server(model: Path, nodes: Nodes, *args: str) -> Server:
+def ray_server(model: Path, nodes: Nodes, *args: str, transport: str = "tcp") -> Server:
     return Server(
         model,
-        "--cluster", "ray", "--ray-address", nodes.cluster.address, "--transport", "tcp",
+        "--cluster", "ray", "--ray-address", nodes.cluster.address, "--transport", transport,
         "--ray-prefill-resources", json.dumps({"pdserve_prefill": 1}),
         "--ray-decode-resources", json.dumps({"pdserve_decode": 1}),
         *args,
@@ -111,13 +111,18 @@ def test_no_ray_cluster_is_a_clear_error_not_a_hang() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
 def test_workers_land_on_their_pools_nodes_and_serve_the_offline_engines_tokens(
-    tiny_llama: Path, nodes: Nodes
+    tiny_llama: Path, nodes: Nodes, transport: str
 ) -> None:
+    if transport == "nixl":
+        pytest.importorskip("nixl", reason="the nixl extra is not installed")
     offline = LLM(str(tiny_llama), dtype="float32")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     expected = [o.outputs[0].text for o in offline.generate(PROMPTS, params)]
-    server = ray_server(tiny_llama, nodes, "--prefill", "1", "--decode", "1", "--prefill-max", "2")
+    server = ray_server(
+        tiny_llama, nodes, "--prefill", "1", "--decode", "1", "--prefill-max", "2", transport=transport
+    )
     try:
         pools = server.pools()
         (prefill,), (decode,) = pools["prefill"]["workers"], pools["decode"]["workers"]
@@ -132,7 +137,8 @@ def test_workers_land_on_their_pools_nodes_and_serve_the_offline_engines_tokens(
             for p in PROMPTS
         ]
         assert answers == expected
-        assert server.metric("pdserve_kv_transfer_bytes_count", transport="tcp") >= len(PROMPTS)
+        # Across nodes over the deployment's transport, never over shm.
+        assert server.metric("pdserve_kv_transfer_bytes_count", transport=transport) >= len(PROMPTS)
         assert server.metric("pdserve_kv_transfer_bytes_count", transport="shm") == 0
 
         # Scaled through the admin API: the new worker's actor lands on the prefill node.
