@@ -75,6 +75,12 @@ def _check(o: dict[str, Any]) -> None:
                 "(workers on one node still pull over shm: see --same-node-kv)"
             )
         ray_placements(o)  # raises on bad JSON, strategy or amounts
+        if o["planner"] == "slo" and o["max_workers"] is None:
+            # The default (this host's CPUs) says nothing of a cluster's size.
+            raise PdserveError(
+                "--planner slo with --cluster ray needs --max-workers: the worker budget over all "
+                "pools, which this host's CPUs do not tell for a Ray cluster"
+            )
     if o["kv_corrupt_rate"] > 0 and o["kv_checksum"] == "off":
         raise PdserveError(
             "--kv-corrupt-rate with --kv-checksum off would send clients wrong tokens: drop one"

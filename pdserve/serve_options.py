@@ -194,7 +194,7 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     "max_workers": (
         int,
         None,
-        "the planner's worker budget over all pools (default: this host's CPUs; with --cluster ray, set it)",
+        "the planner's worker budget over all pools (default: this host's CPUs; --cluster ray needs it)",
     ),
     "planner_interval": (float, _default(PlannerSettings, "interval_s"), "seconds between planner decisions"),
     "planner_cooldown": (

@@ -155,6 +155,22 @@ def test_same_node_shm_is_on_under_ray_and_where_asked_for() -> None:
         ),
         (
             'model = "m"\n',
+            (
+                "--colocated",
+                "1",
+                "--cluster",
+                "ray",
+                "--transport",
+                "tcp",
+                "--planner",
+                "slo",
+                "--slo",
+                "ttft=500",
+            ),
+            "--cluster ray needs --max-workers",
+        ),
+        (
+            'model = "m"\n',
             ("--colocated", "1", "--max-body-bytes", "100"),
             "--max-body-bytes must be >= 1024",
         ),
