@@ -127,6 +127,10 @@ def test_workers_land_on_their_pools_nodes_and_serve_the_offline_engines_tokens(
         pools = server.pools()
         (prefill,), (decode,) = pools["prefill"]["workers"], pools["decode"]["workers"]
         assert prefill["node"] == nodes.prefill.node_id and decode["node"] == nodes.decode.node_id
+        # Given no GPU by Ray, a worker sees none (Ray would leave it every GPU of its node).
+        for worker in (prefill, decode):
+            environ = Path(f"/proc/{worker['pid']}/environ").read_bytes().split(b"\0")
+            assert b"CUDA_VISIBLE_DEVICES=" in environ
         assert nodes.free("pdserve_prefill") == 1 and nodes.free("pdserve_decode") == 1
         answers = [
             server.client.completions.create(

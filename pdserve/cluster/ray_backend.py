@@ -27,6 +27,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -109,6 +110,10 @@ class WorkerKeeper:
 
         ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         node_id = ray.get_runtime_context().get_node_id()
+        if not ray.get_gpu_ids():
+            # Ray (2.60) leaves an actor given no GPU every GPU of its node: the worker must not
+            # take one that Ray may give another actor (its engine would pick `cuda` by itself).
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
         config = msgspec.json.decode(config_json, type=WorkerConfig)
         # Its sockets on this node's address (the router and the other workers reach it there);
         # the Ray node names the node, so that workers on one node pull KV over shm (same-node shm).
