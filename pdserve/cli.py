@@ -36,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     conv.add_argument("--overwrite", action="store_true")
 
+    info = sub.add_parser(
+        "info", help="what this machine runs: CPU features, the measured dtype and kernel choices"
+    )
+    info.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
+
     from pdserve import serve
 
     srv = sub.add_parser(
@@ -109,10 +114,39 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "info":
+            return _info(args)
         return _convert(args)
     except (PdserveError, ValueError) as exc:  # ValueError: a bad option (--device, --threads)
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _info(args: argparse.Namespace) -> int:
+    import torch
+
+    from pdserve.engine import cpu_choice
+    from pdserve.engine.cpu_kernels import unavailable_reason
+
+    plan = cpu_choice.cpu_plan(refresh=args.refresh)
+    isa = cpu_choice.kernel_isa()
+    print(
+        f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads"
+    )
+    print(f"CPU: {plan.model}")
+    print(f"  flags: {' '.join(plan.flags) or '(none of ' + ', '.join(cpu_choice._FLAGS) + ')'}")
+    print(f"  dtype=auto: {plan.auto_dtype}")
+    for dtype, by_rows in plan.gflops.items():
+        rates = ", ".join(f"M={rows} {rate:.0f}" for rows, rate in by_rows.items())
+        speedups = ", ".join(f"M={rows} {x:.2f}x" for rows, x in plan.prepack_speedup.get(dtype, {}).items())
+        chosen = "prepacked oneDNN" if plan.prepack.get(dtype) else "torch F.linear"
+        print(f"  {dtype}: matmul GFLOP/s {rates}; prepacked weights {speedups or 'unavailable'} -> {chosen}")
+    print(f"  C++ kernels: {isa if isa else 'unavailable: ' + str(unavailable_reason())}")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(plan.measured_at))
+    print(f"  measured {when}, cached in {cpu_choice.cache_path()}")
+    if torch.cuda.is_available():
+        print(f"CUDA: {torch.cuda.get_device_name()} (dtype=auto: bfloat16 where supported, else float16)")
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine import attention, cpu_kernels
+from pdserve.engine import cpu_kernels
 from pdserve.engine.attention import AttentionMetadata, paged_attention
 
 Op = Callable[..., torch.Tensor]
@@ -84,9 +84,8 @@ def portable(
     vc: torch.Tensor,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """The reference: paged_attention without lengths takes the gather + SDPA path."""
-    without_lengths = AttentionMetadata(**{**meta.__dict__, "decode_seq_lens": None})
-    return paged_attention(q, k, v, kc, vc, without_lengths, q.shape[-1] ** -0.5)
+    """The reference: the portable gather + SDPA path."""
+    return paged_attention(q, k, v, kc, vc, meta, q.shape[-1] ** -0.5)
 
 
 def kernel_out(
@@ -183,21 +182,6 @@ def test_long_context_and_q_as_a_strided_view(op: Op) -> None:
     assert not q_view.is_contiguous()
     expected = portable(q, k, v, kc, vc, meta)
     torch.testing.assert_close(kernel_out(op, q_view, kc, vc, meta), expected, atol=1e-5, rtol=1e-5)
-
-
-def test_paged_attention_uses_the_kernel_for_cpu_decodes(op: Op, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
-
-    def counting() -> Op:
-        calls.append(1)
-        return op
-
-    monkeypatch.setattr(attention, "decode_attention_kernel", counting)
-    q, k, v, kc, vc, meta = make_case([5, 40, 17], 4, 9, 3, 64, 10)
-    expected = portable(q, k, v, kc, vc, meta)
-    got = paged_attention(q, k, v, kc, vc, meta, 64**-0.5)
-    assert calls
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -6,21 +6,17 @@ prompt chunks. Decodes are attended together: their blocks are gathered into a p
 earlier context its fresh K/V are used directly under a causal mask; otherwise its earlier tokens
 are gathered from the cache.
 
-On CPU, the decode group goes to the C++ kernel of cpu_kernels.py when it is available: it reads
-the blocks in place instead of gathering them (the gather doubles the memory traffic) and attends
-the query heads of one KV head together. Without it (disabled, no compiler, an unsupported dtype)
-and on other devices the torch path below runs; it stays the reference.
+This path is the reference. On CPU the C++ kernels do the same work without gathering blocks
+(layer_ops.CpuKernelOps, chosen when the model is built); this module runs where they do not
+(CUDA, a dtype they do not take, no compiler).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-
-from pdserve.engine.cpu_kernels import decode_attention_kernel
 
 
 @dataclass
@@ -44,6 +40,10 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None
     sliding_window: int | None = None  # the model's window (keys j > pos - window); None = full
     prefills: list[PrefillChunkMeta] = field(default_factory=list)
+    # For the CPU kernels (layer_ops.CpuKernelOps), every sequence of the step, decodes first:
+    seq_lens: torch.Tensor | None = None  # [S] int64: its tokens in the cache after this step
+    query_start_loc: torch.Tensor | None = None  # [S + 1] int64: its rows in the flat batch
+    block_tables: torch.Tensor | None = None  # [S, max_blocks] int64, padded with 0
 
 
 def paged_attention(
@@ -62,19 +62,7 @@ def paged_attention(
     out = torch.empty_like(q)
 
     num_decodes = meta.num_decode_tokens
-    kernel = _cpu_decode_kernel(q, k_cache, meta) if num_decodes else None
-    if kernel is not None:
-        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
-        out[:num_decodes] = kernel(
-            q[:num_decodes],  # [B, H, D]
-            k_cache,
-            v_cache,
-            meta.decode_block_tables,  # [B, MB]
-            meta.decode_seq_lens,  # [B]
-            scale,
-            meta.sliding_window or 0,
-        )  # [B, H, D]
-    elif num_decodes:
+    if num_decodes:
         assert meta.decode_block_tables is not None and meta.decode_mask is not None
         tables = meta.decode_block_tables
         ctx = tables.shape[1] * block_size
@@ -111,18 +99,3 @@ def paged_attention(
         )  # [1, H, L, D]
         out[chunk.start : chunk.end] = attn[0].transpose(0, 1)
     return out
-
-
-def _cpu_decode_kernel(
-    q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
-) -> Callable[..., torch.Tensor] | None:
-    """The C++ decode kernel if it applies to this step, else None (the torch path runs)."""
-    if (
-        q.device.type != "cpu"
-        or meta.decode_seq_lens is None  # metadata built without lengths: only the mask path works
-        or k_cache.dtype not in (torch.float32, torch.bfloat16)
-        or q.dtype != k_cache.dtype
-        or not k_cache.is_contiguous()
-    ):
-        return None
-    return decode_attention_kernel()

@@ -79,7 +79,9 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        from pdserve.engine.cpu_choice import cpu_plan  # measured once per machine, cached
+
+        return torch.bfloat16 if cpu_plan().auto_dtype == "bfloat16" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 

@@ -40,11 +40,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 _NAME = "pdserve_cpu_kernels"
-_SOURCES = ("cpu_attention.cpp",)
-# -ffp-contract=fast lets gcc fuse a*b+c into FMAs (off by default in torch's ISO -std=c++ mode);
-# -fopenmp enables the `omp simd` loops and matches torch's OpenMP at::parallel_for. No -ffast-math:
-# the kernel must stay close to the portable path.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-DNDEBUG"]
+_SOURCES = ("cpu_attention.cpp", "cpu_ops.cpp", "cpu_paged_attention.cpp")
+# -ffp-contract=fast lets gcc fuse a*b+c into FMAs (off by default in torch's ISO -std=c++ mode;
+# the ops that must round between a product and a sum turn it off for themselves);
+# -fopenmp enables the `omp simd` loops and matches torch's OpenMP at::parallel_for;
+# -fno-trapping-math lets gcc vectorize loops with float -> int conversions and min/max (exp's
+# polynomial), which it otherwise keeps scalar in case they raise FP exceptions (nothing here
+# reads those). No -ffast-math: the kernels must stay close to the portable path.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-trapping-math", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
 _unavailable_reason: str | None = None
 

@@ -11,7 +11,10 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore, pick_device, pick_dtype
+from pdserve.engine.cpu_choice import cpu_plan
 from pdserve.engine.cpu_kernels import decode_attention_kernel
+from pdserve.engine.cpu_linear import onednn_available
+from pdserve.engine.layer_ops import CpuKernelOps
 from pdserve.engine.runner import KVAllocator
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.loader import generation_eos_ids, iter_weights, load_config, load_tokenizer, resolve_model
@@ -50,9 +53,14 @@ def build_engine(
     else:
         eos_ids = tuple(eos_token_ids)
     if device.type == "cpu":
-        # Build (first time on this machine, ~10-20 s) or load the CPU kernel now, at start-up,
-        # rather than stalling the first decode step of the first request.
-        decode_attention_kernel()
+        # Build (first time on this machine, ~20 s) or load the CPU kernels now, at start-up,
+        # rather than stalling the first step of the first request.
+        if decode_attention_kernel() is not None and dtype in (torch.float32, torch.bfloat16):
+            model.ops = CpuKernelOps()
+        plan = cpu_plan()
+        if plan.prepack.get(str(dtype).removeprefix("torch."), False) and onednn_available():
+            model.pack_for_onednn()
+        logger.info("CPU plan: %s; layer ops: %s", plan.summary(dtype), model.ops.name)
     engine = EngineCore(config, model_config, model, eos_ids, device, dtype, kv_allocator)
     logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - started)
     return engine, tokenizer

@@ -112,15 +112,18 @@ class ModelRunner:
         block_size = self.block_size
         window = self.config.sliding_window
         device = self.device
+        varlen = self.model.ops.varlen  # the kernels' metadata, not the portable path's masks
         token_ids: list[int] = []
-        decode_positions: list[int] = []
-        decode_slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        prefill_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (positions, slots) per chunk
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []  # per sequence (decodes first): its blocks up to this step's end
+        seq_lens: list[int] = []
+        starts: list[int] = [0]
         prefills: list[PrefillChunkMeta] = []
         sample_index: list[int] = []
         rows: list[SamplingRow] = []
         sampled_ids: list[str] = []
+        num_decodes = 0
 
         row = 0
         for chunk in out.chunks:
@@ -129,61 +132,68 @@ class ModelRunner:
             end = chunk.start + chunk.num_tokens
             token_ids.extend(request.token_ids_slice(chunk.start, end))
             used_blocks = table[: -(-end // block_size)]
+            chunk_positions = range(chunk.start, end)
+            positions.extend(chunk_positions)
+            slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in chunk_positions)
+            tables.append(used_blocks)
+            seq_lens.append(end)
+            starts.append(row + chunk.num_tokens)
             if chunk.is_decode:
-                pos = chunk.start
-                decode_positions.append(pos)
-                decode_slots.append(table[pos // block_size] * block_size + pos % block_size)
-                decode_tables.append(used_blocks)
-            else:
-                table_t = torch.tensor(used_blocks, dtype=torch.long)
-                pos_t = torch.arange(chunk.start, end, dtype=torch.long)
-                prefill_pieces.append((pos_t, table_t[pos_t // block_size] * block_size + pos_t % block_size))
-                mask = None
-                if chunk.start > 0 or (window is not None and end > window):
-                    keys = torch.arange(end)  # [S]
-                    mask = keys[None, :] <= pos_t[:, None]  # [L, S] causal with an offset
-                    if window is not None:
-                        mask &= keys[None, :] > pos_t[:, None] - window
-                    mask = mask.to(device)
-                prefills.append(
-                    PrefillChunkMeta(row, row + chunk.num_tokens, chunk.start, table_t.to(device), mask)
-                )
+                num_decodes += 1
+            elif not varlen:
+                prefills.append(self._chunk_meta(row, chunk.start, end, used_blocks))
             row += chunk.num_tokens
             if chunk.sample:
                 sample_index.append(row - 1)
                 rows.append(self._sampling_row(request.request_id, request))
                 sampled_ids.append(request.request_id)
 
-        num_decodes = len(decode_positions)
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         meta = AttentionMetadata(
-            slot_mapping=torch.empty(0), num_decode_tokens=num_decodes, prefills=prefills
+            slot_mapping=slot_mapping, num_decode_tokens=num_decodes, prefills=prefills, sliding_window=window
         )
-        if num_decodes:
-            max_blocks = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
-            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)  # [B, MB]
-            lengths = torch.tensor(decode_positions, dtype=torch.long)[:, None] + 1  # [B, 1]
-            meta.decode_seq_lens = lengths[:, 0].to(device)  # [B]
-            meta.sliding_window = window  # with the lengths, what the CPU kernel needs
-            keys = torch.arange(max_blocks * block_size)[None, :]  # [1, ctx]
-            mask = keys < lengths
-            if window is not None:
-                mask &= keys >= lengths - window
-            meta.decode_mask = mask[:, None, None, :].to(device)  # [B, 1, 1, ctx]
-        positions = torch.cat(
-            [torch.tensor(decode_positions, dtype=torch.long)] + [p for p, _ in prefill_pieces]
-        )
-        slots = torch.cat([torch.tensor(decode_slots, dtype=torch.long)] + [s for _, s in prefill_pieces])
-        meta.slot_mapping = slots.to(device)
+        if tables:
+            max_blocks = max(len(t) for t in tables)
+            padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+            lengths = torch.tensor(seq_lens, dtype=torch.long)
+            if varlen:
+                meta.block_tables = padded.to(device)  # [S, MB]
+                meta.seq_lens = lengths.to(device)  # [S]
+                meta.query_start_loc = torch.tensor(starts, dtype=torch.long, device=device)  # [S + 1]
+            elif num_decodes:
+                mb = max(len(t) for t in tables[:num_decodes])
+                meta.decode_block_tables = padded[:num_decodes, :mb].contiguous().to(device)  # [B, MB]
+                decode_lens = lengths[:num_decodes, None]  # [B, 1]
+                meta.decode_seq_lens = decode_lens[:, 0].to(device)  # [B]
+                keys = torch.arange(mb * block_size)[None, :]  # [1, ctx]
+                mask = keys < decode_lens
+                if window is not None:
+                    mask &= keys >= decode_lens - window
+                meta.decode_mask = mask[:, None, None, :].to(device)  # [B, 1, 1, ctx]
         return (
             torch.tensor(token_ids, dtype=torch.long, device=device),
-            positions.to(device),
-            meta.slot_mapping,
+            torch.tensor(positions, dtype=torch.long, device=device),
+            slot_mapping,
             meta,
             torch.tensor(sample_index, dtype=torch.long, device=device),
             rows,
             sampled_ids,
         )
+
+    def _chunk_meta(self, row: int, start: int, end: int, used_blocks: list[int]) -> PrefillChunkMeta:
+        """A prompt chunk for the portable path: its blocks, and its mask when it has context or the
+        window cuts it (else plain causal attention over the chunk)."""
+        window = self.config.sliding_window
+        mask = None
+        if start > 0 or (window is not None and end > window):
+            pos = torch.arange(start, end)
+            keys = torch.arange(end)  # [S]
+            mask = keys[None, :] <= pos[:, None]  # [L, S] causal with an offset
+            if window is not None:
+                mask &= keys[None, :] > pos[:, None] - window
+            mask = mask.to(self.device)
+        table = torch.tensor(used_blocks, dtype=torch.long, device=self.device)
+        return PrefillChunkMeta(row, row + end - start, start, table, mask)
 
     def _sampling_row(self, request_id: str, request: Request) -> SamplingRow:
         params = request.sampling_params

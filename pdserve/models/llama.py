@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.cpu_linear import pack_linears, pack_weight, packed_linear
+from pdserve.engine.layer_ops import TorchLayerOps
 from pdserve.errors import ModelLoadError
 from pdserve.models.config import ModelConfig
 
@@ -101,26 +103,29 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [T, hidden]
+        hidden: torch.Tensor,  # [T, hidden]: the previous layer's output (or the embeddings)
+        residual: torch.Tensor | None,  # [T, hidden]: the residual stream before that output
         positions: torch.Tensor,  # [T]
         rope: RotaryEmbedding,
         k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(hidden))  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
-        attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
-        hidden = hidden + self.o_proj(attn.view(num_tokens, self.q_size))  # [T, hidden]
-        gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))  # [T, 2 * intermediate]
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        out: torch.Tensor = hidden + self.down_proj(F.silu(gate) * up)
-        return out
+        ops: TorchLayerOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, the residual stream)
+        # HF adds each block's output to the residual and normalizes the sum; the add is done at the
+        # next norm (one fused op on CPU), with the same rounding.
+        if residual is None:
+            residual = hidden
+            normed = ops.norm(hidden, self.input_layernorm)
+        else:
+            normed, residual = ops.add_norm(hidden, residual, self.input_layernorm)
+        qkv = self.qkv_proj(normed)  # [T, q_size + 2 * kv_size]
+        attn = ops.attention(
+            qkv, positions, rope, k_cache, v_cache, meta, self.num_heads, self.num_kv_heads, self.scale
+        )  # [T, q_size]
+        normed, residual = ops.add_norm(self.o_proj(attn), residual, self.post_attention_layernorm)
+        gate_up = self.gate_up_proj(normed)  # [T, 2 * intermediate]
+        return self.down_proj(ops.silu_and_mul(gate_up)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -136,6 +141,8 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self.packed_logits: torch.Tensor | None = None  # [vocab, hidden] prepacked (pack_for_onednn)
+        self.ops: TorchLayerOps = TorchLayerOps()  # the per-layer ops (layer_ops.py)
 
     def forward(
         self,
@@ -145,14 +152,30 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         hidden: torch.Tensor = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, positions, self.rope, kv_cache[i, 0], kv_cache[i, 1], meta)
-        normed: torch.Tensor = self.norm(hidden)
+            hidden, residual = layer(
+                hidden, residual, positions, self.rope, kv_cache[i, 0], kv_cache[i, 1], meta, self.ops
+            )
+        assert residual is not None
+        normed, _ = self.ops.add_norm(hidden, residual, self.norm)
         return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.packed_logits is not None:
+            return packed_linear(hidden, self.packed_logits, None).float()
+        return F.linear(hidden, self.logits_weight).float()
+
+    @property
+    def logits_weight(self) -> torch.Tensor:  # [vocab, hidden]: lm_head's, or the embedding's if tied
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack_for_onednn(self) -> int:
+        """Prepack every projection's weight, the logits' too, for oneDNN (cpu_linear.py): after
+        the weights are loaded and cast, on CPU. Returns how many layers were packed."""
+        self.packed_logits = pack_weight(self.logits_weight)
+        count = pack_linears(self.layers)
+        return count + 1
 
     # -- weights ------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,172 @@
+"""What this CPU runs best, decided by measurement once per machine and cached (torch).
+
+Machines of one kind differ from one day to the next (AVX2 only, AVX512-BF16, AMX), and what is
+fast on one is slow on another: bf16 matmuls are emulated, ~8x slower than fp32, without native bf16
+instructions, and twice as fast as fp32 with them; oneDNN's prepacked weights pay off on some and
+not others. So on first use a machine measures, in about a second:
+- the dtype `auto` means: bfloat16 when its matmul beats float32's, else float32;
+- for each dtype, whether prepacked oneDNN weights (cpu_linear.py) beat plain `F.linear` for the
+  few rows of a decode step and the hundreds of a prompt chunk;
+and keeps the answer in `$PDSERVE_CACHE_DIR` (default `~/.cache/pdserve`) under a key made of the
+CPU's model and flags and torch's version, so later processes read it in microseconds. The C++
+kernels report the instruction set they were built for (`-march=native`). Engines log the plan at
+start; `pdserve info` prints it (`--refresh` measures again).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.cpu_linear import onednn_available, pack_weight, packed_linear
+
+# SmolLM2-sized projections: hidden 576 -> MLP 1536; M = 1 (decode), 32 (a batch), 512 (a chunk).
+_SHAPE = (1536, 576)
+_ROWS = (1, 32, 512)
+# A choice must win by this much to be taken: below it, the machine's noise decides.
+_MARGIN = 1.05
+_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+@dataclass
+class CpuPlan:
+    model: str
+    flags: list[str]
+    torch_version: str
+    auto_dtype: str  # what dtype="auto" means here
+    gflops: dict[str, dict[str, float]] = field(default_factory=dict)  # dtype -> rows -> GFLOP/s
+    prepack: dict[str, bool] = field(default_factory=dict)  # dtype -> use prepacked oneDNN weights
+    prepack_speedup: dict[str, dict[str, float]] = field(default_factory=dict)  # dtype -> rows -> x
+    measured_at: float = 0.0
+
+    def summary(self, dtype: torch.dtype | None = None) -> str:
+        name = _dtype_name(dtype) if dtype is not None else self.auto_dtype
+        linear = "oneDNN prepacked" if self.prepack.get(name) else "torch F.linear"
+        bf16, fp32 = self.gflops.get("bfloat16", {}), self.gflops.get("float32", {})
+        return (
+            f"{self.model} [{' '.join(self.flags) or 'no AVX2'}]: auto dtype {self.auto_dtype} "
+            f"(matmul M=32: bf16 {bf16.get('32', 0):.0f}, fp32 {fp32.get('32', 0):.0f} GFLOP/s); "
+            f"{name} linear layers: {linear}; C++ kernels: {kernel_isa() or 'unavailable'}"
+        )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def cpu_model_and_flags() -> tuple[str, list[str]]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine(), []
+    model, flags = platform.machine(), set[str]()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model == platform.machine():
+            model = value.strip()
+        elif key.strip() in ("flags", "Features") and not flags:
+            flags = set(value.split())
+    return model, [f for f in _FLAGS if f in flags]
+
+
+def _cache_file(model: str, flags: list[str]) -> Path:
+    base = os.environ.get("PDSERVE_CACHE_DIR")
+    root = Path(base) if base else Path.home() / ".cache" / "pdserve"
+    key = hashlib.sha256(repr((model, flags, torch.__version__, platform.machine())).encode()).hexdigest()[
+        :16
+    ]
+    return root / f"cpu_plan_{key}.json"
+
+
+def _time(fn: Callable[[], object], budget: float = 0.05) -> float:
+    """Median seconds per call over three runs of a loop of about `budget` seconds."""
+    for _ in range(2):
+        fn()
+    started, calls = time.perf_counter(), 0
+    while time.perf_counter() - started < budget / 3 or calls < 3:
+        fn()
+        calls += 1
+    runs = []
+    for _ in range(3):
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - started) / calls)
+    return statistics.median(runs)
+
+
+def measure() -> CpuPlan:
+    model, flags = cpu_model_and_flags()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # each worker runs its own threads; one is what they share
+    try:
+        plan = CpuPlan(model, flags, torch.__version__, "float32", measured_at=time.time())
+        out_features, in_features = _SHAPE
+        for dtype in (torch.float32, torch.bfloat16):
+            name = _dtype_name(dtype)
+            weight = torch.randn(out_features, in_features).to(dtype)
+            packed = pack_weight(weight) if onednn_available() else None
+            plan.gflops[name], plan.prepack_speedup[name] = {}, {}
+            for rows in _ROWS:
+                x = torch.randn(rows, in_features).to(dtype)
+                plain = _time(functools.partial(F.linear, x, weight))
+                plan.gflops[name][str(rows)] = 2 * rows * out_features * in_features / plain / 1e9
+                if packed is not None:
+                    fast = _time(functools.partial(packed_linear, x, packed, None))
+                    plan.prepack_speedup[name][str(rows)] = plain / fast
+            speedups = plan.prepack_speedup[name]
+            # Decode rows must gain and prompt chunks must not lose: decodes are most of the steps.
+            plan.prepack[name] = (
+                bool(speedups) and speedups["1"] >= _MARGIN and speedups["512"] >= 1 / _MARGIN
+            )
+        if plan.gflops["bfloat16"]["32"] >= _MARGIN * plan.gflops["float32"]["32"]:
+            plan.auto_dtype = "bfloat16"
+        return plan
+    finally:
+        torch.set_num_threads(threads)
+
+
+@functools.cache
+def cpu_plan(refresh: bool = False) -> CpuPlan:
+    """This machine's plan: from the cache, or measured now (and cached)."""
+    model, flags = cpu_model_and_flags()
+    path = _cache_file(model, flags)
+    if not refresh:
+        try:
+            return CpuPlan(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            pass  # none yet, or from another version of this file: measure
+    plan = measure()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(plan), indent=1))
+        tmp.replace(path)  # atomic: a reader sees the old plan or the new one
+    except OSError:
+        pass  # a read-only home: measured again next time
+    return plan
+
+
+def cache_path() -> Path:
+    return _cache_file(*cpu_model_and_flags())
+
+
+def kernel_isa() -> str | None:
+    """The instruction set the C++ kernels were built for, or None if they are unavailable."""
+    from pdserve.engine.cpu_kernels import decode_attention_kernel
+
+    if decode_attention_kernel() is None:
+        return None
+    isa: str = torch.ops.pdserve.kernel_isa()
+    return isa

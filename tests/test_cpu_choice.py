@@ -1,0 +1,62 @@
+"""The per-machine plan: measured once, cached under the CPU's key, read back by later processes,
+shown by `pdserve info` and logged by engines."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.engine import cpu_choice
+from pdserve.engine.core import pick_dtype
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    cpu_choice.cpu_plan.cache_clear()
+    yield tmp_path
+    cpu_choice.cpu_plan.cache_clear()
+
+
+def test_the_plan_is_measured_once_then_read_from_the_cache(cache_dir: Path) -> None:
+    plan = cpu_choice.cpu_plan()
+    path = cpu_choice.cache_path()
+    assert path.parent == cache_dir and path.exists()
+    stored = json.loads(path.read_text())
+    assert stored["auto_dtype"] == plan.auto_dtype in ("float32", "bfloat16")
+    assert set(plan.gflops) == {"float32", "bfloat16"} and all(r > 0 for r in plan.gflops["float32"].values())
+    # A later process reads it: the file is what it gets, even one edited by hand.
+    stored["auto_dtype"] = "float32" if plan.auto_dtype == "bfloat16" else "bfloat16"
+    path.write_text(json.dumps(stored))
+    cpu_choice.cpu_plan.cache_clear()
+    assert cpu_choice.cpu_plan().auto_dtype == stored["auto_dtype"]
+    assert pick_dtype("auto", torch.device("cpu")) == getattr(torch, stored["auto_dtype"])
+    # A broken file is measured again, not trusted.
+    path.write_text("{not json")
+    cpu_choice.cpu_plan.cache_clear()
+    assert cpu_choice.cpu_plan().auto_dtype in ("float32", "bfloat16")
+    assert json.loads(path.read_text())["model"] == plan.model
+
+
+def test_without_native_bf16_auto_is_float32(cache_dir: Path) -> None:
+    # Emulated bf16 matmuls run ~8x slower than fp32 (docs/performance.md): the measurement says so.
+    plan = cpu_choice.cpu_plan()
+    if {"avx512_bf16", "amx_bf16"} & set(plan.flags):
+        pytest.skip("this CPU has native bf16")
+    assert plan.auto_dtype == "float32"
+
+
+def test_pdserve_info_prints_the_plan(cache_dir: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "info"], capture_output=True, text=True, timeout=300, check=True
+    ).stdout
+    plan = cpu_choice.cpu_plan()
+    assert f"dtype=auto: {plan.auto_dtype}" in out
+    assert "C++ kernels: " in out and str(cache_dir) in out
+    assert ("prepacked oneDNN" in out) == any(plan.prepack.values())
