@@ -6,7 +6,9 @@ Measures, per engine, dtype and thread count:
   to generate 1) over the N - 1 later tokens of each request.
 All three engines are timed the same way, from outside, through their offline `generate`.
 Each measurement runs `--repeats` times in a fresh subprocess per (engine, dtype, threads); the
-median is reported, with ratios against transformers and vLLM measured in the same run.
+median is reported, with ratios against transformers and vLLM measured in the same run, and
+pdserve's prefill against the machine's limit: the model's FLOPs for the prompt at torch's own
+matmul rate (M = 2048, the dtype and threads of the run), measured in the same run.
 
     .venv/bin/python benchmarks/engine.py                       # pdserve + transformers (+ vLLM if installed)
     .venv/bin/python benchmarks/engine.py --dtypes float32 --threads 2 --engines pdserve,hf
@@ -127,7 +129,42 @@ def worker_vllm(args: argparse.Namespace) -> dict[str, float]:
     return measure(generate, vocab, args.decode_tokens)
 
 
-WORKERS = {"pdserve": worker_pdserve, "hf": worker_hf, "vllm": worker_vllm}
+def worker_matmul(args: argparse.Namespace) -> dict[str, float]:
+    """This machine's matmul rate in the dtype and threads of the run, for the prefill limit:
+    torch's own matmul at M = 2048 on SmolLM2's MLP shape ([2048, 576] x [576, 1536]), median of 5."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(args.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    a, w = torch.randn(PREFILL_LEN, 576).to(dtype), torch.randn(1536, 576).to(dtype)
+    for _ in range(3):
+        F.linear(a, w)
+    runs = []
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(5):
+            F.linear(a, w)
+        runs.append((time.perf_counter() - started) / 5)
+    return {"gflops": 2 * PREFILL_LEN * 576 * 1536 / statistics.median(runs) / 1e9}
+
+
+def prefill_flops(hf_folder: str) -> float:
+    """FLOPs of one PREFILL_LEN-token prefill: every projection for every token, causal attention
+    (half the L x L scores), the logits of the last token."""
+    cfg = json.loads((Path(hf_folder) / "config.json").read_text())
+    hidden, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    kv = cfg.get("num_key_value_heads") or heads
+    per_token = layers * (
+        hidden * (heads + 2 * kv) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
+    )
+    attention = layers * 2 * heads * head_dim * PREFILL_LEN * PREFILL_LEN / 2  # QK^T and PV, causal
+    return 2 * (PREFILL_LEN * per_token + attention + hidden * cfg["vocab_size"])
+
+
+WORKERS = {"pdserve": worker_pdserve, "hf": worker_hf, "vllm": worker_vllm, "matmul": worker_matmul}
 
 
 # -- the driver ------------------------------------------------------------------------------------
@@ -230,6 +267,19 @@ def main() -> int:
                     table[key] = {m: statistics.median(r[m] for r in runs) for m in runs[0]}
                     print(key, json.dumps({m: round(v, 1) for m, v in table[key].items()}), flush=True)
 
+    # The prefill limit: the model's FLOPs at this machine's matmul rate (dtype, threads), measured now.
+    limits: dict[str, float] = {}
+    flops = prefill_flops(hf_folder)
+    for dtype in args.dtypes.split(","):
+        for threads in (int(t) for t in args.threads.split(",")):
+            rate = run_worker("matmul", dtype, threads, args, hf_folder)["gflops"]
+            limits[f"{dtype}/{threads}t"] = PREFILL_LEN / (flops / (rate * 1e9))
+            print(
+                f"prefill limit {dtype}/{threads}t: {flops / 1e9:.0f} GFLOP at {rate:.0f} GFLOP/s "
+                f"(torch matmul, M={PREFILL_LEN}) = {limits[f'{dtype}/{threads}t']:.0f} tokens/s",
+                flush=True,
+            )
+
     metrics = ["prefill_tps"] + [f"decode_tps_b{b}" for b in BATCHES]
     print("\n| engine / dtype / threads | " + " | ".join(metrics) + " |")
     print("|---" * (len(metrics) + 1) + "|")
@@ -243,10 +293,13 @@ def main() -> int:
                     ref = table.get(f"{peer}/{dtype}/{threads}", {}).get(m)
                     if ref:
                         cell += f" ({row[m] / ref:.2f}× {peer})"
+                limit = limits.get(f"{dtype}/{threads}")
+                if m == "prefill_tps" and limit:
+                    cell += f" ({row[m] / limit:.2f}× limit)"
             cells.append(cell)
         print(f"| {key} | " + " | ".join(cells) + " |")
     if args.out:
-        Path(args.out).write_text(json.dumps(table, indent=2))
+        Path(args.out).write_text(json.dumps({"results": table, "prefill_limits": limits}, indent=2))
     return 0
 
 
