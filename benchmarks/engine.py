@@ -254,17 +254,23 @@ def main() -> int:
     table: dict[str, dict[str, float]] = {}
     for dtype in args.dtypes.split(","):
         for threads in (int(t) for t in args.threads.split(",")):
-            for engine in engines:
-                runs = []
-                for _ in range(args.repeats):
+            # The engines take turns, repeat after repeat: a noisy spell of the machine falls on all
+            # of them rather than on one engine's repeats.
+            runs: dict[str, list[dict[str, float]]] = {engine: [] for engine in engines}
+            failed: set[str] = set()
+            for _ in range(args.repeats):
+                for engine in engines:
+                    if engine in failed:
+                        continue
                     try:
-                        runs.append(run_worker(engine, dtype, threads, args, hf_folder))
+                        runs[engine].append(run_worker(engine, dtype, threads, args, hf_folder))
                     except (RuntimeError, subprocess.TimeoutExpired) as exc:
                         print(f"[{engine} {dtype} {threads}t] failed: {exc}", file=sys.stderr)
-                        break
-                if runs:
+                        failed.add(engine)
+            for engine, done in runs.items():
+                if done:
                     key = f"{engine}/{dtype}/{threads}t"
-                    table[key] = {m: statistics.median(r[m] for r in runs) for m in runs[0]}
+                    table[key] = {m: statistics.median(r[m] for r in done) for m in done[0]}
                     print(key, json.dumps({m: round(v, 1) for m, v in table[key].items()}), flush=True)
 
     # The prefill limit: the model's FLOPs at this machine's matmul rate (dtype, threads), measured now.

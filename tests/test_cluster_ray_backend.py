@@ -36,8 +36,17 @@ from pdserve.security import DeploymentSecrets
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 PROMPTS = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * (2 + i) for i in range(4)]
+
+
+@ray.remote(num_cpus=0, resources={"pdserve_decode": 1})
+class Placeholder:
+    """Holds one unit of the decode resource on a node, so no worker can take it."""
+
+    def ready(self) -> bool:
+        return True
 
 
 class Nodes:
@@ -212,10 +221,19 @@ def test_a_lost_decode_node_is_a_dead_worker_whose_streams_go_on_on_another_node
     prompts = DRAIN_PROMPTS[:4]
     expected = offline(tiny_llama_4k, prompts, max_tokens)
     doomed = nodes.add("pdserve_decode", amount=1)
-    server = ray_server(
-        tiny_llama_4k, nodes, "--prefill", "1", "--decode", "2", "--ready-timeout", "60",
-        "--num-kv-blocks", "4096", "--ray-strategy", "spread",
-    )  # fmt: skip
+    # Ray's SPREAD is best effort (CI saw both workers on one node): while the workers start, a
+    # placeholder holds one of the module's decode node's two units, so each node has room for one.
+    holder = Placeholder.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(nodes.decode.node_id, soft=False)
+    ).remote()
+    ray.get(holder.ready.remote(), timeout=60)
+    try:
+        server = ray_server(
+            tiny_llama_4k, nodes, "--prefill", "1", "--decode", "2", "--ready-timeout", "60",
+            "--num-kv-blocks", "4096", "--ray-strategy", "spread",
+        )  # fmt: skip
+    finally:
+        ray.kill(holder)  # the lost worker's replacement needs that unit
     try:
         decode_nodes = {w["node"] for w in server.workers("decode")}
         assert decode_nodes == {nodes.decode.node_id, doomed.node_id}

@@ -108,6 +108,8 @@ CASES = [
     ([2, 40], [9, 41], 4, 4, 4, 32, 40),
     ([1, 12], [13, 12], 8, 6, 3, 24, 0),  # a head size the widest vectors do not divide
     ([1, 9], [6, 30], 16, 2, 1, 8, 5),
+    # decodes enough for the threads: each takes all KV heads of its sequence at once
+    ([1] * 9 + [9], [70, 1, 33, 16, 17, 90, 2, 64, 65, 30], 16, 9, 3, 64, 0),
 ]
 
 
