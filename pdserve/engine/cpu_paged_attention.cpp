@@ -513,6 +513,46 @@ struct Bf16Scratch {
       : kp(2 * D / 2 * 16), vp(KT / 2 * D), pb(rows * KT / 2), scores(rows * KT), acc(rows * D), m(rows), l(rows) {}
 };
 
+// A whole decode's keys are staged in chunks of STAGE_TOKENS: one memcpy per run of a block's slots
+// copies the chunk's K and V rows (all KV heads) into a per-thread buffer, and the tiles read from
+// there. The tiles' own loads from the scattered blocks ran at a quarter of the core's memory
+// bandwidth (~5.5 of ~20 GB/s measured on an AVX512-BF16 EPYC; software prefetch at any distance or
+// hint did not help), while a memcpy streams (docs/performance.md, "Staging a decode's keys"). A
+// chunk (2 x 256 x KVH x D bf16: 192 KiB for SmolLM2) stays in L2.
+// Prompt chunks are not staged: many queries share each tile, so their loads are already amortised.
+constexpr int64_t STAGE_TOKENS = 256;
+static_assert(STAGE_TOKENS % KT == 0, "a tile must not straddle two staged chunks");
+
+struct StagedKv {
+  std::vector<c10::BFloat16> k, v;
+};
+
+// The per-thread buffer: at::parallel_for runs on a persistent pool, so this is allocated once per
+// thread rather than once per layer call (a fresh 200 KB allocation is an mmap and page faults).
+inline StagedKv& staged_kv() {
+  thread_local StagedKv staged;
+  return staged;
+}
+
+// Copies the K and V rows (row = KVH * D elements: all heads of a token) of tokens [first, first + n)
+// from their blocks into `staged`, token t - first at row t - first.
+inline void stage_tokens(const Problem& p, const int64_t* table, int64_t first, int64_t n, const c10::BFloat16* k_cache,
+                         const c10::BFloat16* v_cache, StagedKv& staged) {
+  const int64_t row = p.num_kv_heads * p.head_dim;
+  if (static_cast<int64_t>(staged.k.size()) < n * row) {
+    staged.k.resize(n * row);
+    staged.v.resize(n * row);
+  }
+  for (int64_t t = first; t < first + n;) {
+    const int64_t slot = t % p.block_size, run = std::min(p.block_size - slot, first + n - t);
+    const int64_t src = (table[t / p.block_size] * p.block_size + slot) * row;
+    const size_t bytes = static_cast<size_t>(run * row) * sizeof(c10::BFloat16);
+    std::memcpy(staged.k.data() + (t - first) * row, k_cache + src, bytes);
+    std::memcpy(staged.v.data() + (t - first) * row, v_cache + src, bytes);
+    t += run;
+  }
+}
+
 inline __m512bh as_bh(__m512i v) {
   __m512bh b;
   std::memcpy(&b, &v, sizeof(b));
@@ -672,13 +712,32 @@ void attend_bf16(const Problem& p, const Item& item, const c10::BFloat16* q, con
   int64_t offsets[KT];
   __m512 regs[16];
 
+  // A whole decode (all KV heads: rows of a token contiguous) reads its keys from the staged copy.
+  const bool staging = item.kv_heads == p.num_kv_heads && item.num_queries == 1;
+  StagedKv* staged = staging ? &staged_kv() : nullptr;
+  const int64_t row = p.num_kv_heads * D;
+  const c10::BFloat16* k_base = k_cache;
+  const c10::BFloat16* v_base = v_cache;
+  int64_t stage_first = 0, stage_end = 0;  // tokens [stage_first, stage_end) are staged
+
   const int64_t start = key_lo(p, first_pos);
   for (int64_t k0 = start; k0 <= last_pos; k0 += KT) {
     const int64_t n = std::min<int64_t>(KT, last_pos + 1 - k0);
     const int groups = n > 16 ? 2 : 1;
-    token_offsets(p, table, k0, n, item.kv_head, offsets);
-    for (int64_t ahead = k0 + KT; ahead < k0 + 2 * KT; ahead += 16) {  // the next tile, from memory
-      prefetch_tokens(p, table, ahead, last_pos + 1 - ahead, item.kv_head, item.kv_heads, k_cache, v_cache);
+    if (staging) {
+      if (k0 >= stage_end) {  // KT divides STAGE_TOKENS: a tile never straddles two chunks
+        stage_first = k0;
+        stage_end = std::min(k0 + STAGE_TOKENS, last_pos + 1);
+        stage_tokens(p, table, stage_first, stage_end - stage_first, k_cache, v_cache, *staged);
+        k_base = staged->k.data();
+        v_base = staged->v.data();
+      }
+      for (int64_t u = 0; u < n; ++u) offsets[u] = (k0 - stage_first + u) * row;
+    } else {
+      token_offsets(p, table, k0, n, item.kv_head, offsets);
+      for (int64_t ahead = k0 + KT; ahead < k0 + 2 * KT; ahead += 16) {  // the next tile, from memory
+        prefetch_tokens(p, table, ahead, last_pos + 1 - ahead, item.kv_head, item.kv_heads, k_cache, v_cache);
+      }
     }
     const int64_t token_pairs = (n + 1) / 2;
     for (int64_t h = 0; h < item.kv_heads; ++h) {
@@ -688,7 +747,7 @@ void attend_bf16(const Problem& p, const Item& item, const c10::BFloat16* q, con
         for (int64_t c = 0; c < pairs; c += 16) {
           for (int t = 0; t < 16; ++t) {
             const int64_t key = 16 * g + t;
-            regs[t] = key < n ? _mm512_loadu_ps(k_cache + offsets[key] + head + 2 * c) : _mm512_setzero_ps();
+            regs[t] = key < n ? _mm512_loadu_ps(k_base + offsets[key] + head + 2 * c) : _mm512_setzero_ps();
           }
           transpose16(regs);
           for (int t = 0; t < 16; ++t) {
@@ -698,9 +757,9 @@ void attend_bf16(const Problem& p, const Item& item, const c10::BFloat16* q, con
       }
       // V as pairs along keys: vp[j][d] = (v[2j][d], v[2j + 1][d]).
       for (int64_t j = 0; j < token_pairs; ++j) {
-        const c10::BFloat16* a = v_cache + offsets[2 * j] + head;
+        const c10::BFloat16* a = v_base + offsets[2 * j] + head;
         const bool second = 2 * j + 1 < n;
-        const c10::BFloat16* b = second ? v_cache + offsets[2 * j + 1] + head : nullptr;
+        const c10::BFloat16* b = second ? v_base + offsets[2 * j + 1] + head : nullptr;
         for (int64_t c = 0; c < D; c += 32) {
           const __m512i va = _mm512_loadu_si512(a + c);
           const __m512i vb = second ? _mm512_loadu_si512(b + c) : _mm512_setzero_si512();
@@ -744,7 +803,9 @@ std::vector<Item> work_items(const Problem& p, int64_t num_seqs) {
   std::vector<Item> items;
   int64_t decodes = 0;
   for (int64_t s = 0; s < num_seqs; ++s) decodes += p.starts[s + 1] - p.starts[s] == 1;
-  const bool whole_decodes = decodes >= 2 * at::get_num_threads();
+  // Whole decodes when they keep every thread busy (one thread: always; its K/V rows then stream).
+  const int threads = at::get_num_threads();
+  const bool whole_decodes = threads == 1 || decodes >= 2 * threads;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = p.starts[s + 1] - p.starts[s];
     if (q_len == 1 && whole_decodes) {
