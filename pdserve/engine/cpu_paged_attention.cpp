@@ -1,5 +1,6 @@
 // Paged attention on CPU for a whole step: decode tokens and prompt chunks alike, K and V read in
-// place from their cache blocks (never gathered into a copy), GQA handled by attending the G = H / KVH
+// place from their cache blocks (never gathered into a new tensor; the bf16 kernel copies a whole
+// decode's keys 256 tokens at a time into a per-thread buffer, see StagedKv), GQA handled by attending the G = H / KVH
 // query heads of one KV head together so each K/V row is read once for all of them.
 //
 // A step's batch is a list of sequences; sequence s has q_len = qsl[s + 1] - qsl[s] new tokens
