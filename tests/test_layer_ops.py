@@ -55,6 +55,30 @@ def test_norms_and_activation_match_the_portable_ops(dtype: torch.dtype) -> None
             torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 7, 16, 33, 49152])
+def test_argmax_rows_picks_what_torch_argmax_picks(dtype: torch.dtype, vocab: int) -> None:
+    """Greedy sampling's argmax: ties go to the first maximum, a NaN wins (the first NaN), rows of
+    -inf give 0, and rows that are views of a wider tensor are read with their stride."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(10, vocab + 3, generator=gen).to(dtype)[:, :vocab]  # strided rows
+    last = vocab - 1
+    logits[1] = 0.0  # all equal: index 0
+    logits[2] = float("-inf")
+    logits[3, last] = logits[3].max() + 1  # the maximum at the very end (a scalar tail)
+    logits[4, last // 2] = logits[4, last] = logits[4].max() + 1  # a tie: the first
+    logits[5, last] = float("nan")
+    logits[6, 0] = float("nan")
+    logits[7, last // 2] = float("nan")
+    logits[7, last] = float("nan")  # two NaNs: the first
+    logits[8] = -0.0
+    logits[8, last] = 0.0  # -0.0 == 0.0: index 0, as torch
+    logits[9, last] = float("inf")
+    fused = CpuKernelOps().argmax_rows(logits)
+    assert fused.dtype == torch.long
+    assert fused.tolist() == TorchLayerOps().argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist()
+
+
 def dense_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int], window: int
 ) -> torch.Tensor:

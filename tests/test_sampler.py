@@ -52,6 +52,20 @@ def test_greedy_is_argmax_for_every_row() -> None:
     assert logprobs == [None] * 64  # not asked for
 
 
+def test_bf16_logits_give_the_tokens_and_logprobs_of_their_float32_values() -> None:
+    """The runner hands over logits in the model dtype; greedy rows take their argmax as they are,
+    everything else works on their float32 values."""
+    logits = random_logits(6, seed=3).bfloat16()
+    greedy = SamplingParams(temperature=0)
+    params = [greedy, greedy, SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0.8)]
+    for chosen in ([greedy] * 6, params + params[:2]):
+        got = sample(logits, [row(p, seed=1) for p in chosen])
+        want = sample(logits.float(), [row(p, seed=1) for p in chosen])
+        assert got == want
+    tokens, _ = sample(logits, [row(greedy, seed=None) for _ in range(6)])
+    assert tokens == logits.float().argmax(dim=-1).tolist()
+
+
 @pytest.mark.parametrize(
     "params",
     [

@@ -5,6 +5,8 @@
 //   rotary_and_cache    RoPE (rotate-half) on q in place in the qkv rows, RoPE on k, then k and v
 //                       written to their cache slots
 //   silu_and_mul        out = silu(gate) * up
+//   argmax_rows         the index of each row's largest value (greedy sampling), as torch.argmax:
+//                       the first of equal maxima, the first NaN if the row has one
 // Numerics follow Hugging Face's modules op for op, with the same roundings to the model dtype
 // between them (a bf16 product is rounded to bf16 before it is added, as torch does), so greedy
 // outputs stay those of the portable path. No FMA contraction where torch rounds in between.
@@ -21,6 +23,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -290,6 +298,78 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {  // [T, 2 I] -> [T, I]
   return out;
 }
 
+// torch.argmax of a row, in two passes over it (a vocabulary row is L2-resident): its maximum, then
+// the first index holding it. torch's own argmax tracks the index at every element, one element
+// at a time: ~0.65 ms for 8 rows of SmolLM2's 49152 logits, ~1.3% of a batch-8 decode step.
+#if defined(__AVX512F__)
+template <typename T>
+inline __m512 load16(const raw_t<T>* x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(x);
+  } else {  // a bf16 is the top half of an fp32
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+}
+#endif
+
+template <typename T>
+int64_t argmax_row(const raw_t<T>* x, int64_t n) {
+  using E = Elem<T>;
+  // Pass 1: the maximum, or the first NaN (torch's argmax ranks NaN above everything).
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = load16<T>(x + i);
+    if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) break;  // the scalar loop finds which
+    vm = _mm512_max_ps(vm, v);
+  }
+  m = _mm512_reduce_max_ps(vm);
+#endif
+  for (; i < n; ++i) {
+    const float v = E::load(x[i]);
+    if (std::isnan(v)) return i;
+    m = v > m ? v : m;
+  }
+  // Pass 2: the first index holding it.
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(load16<T>(x + i), target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#endif
+  for (; i < n; ++i) {
+    if (E::load(x[i]) == m) return i;
+  }
+  return 0;  // unreachable: m is one of the row's values
+}
+
+template <typename T>
+void argmax_rows_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
+  const raw_t<T>* xp = raw<T>(x);
+  int64_t* op = out.mutable_data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row<T>(xp + r * xs, n);
+  });
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {  // [S, V] -> [S] int64
+  check_rows(x, "logits");
+  TORCH_CHECK(x.size(1) > 0, "argmax_rows needs at least one column");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  if (x.scalar_type() == at::kFloat) {
+    argmax_rows_impl<float>(x, out);
+  } else {
+    argmax_rows_impl<c10::BFloat16>(x, out);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
@@ -299,6 +379,7 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
       "rotary_and_cache(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
@@ -306,4 +387,5 @@ TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary_and_cache", &rotary_and_cache);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }

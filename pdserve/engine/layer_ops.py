@@ -5,7 +5,7 @@ write, and the MLP's activation.
 for op; it stays the reference. `CpuKernelOps` does the same work in the C++ ops of cpu_kernels.py
 (one pass each instead of several torch ops and their dispatch): `add_rms_norm` (the residual add
 fused into the next norm), `rotary_and_cache` (RoPE on q and k, k and v written to their cache
-slots), `silu_and_mul`, and `paged_attention` for decodes and prompt chunks alike, reading K and V
+slots), `silu_and_mul`, `argmax_rows` (greedy sampling), and `paged_attention` for decodes and prompt chunks alike, reading K and V
 in place from their blocks. The model calls whichever it was given (`LlamaForCausalLM.ops`).
 """
 
@@ -62,6 +62,9 @@ class TorchLayerOps:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:  # [S, V] -> [S] int64
+        return logits.argmax(dim=-1)
 
 
 class CpuKernelOps(TorchLayerOps):
@@ -137,4 +140,8 @@ class CpuKernelOps(TorchLayerOps):
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.pdserve.silu_and_mul(gate_up)
+        return out
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.pdserve.argmax_rows(logits)
         return out

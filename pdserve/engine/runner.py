@@ -90,8 +90,8 @@ class ModelRunner:
         result = RunnerOutput()
         if not rows:
             return result
-        logits = self.model.compute_logits(hidden[sample_index])  # [S, vocab] float32
-        tokens, logprobs = sample(logits, rows)
+        logits = self.model.compute_logits(hidden[sample_index])  # [S, vocab] in the model dtype
+        tokens, logprobs = sample(logits, rows, self.model.ops.argmax_rows)
         for request_id, token, logprob in zip(sampled_ids, tokens, logprobs, strict=True):
             result.sampled[request_id] = token
             if logprob is not None:

@@ -7,6 +7,7 @@ gives the same tokens whatever else shares its batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,13 +33,29 @@ class SamplingRow:
         return sorted({*eos, *self.params.stop_token_ids})
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: [S, vocab] float32, one row per entry of `rows`. Returns token ids and logprobs."""
-    raw_logprobs = None
-    if any(r.params.logprobs is not None for r in rows):
-        raw_logprobs = torch.log_softmax(logits, dim=-1)  # [S, V] the model's own distribution
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:  # [S, V] -> [S] int64
+    return logits.argmax(dim=-1)
+
+
+def sample(
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax,
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits: [S, vocab] in the model's dtype, one row per entry of `rows`. Returns token ids and
+    logprobs. `argmax` picks the greedy rows' tokens (the first of equal maxima, as torch.argmax):
+    the layer ops' own, a C++ one on CPU."""
     banned = [row.banned_for_min_tokens for row in rows]
-    if any(r.params.needs_penalties or r.params.logit_bias for r in rows) or any(banned):
+    processed = any(r.params.needs_penalties or r.params.logit_bias for r in rows) or any(banned)
+    wants_logprobs = any(r.params.logprobs is not None for r in rows)
+    if processed or wants_logprobs or not all(r.params.greedy for r in rows):
+        # Float32 for everything past a plain argmax. A batch of greedy rows skips the copy: the
+        # argmax of bf16 logits is that of their exact float32 values.
+        logits = logits.float()
+    raw_logprobs = None
+    if wants_logprobs:
+        raw_logprobs = torch.log_softmax(logits, dim=-1)  # [S, V] the model's own distribution
+    if processed:
         logits = logits.clone()
         for i, row in enumerate(rows):
             if banned[i]:  # -inf stays -inf under the bias and penalties below
@@ -52,7 +69,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
             if row.params.needs_penalties:
                 _apply_penalties(logits[i], row)
 
-    greedy_tokens = logits.argmax(dim=-1).tolist()  # [S]
+    greedy_tokens = argmax(logits).tolist()  # [S]
     tokens: list[int] = []
     for i, row in enumerate(rows):
         if row.params.greedy:
