@@ -1,6 +1,7 @@
 """Decode attention per layer: the C++ CPU kernel against the portable torch path (gather + SDPA).
 
-Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64), blocks of 16 tokens scattered
+The kernel is what the engine's CpuKernelOps calls for a batch of decodes: `paged_attention` (bf16),
+or the older `paged_decode_attention` for fp32 caches. Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64), blocks of 16 tokens scattered
 over the cache as a long-running engine leaves them, ~540 tokens of context per sequence (ragged).
 Each timed call is one layer's `paged_attention` for the decode batch (this step's K/V store
 included), cycling over `--layers` layers of one [layers, 2, blocks, 16, 3, 64] cache so the K/V
@@ -20,20 +21,52 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
 from pdserve.engine import cpu_kernels
 from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.engine.layer_ops import CpuKernelOps
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 ROUNDS = 3
 
 
+Attention = Callable[..., torch.Tensor]
+
+
+def kernel_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k: torch.Tensor,  # [B, KVH, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [NB, BS, KVH, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [B, H, D]
+    """The engine's kernel path for a step of decodes (CpuKernelOps.attention, less RoPE): this
+    step's K/V stored, then the C++ op the engine picks for the cache's dtype."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    assert meta.block_tables is not None and meta.seq_lens is not None and meta.query_start_loc is not None
+    if k_cache.dtype == torch.float32 and CpuKernelOps().decode_kernel_for_fp32:
+        out: torch.Tensor = torch.ops.pdserve.paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, 0
+        )
+        return out
+    out = torch.ops.pdserve.paged_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, 0
+    )
+    return out
+
+
 def make_layers(
     num_seqs: int, context: int, num_layers: int, dtype: torch.dtype, seed: int = 0
 ) -> tuple[torch.Tensor, AttentionMetadata, AttentionMetadata]:
-    """The cache [L, 2, NB, BS, KVH, D] and metadata with and without lengths (kernel / portable)."""
+    """The cache [L, 2, NB, BS, KVH, D] and the step's metadata for the kernel (lengths, starts,
+    one table per sequence) and for the portable path (padded tables and a mask)."""
     gen = torch.Generator().manual_seed(seed)
     lens = [context + int(x) for x in torch.randint(-10, 11, (num_seqs,), generator=gen)]
     needed = [-(-n // BLOCK_SIZE) for n in lens]
@@ -48,21 +81,28 @@ def make_layers(
         slots.append(own[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE)
     lengths = torch.tensor(lens, dtype=torch.long)
     mask = torch.arange(max_blocks * BLOCK_SIZE)[None, :] < lengths[:, None]  # [B, ctx]
-    with_lengths = AttentionMetadata(
+    table_tensor = torch.tensor(tables, dtype=torch.long)
+    portable = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long),
         num_decode_tokens=num_seqs,
-        decode_block_tables=torch.tensor(tables, dtype=torch.long),
+        decode_block_tables=table_tensor,
         decode_mask=mask[:, None, None, :],
         decode_seq_lens=lengths,
     )
-    portable = AttentionMetadata(**{**with_lengths.__dict__, "decode_seq_lens": None})
-    return cache, with_lengths, portable
+    kernel = AttentionMetadata(
+        slot_mapping=portable.slot_mapping,
+        num_decode_tokens=num_seqs,
+        seq_lens=lengths,
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.long),
+        block_tables=table_tensor,
+    )
+    return cache, kernel, portable
 
 
 def time_per_layer(
-    cache: torch.Tensor, meta: AttentionMetadata, dtype: torch.dtype, seconds: float
+    attention: Attention, cache: torch.Tensor, meta: AttentionMetadata, dtype: torch.dtype, seconds: float
 ) -> list[float]:
-    """Milliseconds per layer of paged_attention over the decode batch, one sample per pass."""
+    """Milliseconds per layer of `attention` over the decode batch, one sample per pass."""
     num_seqs, num_layers = meta.num_decode_tokens, cache.shape[0]
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=gen).to(dtype)
@@ -70,13 +110,13 @@ def time_per_layer(
     v = torch.randn(num_seqs, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     scale = HEAD_DIM**-0.5
     for layer in range(num_layers):  # warm-up: first-call costs, the other path's data out of cache
-        paged_attention(q, k, v, cache[layer, 0], cache[layer, 1], meta, scale)
+        attention(q, k, v, cache[layer, 0], cache[layer, 1], meta, scale)
     samples: list[float] = []
     started = time.perf_counter()
     while time.perf_counter() - started < seconds or len(samples) < 3:
         t0 = time.perf_counter()
         for layer in range(num_layers):  # one pass over the layers, like a forward pass
-            paged_attention(q, k, v, cache[layer, 0], cache[layer, 1], meta, scale)
+            attention(q, k, v, cache[layer, 0], cache[layer, 1], meta, scale)
         samples.append((time.perf_counter() - t0) / num_layers * 1e3)
     return samples
 
@@ -88,7 +128,7 @@ def check_agreement(
     q = torch.randn(n, HEADS, HEAD_DIM).to(cache.dtype)
     k = torch.randn(n, KV_HEADS, HEAD_DIM).to(cache.dtype)
     v = torch.randn(n, KV_HEADS, HEAD_DIM).to(cache.dtype)
-    a = paged_attention(q, k, v, cache[0, 0], cache[0, 1], kernel_meta, HEAD_DIM**-0.5)
+    a = kernel_attention(q, k, v, cache[0, 0], cache[0, 1], kernel_meta, HEAD_DIM**-0.5)
     b = paged_attention(q, k, v, cache[0, 0], cache[0, 1], portable_meta, HEAD_DIM**-0.5)
     return float((a.float() - b.float()).abs().max())
 
@@ -158,8 +198,12 @@ def main() -> None:
                     portable_ms: list[float] = []
                     kernel_ms: list[float] = []
                     for _ in range(ROUNDS):
-                        portable_ms += time_per_layer(cache, portable_meta, dtype, args.seconds / ROUNDS)
-                        kernel_ms += time_per_layer(cache, kernel_meta, dtype, args.seconds / ROUNDS)
+                        portable_ms += time_per_layer(
+                            paged_attention, cache, portable_meta, dtype, args.seconds / ROUNDS
+                        )
+                        kernel_ms += time_per_layer(
+                            kernel_attention, cache, kernel_meta, dtype, args.seconds / ROUNDS
+                        )
                     portable, kernel = statistics.median(portable_ms), statistics.median(kernel_ms)
                     print(
                         f"{dtype_name:>9} {threads:>7} {batch:>5} {portable:>11.3f} {kernel:>9.3f} "
