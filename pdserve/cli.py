@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 def _info(args: argparse.Namespace) -> int:
     import torch
 
-    from pdserve.engine import cpu_choice
+    from pdserve.engine import cpu_choice, huge_pages
     from pdserve.engine.cpu_kernels import unavailable_reason
 
     plan = cpu_choice.cpu_plan(refresh=args.refresh)
@@ -142,6 +142,13 @@ def _info(args: argparse.Namespace) -> int:
         chosen = "prepacked oneDNN" if plan.prepack.get(dtype) else "torch F.linear"
         print(f"  {dtype}: matmul GFLOP/s {rates}; prepacked weights {speedups or 'unavailable'} -> {chosen}")
     print(f"  C++ kernels: {isa if isa else 'unavailable: ' + str(unavailable_reason())}")
+    private, shared = huge_pages.thp_setting(), huge_pages.thp_setting(huge_pages.THP_SHMEM_ENABLED)
+    print(
+        f"  KV cache pages: transparent_hugepage={private} (a private cache: "
+        f"{'2 MiB' if huge_pages.wanted() and huge_pages.huge_pages_possible(private) else '4 KiB'}), "
+        f"shmem_enabled={shared} (an shm transport's cache: "
+        f"{'2 MiB' if huge_pages.huge_pages_possible(shared) else '4 KiB'})"
+    )
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(plan.measured_at))
     print(f"  measured {when}, cached in {cpu_choice.cache_path()}")
     if torch.cuda.is_available():

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine import huge_pages
 from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import KVAllocator, ModelRunner
@@ -123,16 +124,31 @@ class EngineCore:
         self.last_step: StepStats | None = None
         self._kv_to_receive: list[tuple[str, list[int]]] = []
         logger.info(
-            "engine ready: %s on %s, %s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d, role %s",
+            "engine ready: %s on %s, %s, %d KV blocks of %d tokens (%.0f MiB%s), max_model_len %d, role %s",
             config.model,
             device,
             dtype,
             num_blocks,
             config.block_size,
             num_blocks * block_bytes / 2**20,
+            self._kv_pages_note(device, kv_allocator is not None),
             self.max_model_len,
             config.role.value,
         )
+
+    def _kv_pages_note(self, device: torch.device, custom_allocator: bool) -> str:
+        """What the startup line says of the cache's pages (huge_pages.py), on CPU."""
+        if device.type != "cpu" or custom_allocator:
+            return ""
+        if self.runner.kv_huge_pages:
+            huge = huge_pages.anon_huge_bytes(self.runner.kv_cache)
+            if huge is None:
+                return ", asked for 2 MiB pages"
+            total = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
+            return f", {huge / 2**20:.0f} of {total / 2**20:.0f} MiB on 2 MiB pages"
+        if not huge_pages.wanted():
+            return ", 4 KiB pages: PDSERVE_KV_HUGE_PAGES=0"
+        return f", 4 KiB pages: transparent_hugepage is {huge_pages.thp_setting()}"
 
     # -- requests -------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

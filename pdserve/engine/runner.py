@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine import huge_pages
 from pdserve.engine.attention import AttentionMetadata, PrefillChunkMeta
 from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request
@@ -50,10 +51,14 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        if kv_allocator is None:
-            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-        else:  # e.g. in shared memory, for the `shm` KV transport; must come back zeroed
+        # Whether the cache asked for 2 MiB pages and the kernel's setting grants them (huge_pages.py).
+        self.kv_huge_pages = False
+        if kv_allocator is not None:  # e.g. in shared memory, for the `shm` KV transport; zeroed
             self.kv_cache = kv_allocator(shape, dtype)
+        elif device.type == "cpu" and huge_pages.wanted():
+            self.kv_cache, self.kv_huge_pages = huge_pages.zeros_on_huge_pages(shape, dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self._generators: dict[str, torch.Generator] = {}
         self._seed_source = random.Random(seed)  # seeds for requests that did not ask for one
 

@@ -33,6 +33,7 @@ from pdserve.transfer.segments import (
     segment_name,
 )
 
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 _MADV_POPULATE_WRITE = 23  # not in Python's mmap module yet
 
 
@@ -82,6 +83,10 @@ class OwnedSegment:
         # MADV_POPULATE_WRITE, Linux 5.14+: content unchanged; ~0.5 s a GiB at start, once.
         mapping = getattr(self._shm, "_mmap", None)
         if mapping is not None:
+            # 2 MiB pages where transparent_hugepage/shmem_enabled allows a mapping to ask (advise,
+            # within_size; engine/huge_pages.py says why): asked before the pages are mapped.
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                mapping.madvise(_MADV_HUGEPAGE)
             with contextlib.suppress(OSError, ValueError):
                 mapping.madvise(_MADV_POPULATE_WRITE)
 
