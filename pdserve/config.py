@@ -25,7 +25,12 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"  # "cpu", "cuda", "cuda:N" or "auto"
     role: Role = Role.MIXED
-    block_size: int = 16
+    # Tokens per KV block. 64, not the 16 of GPU servers: a decode reads each of its blocks as one
+    # contiguous run per layer, and a serving engine's blocks end up scattered over the cache; on
+    # CPU a 16-token run (6 KiB for SmolLM2) is too short for the prefetchers, and decode attention
+    # over scattered 64-token blocks was 15-30% faster (benchmarks/kv_huge_pages.py --block-size,
+    # docs/performance.md). vLLM's CPU backend picks 128 for the same reason.
+    block_size: int = 64
     # KV cache size: `num_kv_blocks` if given, else as many blocks as fit in `kv_cache_memory_gib`.
     num_kv_blocks: int | None = None
     kv_cache_memory_gib: float = 1.0

@@ -192,7 +192,7 @@ def test_load_reports_carry_each_step_for_the_cost_model(tiny_llama: Path) -> No
         params = wire.WireSamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         worker.send(wire.AddRequest("r1", list(range(20, 60)), params))
         steps, loads = steps_until_done(worker, 6)
-        assert all(load.kv_blocks_total == 64 and load.block_size == 16 for load in loads)
+        assert all(load.kv_blocks_total == 64 and load.block_size == 64 for load in loads)
         # One prompt step of 40 tokens (attending to 1..40: 40 * 20 on average), then five decode
         # steps of one stream whose context grows by one each time; each step once, in order.
         assert [s.prefill_tokens for s in steps] == [40, 0, 0, 0, 0, 0]
