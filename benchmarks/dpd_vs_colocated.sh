@@ -5,6 +5,7 @@
 # and the same workload against vLLM's CPU build, colocated and disaggregated.
 #
 #   benchmarks/dpd_vs_colocated.sh OUT STEP...     STEP: mixed chat-only sweep vllm-coloc vllm-disagg
+#   CHAT_RATE=1.5 DOCS_RATE=0.15 benchmarks/dpd_vs_colocated.sh OUT mixed vllm-coloc vllm-disagg  # x3 load
 #
 # pdserve runs with dtype auto; vLLM with the dtype that auto picks here (`pdserve info`; DTYPE=
 # overrides). Run on a quiet machine: the workers are pinned one per CPU and anything else running moves the
@@ -21,8 +22,10 @@ REPEATS=${REPEATS:-3}
 MIXED_ONLY=${MIXED_ONLY:-0}  # 1: the vLLM steps run the mixed workload only (no chat-only baseline)
 PDSERVE="$ROOT/.venv/bin/python -m pdserve.cli"
 
-W_CHAT="chat: poisson(rate=0.5) prompt=lognormal(96,0.4,32,256) output=uniform(24,48)"
-W_DOCS="docs: constant(rate=0.05) prompt=fixed(1024) output=fixed(8)"
+CHAT_RATE=${CHAT_RATE:-0.5}  # requests/s; the headline run's load unless overridden (e.g. x3: 1.5)
+DOCS_RATE=${DOCS_RATE:-0.05}
+W_CHAT="chat: poisson(rate=$CHAT_RATE) prompt=lognormal(96,0.4,32,256) output=uniform(24,48)"
+W_DOCS="docs: constant(rate=$DOCS_RATE) prompt=fixed(1024) output=fixed(8)"
 COMMON=(--model smollm2-135m --duration 120 --slo ttft=2000,itl=250)
 
 vllm_compare() {  # LABEL PORT OUTDIR WORKLOAD
