@@ -64,6 +64,10 @@ class TorchLayerOps:
         return F.silu(gate) * up
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:  # [S, V] -> [S] int64
+        if logits.device.type == "cpu" and logits.dtype != torch.float32:
+            # torch's CPU argmax over bf16 runs ~3x slower than widening to float32 first (1.43
+            # against 0.6 ms for [8, 49152]); the widening is exact, so the argmax is the same.
+            logits = logits.float()
         return logits.argmax(dim=-1)
 
 
