@@ -17,6 +17,7 @@ PDSERVE_KV_HUGE_PAGES=0 turns the advice off (the cache is then a plain torch.ze
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 from pathlib import Path
@@ -57,9 +58,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[tor
     now (as torch.zeros would touch them: no page fault later, mid-step). Returns the tensor and
     whether the kernel's setting lets the advice take effect. The mapping lives as long as the
     tensor (torch.frombuffer keeps a reference to it)."""
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     # Anonymous memory is zero-filled by the kernel; MAP_PRIVATE: never shared with a child.
     mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
