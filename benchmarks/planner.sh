@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Issue 10's measurements on SmolLM2-135M (docs/performance.md, "The planner and the path choice"):
 #
-#   benchmarks/planner.sh OUT STEP...     STEP: paths paths-m2 quiet step
+#   benchmarks/planner.sh OUT STEP...     STEP: paths paths-m2 paths-tight quiet step
 #
 # paths / paths-m2: steady short chats plus long prompts that keep the one prefill worker busy most
-#   of the time (two mixes), colocated chunked prefill (2 workers) against DPD 1+1 with each
+#   of the time (two mixes; BUSY, PREFILL_TOK_S below), colocated chunked prefill (2 workers) against DPD 1+1 with each
 #   request's path chosen by the cost model and DPD with the old fixed threshold.
+# paths-tight: paths' workload on DPD with the server's ITL SLO at ITL_TIGHT ms (default 55).
 # quiet: the same chats alone on DPD (the ITL baseline).
 # step: a chat rate that steps x3 for 60 s, static pools against --planner slo (budget 3).
 # Run on a quiet machine; configurations never share it (bench compare runs them in turn).
@@ -16,9 +17,37 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 REPEATS=${REPEATS:-2}
 PDSERVE="$ROOT/.venv/bin/python -m pdserve.cli"
 
+# The documents keep the one prefill worker BUSY (default 0.8) of the time, whatever this machine's
+# speed: their rate follows from one worker's prefill throughput (prompt tokens/s, 256-token chunks,
+# one thread as a serving worker has), measured here unless PREFILL_TOK_S gives it.
+BUSY=${BUSY:-0.8}
+if [[ -z ${PREFILL_TOK_S:-} ]]; then
+    PREFILL_TOK_S=$("$ROOT/.venv/bin/python" - <<'PY'
+import time
+
+import torch
+
+torch.set_num_threads(1)
+from pdserve import LLM, SamplingParams
+
+llm = LLM("smollm2-135m", chunk_size=256, num_kv_blocks=256)
+params = SamplingParams(max_tokens=1, ignore_eos=True)
+prompt = [1000 + (7 * i) % 40000 for i in range(2000)]
+llm.generate([prompt[:300]], params)  # warm-up
+times = []
+for _ in range(3):
+    started = time.perf_counter()
+    llm.generate([prompt], params)
+    times.append(time.perf_counter() - started)
+print(round(2000 / sorted(times)[1]))
+PY
+    )
+fi
+rate() { python3 -c "print(round($BUSY * $PREFILL_TOK_S / $1, 3))"; }  # $1: mean prompt tokens
+echo "prefill: $PREFILL_TOK_S prompt tokens/s on one worker; documents keep it $BUSY busy" >&2
 W_CHAT="chat: poisson(rate=0.5) prompt=lognormal(96,0.4,32,256) output=uniform(24,48)"
-W_DOCS="docs: constant(rate=0.08) prompt=fixed(2000) output=fixed(8)"    # ~85% of a prefill worker
-W_DOCS2="docs: poisson(rate=0.2) prompt=uniform(600,1400) output=fixed(8)" # shorter, random, more often
+W_DOCS="docs: constant(rate=$(rate 2000)) prompt=fixed(2000) output=fixed(8)"
+W_DOCS2="docs: poisson(rate=$(rate 1000)) prompt=uniform(600,1400) output=fixed(8)" # shorter, random
 SLO=ttft=2000,itl=250
 COMMON=(--model smollm2-135m --duration 120 --slo $SLO --pool-sample-interval 0)
 PATHS=(--config "colocated=--colocated 2"
@@ -32,6 +61,10 @@ for step in "$@"; do
         --repeats "$REPEATS" --out "$OUT/paths" ;;
     paths-m2) $PDSERVE bench compare "${COMMON[@]}" "${PATHS[@]}" --workload "$W_CHAT; $W_DOCS2" \
         --repeats 1 --out "$OUT/paths-m2" ;;
+    paths-tight) # the path choice held to an ITL SLO near the chats' quiet ITL p99 (ITL_TIGHT ms)
+        $PDSERVE bench compare "${COMMON[@]}" --workload "$W_CHAT; $W_DOCS" --repeats "$REPEATS" \
+        --config "dpd-cost-itl${ITL_TIGHT:-55}=--prefill 1 --decode 1 --slo ttft=2000,itl=${ITL_TIGHT:-55}" \
+        --out "$OUT/paths-tight" ;;
     quiet) $PDSERVE bench compare "${COMMON[@]}" --config "dpd-cost=--prefill 1 --decode 1 --slo $SLO" \
         --workload "$W_CHAT" --repeats "$REPEATS" --out "$OUT/quiet" ;;
     step) $PDSERVE bench compare --model smollm2-135m --duration 180 --slo $SLO \
