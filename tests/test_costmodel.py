@@ -93,6 +93,25 @@ def test_coefficients_never_negative_so_more_work_never_costs_less() -> None:
     assert model.decode_step_seconds(32, 100) >= model.decode_step_seconds(1, 100) - 1e-12
 
 
+def test_stall_margin_is_the_recent_under_prediction_of_prompt_steps_beside_streams() -> None:
+    model = fitted()
+    mixed = [Step(t, chunk_attention(0, t), 8, 4000) for t in range(8, 48)]
+    for step in mixed[:19]:  # predicted right, and too few to judge by anyway
+        model.add(step, true_seconds(step))
+    assert model.mixed_step_margin() == 1.0
+    for step in mixed[19:]:
+        model.add(step, true_seconds(step))
+    assert model.mixed_step_margin() == pytest.approx(1.0, abs=0.02)  # never below 1
+    # Pure prompt or pure decode steps, however slow, are not what a local prefill makes.
+    model.add(Step(256, chunk_attention(0, 256)), 10 * true_seconds(Step(256, chunk_attention(0, 256))))
+    assert model.mixed_step_margin() == pytest.approx(1.0, abs=0.02)
+    # The mixed steps start to run 1.5x what the model predicts for them: once they are over 10%
+    # of the window, its p90 says so.
+    for step in mixed[:30]:
+        model.add(step, 1.5 * model.step_seconds(step))
+    assert model.mixed_step_margin() == pytest.approx(1.5, rel=0.02)
+
+
 def test_a_short_prompt_on_a_busy_prefill_worker_waits_only_for_the_step_in_progress() -> None:
     model = fitted()
     long_chunk = true_seconds(Step(256, chunk_attention(0, 256)))

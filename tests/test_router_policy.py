@@ -101,6 +101,27 @@ def test_a_local_prefill_goes_in_chunks_whose_steps_fit_the_itl_budget() -> None
     assert default.stall_s is not None and default.stall_s <= 1.5 * model.decode_step_seconds(16, 300) + 1e-9
 
 
+def test_steps_that_ran_longer_than_predicted_shrink_a_local_prefill_s_chunks() -> None:
+    model = _machine()
+    busy = policy.PrefillCandidate("p0", (2000, 2000), chunk=256, budget=256)
+    decode = policy.DecodeCandidate(
+        "d0", streams=16, context_per_stream=300, ahead=(), chunk=512, budget=2048
+    )
+    before = policy.choose_path_by_cost(
+        model, 400, busy, decode, itl_budget_s=0.1, local_prefill_threshold=16
+    )
+    assert (before.path, before.chunk, before.stall_margin) == ("local", 14, 1.0)
+    # Prompt chunks beside streams come out 25% slower than the fit says (interference the linear
+    # model cannot see): 20 of them, and the budget the chunks must fit shrinks by that much.
+    for tokens in range(4, 24):
+        step = Step(tokens, 0, 16, 4800)
+        model.add(step, 1.25 * model.step_seconds(step))
+    after = policy.choose_path_by_cost(model, 400, busy, decode, itl_budget_s=0.1, local_prefill_threshold=16)
+    assert after.stall_margin == pytest.approx(1.25, rel=0.05)
+    assert after.path == "local" and after.chunk < before.chunk
+    assert after.stall_s is not None and 1.25 * after.stall_s <= 0.1 * 1.05  # what the steps will take
+
+
 def test_local_is_refused_when_not_even_one_token_fits_beside_the_streams() -> None:
     model = _machine()
     busy = policy.PrefillCandidate("p0", (2000, 2000), chunk=256, budget=256)

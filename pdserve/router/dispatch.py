@@ -205,6 +205,7 @@ class Dispatcher:
         to_compute = len(tokens) + len(resumed)
         choice, prefill, local = self.placement.choose_path(to_compute)
         self.metrics.path_choices.labels(choice.path, choice.reason).inc()
+        self.metrics.stall_margin.set(choice.stall_margin)
         first_attempt = state.choice is None  # demand counts once per request, not per retry
         if first_attempt:
             state.choice = choice

@@ -155,6 +155,12 @@ class RouterMetrics:
             ("path",),
             buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0),
         )
+        self.stall_margin = Gauge(
+            "pdserve_cost_model_stall_margin",
+            "What the path choice last divided the ITL budget by: the cost model's recent under-prediction "
+            "(p90 of observed / predicted) of steps with prompt tokens beside decode streams; 1 before it has 20",
+            registry=r,
+        )
         self.slo_seconds = Gauge(
             "pdserve_slo_seconds",
             "The SLO the server is run against (--slo), by metric (ttft, itl)",

@@ -123,6 +123,7 @@ class PathChoice:
     local_ttft: float | None = None
     stall_s: float | None = None  # the longest step the local prefill would give its streams
     chunk: int = 0  # local: at most this many prompt tokens per step (0: the worker's own chunk)
+    stall_margin: float = 1.0  # the ITL budget was divided by this (the model's recent under-prediction)
 
 
 def choose_path_by_cost(
@@ -134,8 +135,9 @@ def choose_path_by_cost(
     local_prefill_threshold: int,
 ) -> PathChoice:
     """Remote (prefill pool) or local (on `decode`): the faster predicted TTFT, local only when its
-    stall fits `itl_budget_s` (None: DEFAULT_STALL_FACTOR x that worker's step). Before the cost
-    model is ready the fixed threshold decides."""
+    stall fits `itl_budget_s` (None: DEFAULT_STALL_FACTOR x that worker's step), divided by the
+    cost model's recent under-prediction of such steps. Before the cost model is ready the fixed
+    threshold decides."""
     if not cost.ready:
         path = choose_path(prompt_tokens, local_prefill_threshold, prefill is not None)
         return PathChoice(path, "cold" if prefill is not None else "no_prefill_worker")
@@ -164,6 +166,9 @@ def choose_path_by_cost(
             local_prefill_threshold, chunk_attention(0, local_prefill_threshold), decode.streams, context
         )
         budget = max(DEFAULT_STALL_FACTOR * quiet, cost.step_seconds(tiny))
+    # Predicted steps must fit with room for the model's own error on such steps.
+    margin = cost.mixed_step_margin()
+    budget /= margin
     # A local prefill goes in chunks small enough for its steps to fit the budget (the streams on
     # that worker keep their ITL); fewer tokens a step means more steps, which the TTFT below counts.
     # Sized with one stream more than now, so that one arriving meanwhile still fits.
@@ -172,7 +177,7 @@ def choose_path_by_cost(
         budget, prompt_tokens, decode.streams + 1, context + extra, decode.chunk
     )
     if chunk == 0:  # not even one prompt token fits beside these streams
-        return PathChoice("remote", "stall", remote, alone, remote, None, None)
+        return PathChoice("remote", "stall", remote, alone, remote, None, None, stall_margin=margin)
     local, longest = cost.prefill_finish_seconds(
         prompt_tokens,
         decode.ahead,
@@ -191,4 +196,6 @@ def choose_path_by_cost(
     path = "local" if faster and stall_ok else "remote"
     reason = "stall" if faster and not stall_ok else "cost_model"
     predicted = local if path == "local" else remote
-    return PathChoice(path, reason, predicted, alone, remote, local, longest, chunk if path == "local" else 0)
+    return PathChoice(
+        path, reason, predicted, alone, remote, local, longest, chunk if path == "local" else 0, margin
+    )
