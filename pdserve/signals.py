@@ -215,7 +215,6 @@ class Signals:
                 "samples": self.cost.num_samples,
                 "ready": self.cost.ready,
                 "cold_steps_skipped": self.cold_steps_skipped,
-                "stall_margin": self.cost.mixed_step_margin(),
                 "coefficients": None
                 if coef is None
                 else dict(

@@ -112,6 +112,17 @@ def test_stall_margin_is_the_recent_under_prediction_of_prompt_steps_beside_stre
     assert model.mixed_step_margin() == pytest.approx(1.5, rel=0.02)
 
 
+def test_stall_margin_is_taken_at_the_slo_s_percentile() -> None:
+    # Steps that scatter around the prediction: 1.00x to 1.99x. The p50 of that is about 1.5x,
+    # the p99 about 2x: an ITL SLO held at p99 needs the wider margin.
+    model = fitted()
+    for i in range(100):
+        step = Step(8 + i, chunk_attention(0, 8 + i), 8, 4000)
+        model.add(step, (1 + i / 100) * model.step_seconds(step))
+    assert model.mixed_step_margin(0.5) == pytest.approx(1.49, abs=0.01)
+    assert model.mixed_step_margin(0.99) == pytest.approx(1.98, abs=0.01)
+
+
 def test_a_short_prompt_on_a_busy_prefill_worker_waits_only_for_the_step_in_progress() -> None:
     model = fitted()
     long_chunk = true_seconds(Step(256, chunk_attention(0, 256)))

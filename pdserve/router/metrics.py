@@ -158,7 +158,7 @@ class RouterMetrics:
         self.stall_margin = Gauge(
             "pdserve_cost_model_stall_margin",
             "What the path choice last divided the ITL budget by: the cost model's recent under-prediction "
-            "(p90 of observed / predicted) of steps with prompt tokens beside decode streams; 1 before it has 20",
+            "(the SLO percentile of observed / predicted) of steps with prompt tokens beside decode streams; 1 before it has 20",
             registry=r,
         )
         self.slo_seconds = Gauge(

@@ -52,6 +52,7 @@ class Placement:
             _decode_candidate(decode, self._share(reserved, decode.pool)),
             self.config.slo.itl_s,
             self.config.local_prefill_threshold,
+            self.config.slo.percentile,
         )
         if choice.path == "local":
             return choice, None, decode

@@ -133,11 +133,12 @@ def choose_path_by_cost(
     decode: DecodeCandidate,
     itl_budget_s: float | None,
     local_prefill_threshold: int,
+    slo_percentile: float = 0.9,
 ) -> PathChoice:
     """Remote (prefill pool) or local (on `decode`): the faster predicted TTFT, local only when its
     stall fits `itl_budget_s` (None: DEFAULT_STALL_FACTOR x that worker's step), divided by the
-    cost model's recent under-prediction of such steps. Before the cost model is ready the fixed
-    threshold decides."""
+    cost model's recent under-prediction of such steps at `slo_percentile`. Before the cost model
+    is ready the fixed threshold decides."""
     if not cost.ready:
         path = choose_path(prompt_tokens, local_prefill_threshold, prefill is not None)
         return PathChoice(path, "cold" if prefill is not None else "no_prefill_worker")
@@ -167,7 +168,7 @@ def choose_path_by_cost(
         )
         budget = max(DEFAULT_STALL_FACTOR * quiet, cost.step_seconds(tiny))
     # Predicted steps must fit with room for the model's own error on such steps.
-    margin = cost.mixed_step_margin()
+    margin = cost.mixed_step_margin(slo_percentile)
     budget /= margin
     # A local prefill goes in chunks small enough for its steps to fit the budget (the streams on
     # that worker keep their ITL); fewer tokens a step means more steps, which the TTFT below counts.
