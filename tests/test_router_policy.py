@@ -56,6 +56,15 @@ def _machine() -> StepCostModel:
 
 
 IDLE_DECODE = policy.DecodeCandidate("d0", streams=0, context_per_stream=0, ahead=(), chunk=512, budget=2048)
+# A prefill worker with two 2000-token prompts queued, one 256-token chunk a step: ~8.5 s of queue.
+BUSY_PREFILL = policy.PrefillCandidate("p0", (2000, 2000), chunk=256, budget=256)
+
+
+def _decode(streams: int, ahead: tuple[int, ...] = ()) -> policy.DecodeCandidate:
+    """A decode worker with `streams` streams of 300 tokens each and `ahead` prompts prefilling."""
+    return policy.DecodeCandidate(
+        "d0", streams=streams, context_per_stream=300, ahead=ahead, chunk=512, budget=2048
+    )
 
 
 def test_before_the_model_is_ready_the_fixed_threshold_decides() -> None:
@@ -70,10 +79,9 @@ def test_before_the_model_is_ready_the_fixed_threshold_decides() -> None:
 
 def test_a_chat_goes_local_when_the_prefill_worker_is_busy_and_the_stall_fits() -> None:
     model = _machine()
-    busy = policy.PrefillCandidate("p0", (2000, 2000), chunk=256, budget=256)  # one chunk a step
-    decode = policy.DecodeCandidate("d0", streams=4, context_per_stream=300, ahead=(), chunk=512, budget=2048)
+    decode = _decode(4)
     choice = policy.choose_path_by_cost(
-        model, 120, busy, decode, itl_budget_s=1.0, local_prefill_threshold=16
+        model, 120, BUSY_PREFILL, decode, itl_budget_s=1.0, local_prefill_threshold=16
     )
     assert (choice.path, choice.reason) == ("local", "cost_model")
     assert choice.local_ttft is not None and choice.remote_ttft is not None
@@ -83,12 +91,9 @@ def test_a_chat_goes_local_when_the_prefill_worker_is_busy_and_the_stall_fits() 
 
 def test_a_local_prefill_goes_in_chunks_whose_steps_fit_the_itl_budget() -> None:
     model = _machine()
-    busy = policy.PrefillCandidate("p0", (2000, 2000), chunk=256, budget=256)  # ~8.5 s of queue
-    decode = policy.DecodeCandidate(
-        "d0", streams=16, context_per_stream=300, ahead=(), chunk=512, budget=2048
-    )
+    decode = _decode(16)
     choice = policy.choose_path_by_cost(
-        model, 400, busy, decode, itl_budget_s=0.1, local_prefill_threshold=16
+        model, 400, BUSY_PREFILL, decode, itl_budget_s=0.1, local_prefill_threshold=16
     )
     # A step of 17 streams is 71 ms: 29 ms, or 14 prompt tokens, are left in a 100 ms budget.
     assert (choice.path, choice.reason, choice.chunk) == ("local", "cost_model", 14)
@@ -96,19 +101,16 @@ def test_a_local_prefill_goes_in_chunks_whose_steps_fit_the_itl_budget() -> None
     assert choice.local_ttft is not None and choice.remote_ttft is not None
     assert choice.local_ttft < choice.remote_ttft
     # Without an ITL SLO the budget is 1.5x the worker's own step: chunks of that size.
-    default = policy.choose_path_by_cost(model, 400, busy, decode, None, 16)
+    default = policy.choose_path_by_cost(model, 400, BUSY_PREFILL, decode, None, 16)
     assert default.path == "local" and 0 < default.chunk < 400
     assert default.stall_s is not None and default.stall_s <= 1.5 * model.decode_step_seconds(16, 300) + 1e-9
 
 
 def test_steps_that_ran_longer_than_predicted_shrink_a_local_prefill_s_chunks() -> None:
     model = _machine()
-    busy = policy.PrefillCandidate("p0", (2000, 2000), chunk=256, budget=256)
-    decode = policy.DecodeCandidate(
-        "d0", streams=16, context_per_stream=300, ahead=(), chunk=512, budget=2048
-    )
+    decode = _decode(16)
     before = policy.choose_path_by_cost(
-        model, 400, busy, decode, itl_budget_s=0.1, local_prefill_threshold=16
+        model, 400, BUSY_PREFILL, decode, itl_budget_s=0.1, local_prefill_threshold=16
     )
     assert (before.path, before.chunk, before.stall_margin) == ("local", 14, 1.0)
     # Prompt chunks beside streams come out 25% slower than the fit says (interference the linear
@@ -116,7 +118,9 @@ def test_steps_that_ran_longer_than_predicted_shrink_a_local_prefill_s_chunks() 
     for tokens in range(4, 24):
         step = Step(tokens, 0, 16, 4800)
         model.add(step, 1.25 * model.step_seconds(step))
-    after = policy.choose_path_by_cost(model, 400, busy, decode, itl_budget_s=0.1, local_prefill_threshold=16)
+    after = policy.choose_path_by_cost(
+        model, 400, BUSY_PREFILL, decode, itl_budget_s=0.1, local_prefill_threshold=16
+    )
     assert after.stall_margin == pytest.approx(1.25, rel=0.05)
     assert after.path == "local" and after.chunk < before.chunk
     assert after.stall_s is not None and 1.25 * after.stall_s <= 0.1 * 1.05  # what the steps will take
@@ -124,24 +128,18 @@ def test_steps_that_ran_longer_than_predicted_shrink_a_local_prefill_s_chunks() 
 
 def test_local_is_refused_when_not_even_one_token_fits_beside_the_streams() -> None:
     model = _machine()
-    busy = policy.PrefillCandidate("p0", (2000, 2000), chunk=256, budget=256)
-    crowded = policy.DecodeCandidate(
-        "d0", streams=32, context_per_stream=300, ahead=(), chunk=512, budget=2048
-    )
+    crowded = _decode(32)
     choice = policy.choose_path_by_cost(
-        model, 400, busy, crowded, itl_budget_s=0.1, local_prefill_threshold=16
+        model, 400, BUSY_PREFILL, crowded, itl_budget_s=0.1, local_prefill_threshold=16
     )
     assert (choice.path, choice.reason, choice.chunk) == ("remote", "stall", 0)  # its step is 116 ms
 
 
 def test_prompts_already_prefilling_on_the_decode_worker_count_in_its_step() -> None:
     model = _machine()
-    busy = policy.PrefillCandidate("p0", (2000, 2000), chunk=256, budget=256)
-    prefilling = policy.DecodeCandidate(
-        "d0", streams=4, context_per_stream=300, ahead=(1000,), chunk=512, budget=2048
-    )
+    prefilling = _decode(4, ahead=(1000,))
     choice = policy.choose_path_by_cost(
-        model, 400, busy, prefilling, itl_budget_s=0.25, local_prefill_threshold=16
+        model, 400, BUSY_PREFILL, prefilling, itl_budget_s=0.25, local_prefill_threshold=16
     )
     # The prompt ahead takes full 512-token chunks: every step with both breaks 250 ms.
     assert (choice.path, choice.reason) == ("remote", "stall")
@@ -150,7 +148,7 @@ def test_prompts_already_prefilling_on_the_decode_worker_count_in_its_step() -> 
 def test_an_idle_prefill_worker_takes_long_prompts() -> None:
     model = _machine()
     idle = policy.PrefillCandidate("p0", (), chunk=256, budget=2048)
-    decode = policy.DecodeCandidate("d0", streams=8, context_per_stream=300, ahead=(), chunk=512, budget=2048)
+    decode = _decode(8)
     choice = policy.choose_path_by_cost(
         model, 1500, idle, decode, itl_budget_s=0.5, local_prefill_threshold=16
     )
