@@ -218,6 +218,25 @@ class StepCostModel:
                 high = mid - 1
         return low
 
+    def chunk_within(self, step_s: float, base: Step, start: int, limit: int) -> int:
+        """The most tokens (at most `limit`) of a prompt chunk from position `start` that a step
+        already holding `base` can take and stay within `step_s` (0 if not even one). Bisection:
+        the step grows with the chunk. Never more than twice the largest prompt step seen."""
+        low, high = 0, max(0, min(limit, 2 * self.largest_prompt_step))
+        while low < high:
+            mid = (low + high + 1) // 2
+            step = Step(
+                base.prefill_tokens + mid,
+                base.prefill_attention + chunk_attention(start, mid),
+                base.decode_streams,
+                base.decode_context,
+            )
+            if self.step_seconds(step) <= step_s:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
     def max_streams_within(self, itl_s: float, context_per_stream: float, limit: int) -> int:
         """The most streams one worker can decode with a step of at most `itl_s` (0 if not even one)."""
         low, high = 0, max(0, limit)

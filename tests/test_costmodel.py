@@ -174,6 +174,21 @@ def test_largest_chunk_within_a_step_budget_checks_the_prompt_s_dearest_chunk() 
     assert small.largest_chunk_within(10.0, 3000, 8, 4000, limit=512) == 200
 
 
+def test_chunk_within_adds_a_chunk_to_a_step_already_partly_filled() -> None:
+    model = fitted()
+    base = Step(100, chunk_attention(0, 100), 8, 4000)  # another prompt's chunk and eight streams
+
+    def with_chunk(c: int) -> float:
+        return model.step_seconds(Step(100 + c, base.prefill_attention + chunk_attention(1500, c), 8, 4000))
+
+    c = model.chunk_within(0.030, base, start=1500, limit=512)
+    assert 0 < c < 512 and with_chunk(c) <= 0.030 < with_chunk(c + 1)
+    # Further into its prompt a chunk attends to more: fewer tokens fit the same step.
+    assert model.chunk_within(0.030, base, start=0, limit=512) > c
+    assert model.chunk_within(10.0, base, start=0, limit=64) == 64
+    assert model.chunk_within(model.step_seconds(base), base, start=0, limit=512) == 0
+
+
 def test_max_streams_within_an_itl_is_the_largest_batch_under_it() -> None:
     model = fitted()
     n = model.max_streams_within(0.030, 1000, limit=256)
