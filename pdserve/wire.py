@@ -96,6 +96,10 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     # At most this many prompt tokens per step (0: the engine's chunk): a prompt prefilled on a
     # decode worker in chunks that keep its steps within the ITL budget.
     max_chunk_tokens: int = 0
+    # ... and, when the worker's own step model is ready, each chunk sized step by step so that its
+    # streams keep this ITL budget (seconds; 0: none) at this percentile of its step-time errors.
+    max_step_seconds: float = 0.0
+    step_percentile: float = 0.9
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):

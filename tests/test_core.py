@@ -3,6 +3,7 @@ result is token for token what one colocated engine produces."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -91,7 +92,23 @@ def test_validation_happens_before_queueing(tiny_llama: Path) -> None:
         core.add_request("long", list(range(16)), GREEDY)
     with pytest.raises(InvalidRequestError, match="SamplingParams"):
         core.add_request("bad", [1], {"max_tokens": 3})  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="max_step_seconds"):
+        core.add_request("budget", [1], GREEDY, max_step_seconds=True)  # type: ignore[arg-type]
     assert not core.has_unfinished
+
+
+def test_a_decode_engine_learns_its_own_step_times_and_counts_a_request_from_its_arrival(
+    tiny_llama: Path,
+) -> None:
+    core = engine(tiny_llama, Role.DECODE)
+    # Arrived 2 s ago, while a step ran: its queue time (and its stall budget) count from then.
+    core.add_request("r", [1, 2, 3], GREEDY, max_step_seconds=0.25, arrived_at=time.monotonic() - 2.0)
+    queued = [out.queue_seconds for out in core.step()]
+    assert queued and queued[0] is not None and queued[0] >= 2.0
+    run_to_end(core)
+    model = core.scheduler.step_cost
+    assert model is not None and model.num_samples == GREEDY.max_tokens  # one sample per step
+    assert engine(tiny_llama, Role.MIXED).scheduler.step_cost is None  # decode role only
 
 
 def test_auto_dtype_is_fp32_on_a_cpu_without_native_bf16() -> None:

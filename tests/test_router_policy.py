@@ -98,6 +98,7 @@ def test_a_local_prefill_goes_in_chunks_whose_steps_fit_the_itl_budget() -> None
     # A step of 17 streams is 71 ms: 29 ms, or 14 prompt tokens, are left in a 100 ms budget.
     assert (choice.path, choice.reason, choice.chunk) == ("local", "cost_model", 14)
     assert choice.stall_s is not None and choice.stall_s <= 0.1
+    assert choice.step_budget_s == 0.1  # for the decode worker to size each chunk as streams change
     assert choice.local_ttft is not None and choice.remote_ttft is not None
     assert choice.local_ttft < choice.remote_ttft
     # Without an ITL SLO the budget is 1.5x the worker's own step: chunks of that size.
@@ -123,6 +124,7 @@ def test_steps_that_ran_longer_than_predicted_shrink_a_local_prefill_s_chunks() 
     )
     assert after.stall_margin == pytest.approx(1.25, rel=0.05)
     assert after.path == "local" and after.chunk < before.chunk
+    assert after.step_budget_s == 0.1  # the worker applies its own model's margin to the budget
     assert after.stall_s is not None and 1.25 * after.stall_s <= 0.1 * 1.05  # what the steps will take
 
 

@@ -6,9 +6,10 @@ import sys
 import pytest
 
 from pdserve.config import Role
+from pdserve.costmodel import Step, chunk_attention
 from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sched import Handover, Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.sched import MIN_TIMED_CHUNK, Handover, Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.sampling_params import SamplingParams
 
 EOS = 0
@@ -413,3 +414,83 @@ def test_a_queued_request_is_handed_back_with_nothing_to_move() -> None:
     assert s.get("queued") is None and s.hand_over("nope") is Handover.UNKNOWN
     drain(s)
     assert_no_leak(s)
+
+
+# -- a local prefill's chunks sized to its step budget (decode role) --------------------------------
+def trained(steps: int = 40) -> Scheduler:
+    """A decode scheduler whose step model knows steps cost 10 ms + 1 ms a prompt token + 10 ms a
+    stream (exactly: its under-prediction margin stays 1)."""
+    s = make(role=Role.DECODE, blocks=256, chunk_size=512, max_num_batched_tokens=2048)
+    for i in range(steps):
+        tokens, streams, context = (i % 4) * 20, i % 3, (i % 5) * 40
+        s.observe_step(
+            Step(tokens, chunk_attention(0, tokens), streams, context),
+            0.01 + 0.001 * tokens + 0.01 * streams,
+        )
+    return s
+
+
+def streams(s: Scheduler, n: int, max_tokens: int = 50) -> list[Request]:
+    """`n` streams decoding (their prompts' KV came from a prefill worker)."""
+    running = [remote(f"s{i}", 8, max_tokens=max_tokens) for i in range(n)]
+    for r in running:
+        s.add_request(r)
+    for rid, _ in s.admit_remote_kv():
+        s.remote_kv_done(rid, ok=True)
+    return running
+
+
+def prompt_tokens(out: SchedulerOutput) -> int:
+    return sum(c.num_tokens for c in out.chunks if not c.is_decode)
+
+
+def test_a_local_prefill_s_chunk_is_what_its_streams_leave_of_the_step_budget() -> None:
+    s = trained()
+    running = streams(s, 2)
+    s.add_request(req("chat", 300, max_tokens=2, max_step_seconds=0.1005))
+    out, _ = run_step(s)
+    # 10 ms + 2 streams x 10 ms + n x 1 ms <= 100.5 ms: 70 tokens (no weight on attention, context)
+    assert prompt_tokens(out) == 70 and len(out.chunks) == 3
+    s.abort(running[0].request_id)  # one stream fewer: the next chunk takes its 10 ms
+    out, _ = run_step(s)
+    assert prompt_tokens(out) == 80
+    for r in running[1:]:
+        s.abort(r.request_id)
+    out, _ = run_step(s)
+    assert prompt_tokens(out) == 150  # no stream to stall: the rest, up to the chunk size
+    drain(s)
+    assert_no_leak(s)
+
+
+def test_a_stream_that_already_waited_gets_a_step_of_decodes_alone() -> None:
+    s = trained()
+    [stream] = streams(s, 1)
+    s.add_request(req("chat", 300, max_tokens=2, max_step_seconds=0.1005))
+    run_step(s)
+    stream.last_token_time -= 0.08  # as if it came from a prefill worker during a long step here
+    out, _ = run_step(s)
+    assert prompt_tokens(out) == 0 and [c.request for c in out.chunks] == [stream]
+    assert s.num_deferred_chunks == 1
+    out, _ = run_step(s)  # fresh again: the prompt goes on
+    assert prompt_tokens(out) == 80
+    stream.last_token_time -= 0.03  # waited some: a smaller chunk, not none
+    out, _ = run_step(s)
+    assert 40 <= prompt_tokens(out) <= 50
+    drain(s)
+    assert_no_leak(s)
+
+
+def test_a_local_prefill_always_gets_on_and_without_a_model_takes_the_router_s_chunk() -> None:
+    s = trained()
+    streams(s, 9)  # 10 + 90 ms of decoding: no token fits a 100 ms budget
+    s.add_request(req("chat", 40, max_tokens=2, max_step_seconds=0.1005))
+    out, _ = run_step(s)
+    assert prompt_tokens(out) == MIN_TIMED_CHUNK  # the streams are fresh: it still moves on
+    cold = trained(steps=0)
+    streams(cold, 2)
+    cold.add_request(req("chat", 300, max_tokens=2, max_step_seconds=0.1005, max_chunk_tokens=24))
+    out, _ = run_step(cold)
+    assert prompt_tokens(out) == 24
+    for sched in (s, cold):
+        drain(sched)
+        assert_no_leak(sched)

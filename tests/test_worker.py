@@ -215,6 +215,12 @@ def test_a_request_s_chunk_limit_reaches_the_engine(tiny_llama: Path) -> None:
         answer = worker.recv_tokens()
         assert answer.request_id == "r2" and answer.finish_reason == "error"
         assert "max_chunk_tokens" in (answer.error or "")
+        # ... and the step budget the decode worker sizes each chunk to (checked the same way)
+        for rid, field, bad in (("r3", "max_step_seconds", -0.1), ("r4", "step_percentile", 1.5)):
+            worker.send(wire.AddRequest(rid, [20, 21, 22], params, **{field: bad}))  # type: ignore[arg-type]
+            answer = worker.recv_tokens()
+            assert answer.request_id == rid and answer.finish_reason == "error" and answer.invalid
+            assert field in (answer.error or "")
     finally:
         assert worker.stop() == 0
 

@@ -7,6 +7,7 @@ offline `LLM` or the router, which end a request here with `finish()` when a sto
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.costmodel import Step, chunk_attention
 from pdserve.engine import huge_pages
 from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
@@ -181,6 +183,9 @@ class EngineCore:
         kv_elsewhere: bool = True,
         sampler_state: bytes | None = None,
         max_chunk_tokens: int = 0,
+        max_step_seconds: float = 0.0,
+        step_percentile: float = 0.9,
+        arrived_at: float | None = None,
     ) -> None:
         """Queue a request. `output_token_ids`: tokens it already sampled on another worker (the
         first token from a prefill worker, or all of a stream's tokens so far when it moves here);
@@ -189,7 +194,10 @@ class EngineCore:
         a preemption (a stream whose worker died goes on from what its client has seen).
         `sampler_state`: where its sampling generator stood there (`hand_over`).
         `max_chunk_tokens`: at most this many of its prompt tokens in one step (0: the engine's
-        chunk size)."""
+        chunk size). `max_step_seconds` (decode role; 0: none): each of its prompt chunks sized so
+        that the step keeps the streams decoding beside it within that ITL budget, at
+        `step_percentile` of this engine's step-time errors. `arrived_at`: when it reached this
+        process (time.monotonic; default now), if that was before this call (during a step)."""
         self.validate(prompt_token_ids, params)
         if (
             isinstance(max_chunk_tokens, bool)
@@ -197,8 +205,18 @@ class EngineCore:
             or max_chunk_tokens < 0
         ):
             raise InvalidRequestError(f"max_chunk_tokens must be an int >= 0, got {max_chunk_tokens!r}")
+        if isinstance(max_step_seconds, bool) or not (
+            isinstance(max_step_seconds, (int, float)) and 0 <= max_step_seconds < math.inf
+        ):
+            raise InvalidRequestError(f"max_step_seconds must be a number >= 0, got {max_step_seconds!r}")
+        if not (isinstance(step_percentile, (int, float)) and 0 < step_percentile < 1):
+            raise InvalidRequestError(f"step_percentile must be in (0, 1), got {step_percentile!r}")
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
         request.max_chunk_tokens = max_chunk_tokens
+        request.max_step_seconds = float(max_step_seconds)
+        request.step_percentile = float(step_percentile)
+        if arrived_at is not None:
+            request.arrival_time = request.last_token_time = min(arrived_at, request.arrival_time)
         if output_token_ids:
             self._validate_outputs(list(output_token_ids), params, len(prompt_token_ids))
             request.output_token_ids.extend(output_token_ids)
@@ -306,12 +324,15 @@ class EngineCore:
             )
         decodes = [c for c in out.chunks if c.is_decode]
         prompts = [c for c in out.chunks if not c.is_decode]
-        self.last_step = StepStats(
+        stats = StepStats(
             num_batched_tokens=out.num_batched_tokens,
             num_decode_tokens=len(decodes),
             step_seconds=time.perf_counter() - started,
             num_prefill_tokens=sum(c.num_tokens for c in prompts),
-            prefill_attention=sum(c.num_tokens * (c.start + (c.num_tokens + 1) // 2) for c in prompts),
+            prefill_attention=sum(chunk_attention(c.start, c.num_tokens) for c in prompts),
             decode_context=sum(c.start + 1 for c in decodes),
         )
+        self.last_step = stats
+        features = Step(stats.num_prefill_tokens, stats.prefill_attention, len(decodes), stats.decode_context)
+        self.scheduler.observe_step(features, stats.step_seconds)
         return outputs

@@ -78,6 +78,14 @@ class Request:
     # sets it for a prompt it prefills on a decode worker, so that worker's steps (and the ITL of
     # the streams it decodes meanwhile) stay within the ITL budget.
     max_chunk_tokens: int = 0
+    # A prompt prefilled on a decode worker: the ITL budget (seconds) its steps must keep for the
+    # streams decoding there, at `step_percentile` of the worker's own step-time errors (0: none).
+    # The scheduler sizes each of its chunks to what is left of it (`Scheduler._within_budget`).
+    max_step_seconds: float = 0.0
+    step_percentile: float = 0.9
+    # When its last token was sampled here (or the request came: a stream whose first token was
+    # sampled on a prefill worker has been waiting since about then).
+    last_token_time: float = field(default_factory=time.monotonic)
 
     @property
     def queue_seconds(self) -> float | None:

@@ -18,6 +18,12 @@ and `mixed` engines both take such requests.
 
 When blocks run out, the latest-arrived request not yet scheduled this step is preempted: its
 blocks are freed and it is recomputed from scratch later (prompt + tokens generated so far).
+A decode worker's local prefill can carry a step-time budget (`Request.max_step_seconds`): each
+of its chunks is then sized, step by step, to what the streams decoding beside it have left of
+their ITL budget, by a cost model fitted to this engine's own steps (`observe_step`). A stream that
+has already waited (one whose first token came from a prefill worker while a long step ran here)
+leaves less, down to a step of decodes alone.
+
 Nothing here knows about torch, processes or sockets.
 """
 
@@ -29,8 +35,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.config import Role
+from pdserve.costmodel import Step, StepCostModel, chunk_attention
 from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
+
+# A local prefill with a step budget takes at least this many tokens a step when the streams beside
+# it waited less than FRESH_WAIT_FRACTION of the budget (so it always progresses, even when this
+# engine's model says nothing fits); after streams that waited longer, it may sit a step out.
+MIN_TIMED_CHUNK = 16
+FRESH_WAIT_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -42,9 +55,13 @@ class SchedulerConfig:
     # At most this many prompt tokens of one request per step: a long prompt is split into chunks
     # so that it never holds the batch for long.
     chunk_size: int = 512
+    # Decode role: how many of its latest steps the engine's own step-time model is fitted to.
+    # A refit (at most once a second, on the engine thread) costs ~2 ms of pure Python at 500.
+    step_cost_window: int = 500
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "chunk_size"):
+        names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "chunk_size", "step_cost_window")
+        for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -112,6 +129,11 @@ class Scheduler:
         self.held: dict[str, Request] = {}
         self._requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Decode role: this engine's step times, to size local prefills' chunks to an ITL budget.
+        self.step_cost: StepCostModel | None = (
+            StepCostModel(window=config.step_cost_window) if config.role is Role.DECODE else None
+        )
+        self.num_deferred_chunks = 0  # prompt chunks left out of a step for streams that waited
 
     # -- the narrow interface -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -252,6 +274,10 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens_to_compute, budget, self._chunk_limit(request))
+            if request.num_tokens_to_compute > 1:  # a prompt chunk
+                num_new = self._within_step_budget(request, num_new, decodes, prompts)
+                if num_new == 0:
+                    continue
             if not self._allocate_or_preempt(request, num_new, scheduled, out):
                 continue  # the request itself was preempted
             chunk = self._chunk(request, num_new)
@@ -269,6 +295,9 @@ class Scheduler:
                     break
                 continue
             num_new = min(request.num_tokens_to_compute, budget, self._chunk_limit(request))
+            num_new = self._within_step_budget(request, num_new, decodes, prompts)
+            if num_new == 0:
+                break  # its turn comes in a step with room for it (arrival order kept)
             if self.kv.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
                 break  # no room: wait for blocks to free up rather than preempt running work
             self.waiting.popleft()
@@ -286,6 +315,7 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance the scheduled requests. Returns those that got a token (finished ones included)."""
         updated: list[Request] = []
+        now = time.monotonic()
         for chunk in out.chunks:
             request = chunk.request
             if request.status is not RequestStatus.RUNNING:
@@ -295,6 +325,7 @@ class Scheduler:
                 continue
             token = sampled[request.request_id]
             request.output_token_ids.append(token)
+            request.last_token_time = now
             updated.append(request)
             status = self._stop_status(request, token)
             if status is not None:
@@ -354,6 +385,42 @@ class Scheduler:
         if request.max_chunk_tokens:
             return min(request.max_chunk_tokens, self.config.chunk_size)
         return self.config.chunk_size
+
+    def _within_step_budget(
+        self, request: Request, limit: int, decodes: list[ScheduledChunk], prompts: list[ScheduledChunk]
+    ) -> int:
+        """How many of `limit` prompt tokens of `request` (`limit` is at most the router's chunk,
+        sized for the streams it saw, plus one) fit this step: all of them unless it has a step
+        budget and streams decode beside it. Then it is what this engine's cost model says fits
+        in the budget (divided by the model's under-prediction of such steps at the request's
+        percentile) less what the longest-waiting of those streams already waited: 0 (a step of
+        decodes alone) when that is nothing, and never less than MIN_TIMED_CHUNK when the
+        streams are fresh, so that the prompt always gets on."""
+        cost = self.step_cost
+        if not request.max_step_seconds:
+            return limit
+        if not decodes or cost is None or not cost.ready:
+            return limit  # no stream to stall now, or no model yet: the router's chunk
+        now = time.monotonic()
+        waited = max(0.0, max(now - c.request.last_token_time for c in decodes))
+        step_s = request.max_step_seconds / cost.mixed_step_margin(request.step_percentile) - waited
+        base = Step(
+            sum(c.num_tokens for c in prompts),
+            sum(chunk_attention(c.start, c.num_tokens) for c in prompts),
+            len(decodes),
+            sum(c.start + 1 for c in decodes),
+        )
+        fits = cost.chunk_within(step_s, base, request.num_computed_tokens, limit)
+        if fits == 0 and waited < FRESH_WAIT_FRACTION * request.max_step_seconds:
+            fits = min(limit, MIN_TIMED_CHUNK)
+        if fits == 0:
+            self.num_deferred_chunks += 1
+        return fits
+
+    def observe_step(self, step: Step, seconds: float) -> None:
+        """What the last step computed and how long it took (feeds the decode role's step model)."""
+        if self.step_cost is not None:
+            self.step_cost.add(step, seconds)
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens

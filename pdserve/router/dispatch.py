@@ -206,6 +206,20 @@ class Dispatcher:
         choice, prefill, local = self.placement.choose_path(to_compute)
         self.metrics.path_choices.labels(choice.path, choice.reason).inc()
         self.metrics.stall_margin.set(choice.stall_margin)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "request %s: %s prefill of %d tokens (%s): predicted TTFT remote %s, local %s; "
+                "stall %s, chunk %d, margin %.2f",
+                state.request_id,
+                choice.path,
+                to_compute,
+                choice.reason,
+                _ms(choice.remote_ttft),
+                _ms(choice.local_ttft),
+                _ms(choice.stall_s),
+                choice.chunk,
+                choice.stall_margin,
+            )
         first_attempt = state.choice is None  # demand counts once per request, not per retry
         if first_attempt:
             state.choice = choice
@@ -223,7 +237,13 @@ class Dispatcher:
                     self.signals.prompt_admitted("prefill", len(tokens), choice.alone_s, now)
             state.path = "colocated" if decode.pool == "colocated" else "local_prefill"
             add = wire.AddRequest(
-                leg_id, tokens, params, output_token_ids=resumed, max_chunk_tokens=choice.chunk
+                leg_id,
+                tokens,
+                params,
+                output_token_ids=resumed,
+                max_chunk_tokens=choice.chunk,
+                max_step_seconds=choice.step_budget_s,
+                step_percentile=self.config.slo.percentile,
             )
             leg = self._open(state, decode, to_compute, add)
             async for event in self._stream(state, attempt, leg, kv_pending=False, choice=choice):
@@ -469,3 +489,7 @@ class Dispatcher:
                 return await leg.events.get()
         except TimeoutError:
             raise RequestFailed(f"timed out after {timeout:g} s waiting for {what}") from None
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"

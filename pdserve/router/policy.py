@@ -124,6 +124,9 @@ class PathChoice:
     stall_s: float | None = None  # the longest step the local prefill would give its streams
     chunk: int = 0  # local: at most this many prompt tokens per step (0: the worker's own chunk)
     stall_margin: float = 1.0  # the ITL budget was divided by this (the model's recent under-prediction)
+    # local: the ITL budget its steps must keep (before the margin), for the decode worker to size
+    # each chunk by its own step model as streams come and go (0: none)
+    step_budget_s: float = 0.0
 
 
 def choose_path_by_cost(
@@ -168,6 +171,7 @@ def choose_path_by_cost(
         )
         budget = max(DEFAULT_STALL_FACTOR * quiet, cost.step_seconds(tiny))
     # Predicted steps must fit with room for the model's own error on such steps.
+    step_budget = budget
     margin = cost.mixed_step_margin(slo_percentile)
     budget /= margin
     # A local prefill goes in chunks small enough for its steps to fit the budget (the streams on
@@ -197,6 +201,6 @@ def choose_path_by_cost(
     path = "local" if faster and stall_ok else "remote"
     reason = "stall" if faster and not stall_ok else "cost_model"
     predicted = local if path == "local" else remote
-    return PathChoice(
-        path, reason, predicted, alone, remote, local, longest, chunk if path == "local" else 0, margin
-    )
+    if path == "remote":
+        return PathChoice(path, reason, predicted, alone, remote, local, longest, 0, margin)
+    return PathChoice(path, reason, predicted, alone, remote, local, longest, chunk, margin, step_budget)

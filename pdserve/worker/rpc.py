@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
@@ -75,6 +76,10 @@ class RpcEndpoint:
         self._bind = bind
         self._ready = ready
         self._inbox = inbox
+        # request id -> when its AddRequest came off the socket (monotonic), for the engine thread,
+        # which may be mid-step then: a stream whose first token came from a prefill worker has
+        # been waiting for its next one since about this moment, not since the step ended.
+        self.received_at: dict[str, float] = {}
         self._outbox_address = outbox_address
         self._stop = stop
         self.address: str | None = None
@@ -196,6 +201,7 @@ class RpcEndpoint:
                 self._send(sock, identity, wire.encode(error))
                 return False
             self._owners[message.request_id] = identity
+            self.received_at[message.request_id] = time.monotonic()
             return True
         if isinstance(message, wire.Migrate):
             mine = [r for r in message.request_ids if self._owners.get(r) == identity]

@@ -71,6 +71,7 @@ class WorkerServer:
         self.engine = engine
         self._steps: list[wire.StepSample] = []  # since the last load report
         self._last_recorded: object = None
+        self._last_step_ended = 0.0  # perf_counter when the last recorded step's outputs were sent
         self.config = config
         self.kv_address = kv_address
         self._on_bound = on_bound
@@ -197,9 +198,10 @@ class WorkerServer:
                 self._await_pulls(time.monotonic() + self.config.kv_join_wait)
             self._hand_over()
             if engine.has_unfinished:
+                step_started = time.perf_counter()
                 for out in engine.step():
                     self._emit(out)
-                self._record_step()
+                self._record_step(step_started)
                 self._hand_over()  # right after their tokens: the next step would not wait
             self._expire_leases()
             now = time.monotonic()
@@ -268,6 +270,7 @@ class WorkerServer:
             self._stop.set()
 
     def _add(self, msg: wire.AddRequest) -> None:
+        arrived_at = self.rpc.received_at.pop(msg.request_id, None)
         try:
             params = msg.params.to_params()
             if msg.kv is not None:
@@ -288,6 +291,9 @@ class WorkerServer:
                 kv_elsewhere=msg.kv is not None,
                 sampler_state=msg.sampler_state,
                 max_chunk_tokens=msg.max_chunk_tokens,
+                max_step_seconds=msg.max_step_seconds,
+                step_percentile=msg.step_percentile,
+                arrived_at=arrived_at,
             )
         except (InvalidRequestError, ValueError) as exc:
             error = f"the worker refused the request: {exc}"
@@ -473,11 +479,28 @@ class WorkerServer:
         if self.exporter is not None:
             self.exporter.unregister(request_id)
 
-    def _record_step(self) -> None:
+    def _record_step(self, started: float) -> None:
         step = self.engine.last_step
         if step is None or step is self._last_recorded:  # an empty step leaves the last one
             return
         self._last_recorded = step
+        if logger.isEnabledFor(logging.DEBUG):
+            # A stream's gap is this step plus the loop's work since the last one (messages, KV
+            # pulls it waited for, hand-overs, emitting): both, to tell a slow step from a slow loop.
+            ended = time.perf_counter()
+            since_last = (started - self._last_step_ended) * 1000 if self._last_step_ended else 0.0
+            logger.debug(
+                "step %.1f ms (prompt tokens %d, attention %d, streams %d, context %d; "
+                "emit %.1f ms), %.1f ms since the last step",
+                step.step_seconds * 1000,
+                step.num_prefill_tokens,
+                step.prefill_attention,
+                step.num_decode_tokens,
+                step.decode_context,
+                (ended - started - step.step_seconds) * 1000,
+                since_last,
+            )
+            self._last_step_ended = ended
         self._steps.append(
             wire.StepSample(
                 step.step_seconds,
