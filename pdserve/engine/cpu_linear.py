@@ -32,7 +32,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    # The overload itself, not the packet: resolving the packet costs ~3 us of Python a call
+    # (measured at 22 -> 19 us for a tiny weight; ~120 calls a decode step).
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
     return out
 
 
