@@ -18,6 +18,7 @@ and `mixed` engines both take such requests.
 
 When blocks run out, the latest-arrived request not yet scheduled this step is preempted: its
 blocks are freed and it is recomputed from scratch later (prompt + tokens generated so far).
+
 A decode worker's local prefill can carry a step-time budget (`Request.max_step_seconds`): each
 of its chunks is then sized, step by step, to what the streams decoding beside it have left of
 their ITL budget, by a cost model fitted to this engine's own steps (`observe_step`). A stream that
@@ -390,7 +391,7 @@ class Scheduler:
         self, request: Request, limit: int, decodes: list[ScheduledChunk], prompts: list[ScheduledChunk]
     ) -> int:
         """How many of `limit` prompt tokens of `request` (`limit` is at most the router's chunk,
-        sized for the streams it saw, plus one) fit this step: all of them unless it has a step
+        sized for the streams it saw and one more) fit this step: all of them unless it has a step
         budget and streams decode beside it. Then it is what this engine's cost model says fits
         in the budget (divided by the model's under-prediction of such steps at the request's
         percentile) less what the longest-waiting of those streams already waited: 0 (a step of
