@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # Features are scaled to about 1 for typical steps, so that the normal equations are well
@@ -208,45 +208,48 @@ class StepCostModel:
         Its last chunk is the dearest (it attends to the whole prompt before it), so that is the
         one checked; the step grows with the chunk, so a bisection finds it. Never more than
         twice the largest prompt step the model has seen: it is not trusted far beyond its data."""
-        low, high = 0, max(0, min(limit, prompt_tokens, 2 * self.largest_prompt_step))
-        while low < high:
-            mid = (low + high + 1) // 2
-            step = Step(mid, chunk_attention(prompt_tokens - mid, mid), decode_streams, decode_context)
-            if self.step_seconds(step) <= step_s:
-                low = mid
-            else:
-                high = mid - 1
-        return low
+        return _largest(
+            min(limit, prompt_tokens, 2 * self.largest_prompt_step),
+            lambda n: (
+                self.step_seconds(
+                    Step(n, chunk_attention(prompt_tokens - n, n), decode_streams, decode_context)
+                )
+                <= step_s
+            ),
+        )
 
     def chunk_within(self, step_s: float, base: Step, start: int, limit: int) -> int:
         """The most tokens (at most `limit`) of a prompt chunk from position `start` that a step
         already holding `base` can take and stay within `step_s` (0 if not even one). Bisection:
         the step grows with the chunk. Never more than twice the largest prompt step seen."""
-        low, high = 0, max(0, min(limit, 2 * self.largest_prompt_step))
-        while low < high:
-            mid = (low + high + 1) // 2
+
+        def fits(n: int) -> bool:
             step = Step(
-                base.prefill_tokens + mid,
-                base.prefill_attention + chunk_attention(start, mid),
+                base.prefill_tokens + n,
+                base.prefill_attention + chunk_attention(start, n),
                 base.decode_streams,
                 base.decode_context,
             )
-            if self.step_seconds(step) <= step_s:
-                low = mid
-            else:
-                high = mid - 1
-        return low
+            return self.step_seconds(step) <= step_s
+
+        return _largest(min(limit, 2 * self.largest_prompt_step), fits)
 
     def max_streams_within(self, itl_s: float, context_per_stream: float, limit: int) -> int:
         """The most streams one worker can decode with a step of at most `itl_s` (0 if not even one)."""
-        low, high = 0, max(0, limit)
-        while low < high:
-            mid = (low + high + 1) // 2
-            if self.decode_step_seconds(mid, context_per_stream) <= itl_s:
-                low = mid
-            else:
-                high = mid - 1
-        return low
+        return _largest(limit, lambda n: self.decode_step_seconds(n, context_per_stream) <= itl_s)
+
+
+def _largest(high: int, fits: Callable[[int], bool]) -> int:
+    """The largest n in [0, high] with fits(n), for a `fits` true up to some n and false after
+    (0 when not even 1 fits): a bisection."""
+    low, high = 0, max(0, high)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def _first_step(

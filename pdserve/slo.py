@@ -67,3 +67,8 @@ def parse_slo(text: str | None, percentile: float = DEFAULT_PERCENTILE) -> SLO:
         itl_s=values["itl"] / 1000 if "itl" in values else None,
         percentile=percentile,
     )
+
+
+def ms_text(seconds: float | None) -> str:
+    """A latency for a log line: "123 ms", or "-" when there is none."""
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.errors import PdserveError
-from pdserve.slo import SLO, parse_slo
+from pdserve.slo import SLO, ms_text, parse_slo
 
 
 def test_slo_in_milliseconds_either_or_both() -> None:
@@ -40,3 +40,7 @@ def test_percentile_bounds_and_pool_overrides() -> None:
     assert base.override(itl_ms=50) == SLO(1.0, 0.05, 0.9)
     assert base.override() == base
     assert base.describe() == {"ttft_s": 1.0, "itl_s": 0.1, "percentile": 0.9}
+
+
+def test_a_latency_reads_in_milliseconds_in_log_lines() -> None:
+    assert (ms_text(0.2504), ms_text(None)) == ("250 ms", "-")

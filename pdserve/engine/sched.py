@@ -134,7 +134,6 @@ class Scheduler:
         self.step_cost: StepCostModel | None = (
             StepCostModel(window=config.step_cost_window) if config.role is Role.DECODE else None
         )
-        self.num_deferred_chunks = 0  # prompt chunks left out of a step for streams that waited
 
     # -- the narrow interface -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -414,8 +413,6 @@ class Scheduler:
         fits = cost.chunk_within(step_s, base, request.num_computed_tokens, limit)
         if fits == 0 and waited < FRESH_WAIT_FRACTION * request.max_step_seconds:
             fits = min(limit, MIN_TIMED_CHUNK)
-        if fits == 0:
-            self.num_deferred_chunks += 1
         return fits
 
     def observe_step(self, step: Step, seconds: float) -> None:

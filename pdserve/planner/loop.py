@@ -24,7 +24,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import context_per_stream
 from pdserve.router.workers import WorkerLink, WorkerSet, WorkerState
 from pdserve.signals import Signals, quantile
-from pdserve.slo import SLO
+from pdserve.slo import SLO, ms_text
 
 logger = logging.getLogger(__name__)
 
@@ -148,12 +148,12 @@ class Planner:
                 d.reason,
                 d.detail,
                 view.request_rate,
-                _ms(view.service_s),
-                _ms(view.observed_ttft),
-                _ms(view.observed_wait),
+                ms_text(view.service_s),
+                ms_text(view.observed_ttft),
+                ms_text(view.observed_wait),
                 view.streams,
                 view.stream_capacity,
-                _ms(view.observed_itl),
+                ms_text(view.observed_itl),
             )
             self.pools.set_planned_target(d.pool, d.new, f"planner: {d.reason}")
             self._planned[d.pool] = self.pools.targets()[d.pool][0]
@@ -318,7 +318,3 @@ MIN_SAMPLES = 5  # an observed percentile of fewer samples is their max: not a b
 
 def _quantile(values: list[float], p: float) -> float | None:
     return quantile(values, p) if len(values) >= MIN_SAMPLES else None
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"

@@ -38,6 +38,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import Placement, Unavailable
 from pdserve.router.workers import Leg, LegEvent, WorkerDown, WorkerLink, WorkerSet
 from pdserve.signals import Signals
+from pdserve.slo import ms_text
 
 logger = logging.getLogger(__name__)
 
@@ -214,9 +215,9 @@ class Dispatcher:
                 choice.path,
                 to_compute,
                 choice.reason,
-                _ms(choice.remote_ttft),
-                _ms(choice.local_ttft),
-                _ms(choice.stall_s),
+                ms_text(choice.remote_ttft),
+                ms_text(choice.local_ttft),
+                ms_text(choice.stall_s),
                 choice.chunk,
                 choice.stall_margin,
             )
@@ -489,7 +490,3 @@ class Dispatcher:
                 return await leg.events.get()
         except TimeoutError:
             raise RequestFailed(f"timed out after {timeout:g} s waiting for {what}") from None
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
