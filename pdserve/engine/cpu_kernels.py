@@ -40,7 +40,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _NAME = "pdserve_cpu_kernels"
-_SOURCES = ("cpu_attention.cpp", "cpu_ops.cpp", "cpu_paged_attention.cpp")
+_SOURCES = ("cpu_attention.cpp", "cpu_gemv.cpp", "cpu_ops.cpp", "cpu_paged_attention.cpp")
 # -ffp-contract=fast lets gcc fuse a*b+c into FMAs (off by default in torch's ISO -std=c++ mode;
 # the ops that must round between a product and a sum turn it off for themselves);
 # -fopenmp enables the `omp simd` loops and matches torch's OpenMP at::parallel_for;

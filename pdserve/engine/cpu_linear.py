@@ -8,11 +8,19 @@ the machine's measurement says it pays (cpu_choice.py), each projection's weight
 at load, into oneDNN's blocked layout, and called through `torch.ops.mkldnn._linear_pointwise` (the
 op torch's own compiler uses for frozen CPU models). bf16 results are bit-identical to `F.linear`
 (both are oneDNN); fp32 ones differ in the last bits (oneDNN's summation order, not MKL's).
+
+In bf16, where the machine has AVX512-BF16 and its measurement says it pays, a layer also keeps its
+weight a second time, laid out as one sequential stream for `torch.ops.pdserve.stream_linear`
+(cpu_gemv.cpp), and uses that for steps of up to `stream_rows` rows (a decode step's few streams):
+it reads the weights up to twice as fast as oneDNN does for one row. The price is the memory of a
+second copy of the weights (SmolLM2: 269 MB); the results differ from oneDNN's in the last bit of
+some outputs (another summation order).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # oneDNN picks the blocked layout for this many rows; measured, the layout chosen for a few rows
@@ -38,30 +46,74 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-class PackedLinear(nn.Module):
-    """nn.Linear's forward over a prepacked weight. The weight is not a parameter any more: the
-    model is loaded before its layers are packed, and never trained."""
+def stream_linear_available() -> bool:
+    """Whether the C++ kernels are loaded and were built with the stream GEMV (AVX512-BF16)."""
+    from pdserve.engine.cpu_kernels import decode_attention_kernel  # loads (or builds) the library
 
-    def __init__(self, linear: nn.Linear) -> None:
+    if decode_attention_kernel() is None:
+        return False
+    available: bool = torch.ops.pdserve.stream_linear_available()
+    return available
+
+
+STREAM_ROWS, STREAM_DEPTH = 8, 32  # cpu_gemv.cpp's kRows and kDepth
+
+
+def stream_pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 -> [ceil(N/8), ceil(K/32), 8, 32]: eight rows' next 32 inputs side by side, zero-padded."""
+    n, k = weight.shape
+    n_pad, k_pad = -n % STREAM_ROWS, -k % STREAM_DEPTH
+    padded = F.pad(weight.detach(), (0, k_pad, 0, n_pad))  # [N', K']
+    groups, pieces = (n + n_pad) // STREAM_ROWS, (k + k_pad) // STREAM_DEPTH
+    return padded.view(groups, STREAM_ROWS, pieces, STREAM_DEPTH).permute(0, 2, 1, 3).contiguous()
+
+
+def stream_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:  # [M, K] bf16 -> [M, N] bf16
+    out: torch.Tensor = torch.ops.pdserve.stream_linear.default(x, packed, out_features, bias)
+    return out
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear's forward over a prepacked weight (oneDNN's layout, or the plain one when oneDNN's
+    does not pay here), plus the stream layout for steps of up to `stream_rows` rows. The weight is
+    not a parameter any more: the model is loaded before its layers are packed, and never trained."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = True, stream_rows: int = 0
+    ) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = pack_weight(linear.weight)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        weight = weight.detach()  # [out, in]
+        self.out_features, self.in_features = weight.shape
+        self.packed = pack_weight(weight) if onednn else None
+        self.weight = None if onednn else weight
+        self.stream_rows = stream_rows
+        self.stream = stream_pack(weight) if stream_rows > 0 else None
+        self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        return packed_linear(x, self.packed, self.bias)
+        if self.stream is not None and x.shape[0] <= self.stream_rows:
+            return stream_linear(x, self.stream, self.out_features, self.bias)
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        assert self.weight is not None
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn prepacked"
+        layouts = ["onednn prepacked" if self.packed is not None else "plain"]
+        if self.stream is not None:
+            layouts.append(f"stream GEMV up to {self.stream_rows} rows")
+        return f"in_features={self.in_features}, out_features={self.out_features}, {', '.join(layouts)}"
 
 
-def pack_linears(module: nn.Module) -> int:
+def pack_linears(module: nn.Module, onednn: bool = True, stream_rows: int = 0) -> int:
     """Replace every nn.Linear under `module` by a PackedLinear (CPU only); returns how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear) and child.weight.device.type == "cpu":
-            setattr(module, name, PackedLinear(child))
+            setattr(module, name, PackedLinear(child.weight, child.bias, onednn, stream_rows))
             count += 1
         else:
-            count += pack_linears(child)
+            count += pack_linears(child, onednn, stream_rows)
     return count

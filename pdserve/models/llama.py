@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention import AttentionMetadata
-from pdserve.engine.cpu_linear import pack_linears, pack_weight, packed_linear
+from pdserve.engine.cpu_linear import PackedLinear, pack_linears
 from pdserve.engine.layer_ops import TorchLayerOps
 from pdserve.errors import ModelLoadError
 from pdserve.models.config import ModelConfig
@@ -141,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-        self.packed_logits: torch.Tensor | None = None  # [vocab, hidden] prepacked (pack_for_onednn)
+        self.packed_logits: PackedLinear | None = None  # [hidden] -> [vocab], repacked (pack_for_cpu)
         self.ops: TorchLayerOps = TorchLayerOps()  # the per-layer ops (layer_ops.py)
 
     def forward(
@@ -165,18 +165,20 @@ class LlamaForCausalLM(nn.Module):
         # In the model dtype: the sampler widens them to float32 only where it needs more than an
         # argmax (an [8, 49152] copy is ~0.2 ms of a decode step).
         if self.packed_logits is not None:
-            return packed_linear(hidden, self.packed_logits, None)
+            logits: torch.Tensor = self.packed_logits(hidden)
+            return logits
         return F.linear(hidden, self.logits_weight)
 
     @property
     def logits_weight(self) -> torch.Tensor:  # [vocab, hidden]: lm_head's, or the embedding's if tied
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def pack_for_onednn(self) -> int:
-        """Prepack every projection's weight, the logits' too, for oneDNN (cpu_linear.py): after
-        the weights are loaded and cast, on CPU. Returns how many layers were packed."""
-        self.packed_logits = pack_weight(self.logits_weight)
-        count = pack_linears(self.layers)
+    def pack_for_cpu(self, onednn: bool = True, stream_rows: int = 0) -> int:
+        """Repack every projection's weight, the logits' too, for oneDNN and/or the stream GEMV of
+        steps up to `stream_rows` rows (cpu_linear.py): after the weights are loaded and cast, on
+        CPU. Returns how many layers were packed."""
+        self.packed_logits = PackedLinear(self.logits_weight, None, onednn, stream_rows)
+        count = pack_linears(self.layers, onednn, stream_rows)
         return count + 1
 
     # -- weights ------------------------------------------------------------------------------------
