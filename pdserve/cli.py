@@ -141,6 +141,13 @@ def _info(args: argparse.Namespace) -> int:
         speedups = ", ".join(f"M={rows} {x:.2f}x" for rows, x in plan.prepack_speedup.get(dtype, {}).items())
         chosen = "prepacked oneDNN" if plan.prepack.get(dtype) else "torch F.linear"
         print(f"  {dtype}: matmul GFLOP/s {rates}; prepacked weights {speedups or 'unavailable'} -> {chosen}")
+        if dtype in plan.stream_speedup:
+            stream = ", ".join(f"M={rows} {x:.2f}x" for rows, x in plan.stream_speedup[dtype].items())
+            rows = plan.stream_rows.get(dtype, 0)
+            print(
+                f"    stream GEMV against it: {stream} -> "
+                + (f"used for steps of up to {rows} rows" if rows else "not used")
+            )
     print(f"  C++ kernels: {isa if isa else 'unavailable: ' + str(unavailable_reason())}")
     private, shared = huge_pages.thp_setting(), huge_pages.thp_setting(huge_pages.THP_SHMEM_ENABLED)
     print(

@@ -12,12 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine import cpu_choice
+from pdserve.engine import cpu_choice, cpu_kernels
 from pdserve.engine.core import pick_dtype
 
 
 @pytest.fixture
 def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    # The measurement tries the C++ stream GEMV: load the library from the machine's own cache
+    # first (under another PDSERVE_CACHE_DIR it would be built there again, ~30 s).
+    cpu_kernels.decode_attention_kernel()
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     cpu_choice.cpu_plan.cache_clear()
     yield tmp_path
@@ -62,3 +65,20 @@ def test_pdserve_info_prints_the_plan() -> None:
     assert f"dtype=auto: {plan.auto_dtype}" in out
     assert "C++ kernels: " in out and str(cpu_choice.cache_path()) in out
     assert ("prepacked oneDNN" in out) == any(plan.prepack.values())
+    assert ("stream GEMV against it" in out) == bool(plan.stream_speedup)
+
+
+def test_the_stream_gemv_is_measured_where_it_can_run(cache_dir: Path) -> None:
+    from pdserve.engine.cpu_linear import stream_linear_available
+
+    plan = cpu_choice.cpu_plan()
+    if not stream_linear_available():
+        assert plan.stream_rows == {} and "stream GEMV" not in plan.summary(torch.bfloat16)
+        return
+    speedups = plan.stream_speedup["bfloat16"]
+    assert set(speedups) == {"1", "2", "4"} and all(x > 0 for x in speedups.values())
+    rows = plan.stream_rows["bfloat16"]
+    # Used up to the last row count that won, and for no more rows than won in a row from 1.
+    assert rows in (0, 1, 2, 4) and all(speedups[str(r)] >= 1.05 for r in (1, 2, 4) if r <= rows)
+    assert "float32" not in plan.stream_rows  # a bf16 kernel
+    assert ("stream GEMV up to" in plan.summary(torch.bfloat16)) == (rows > 0)

@@ -7,6 +7,8 @@ not others. So on first use a machine measures, in about a second:
 - the dtype `auto` means: bfloat16 when its matmul beats float32's, else float32;
 - for each dtype, whether prepacked oneDNN weights (cpu_linear.py) beat plain `F.linear` for the
   few rows of a decode step and the hundreds of a prompt chunk;
+- in bf16, with the C++ kernels built for AVX512-BF16, up to how many rows the stream GEMV
+  (cpu_gemv.cpp) beats that choice: a step of at most that many rows uses it;
 and keeps the answer in `$PDSERVE_CACHE_DIR` (default `~/.cache/pdserve`) under a key made of the
 CPU's model and flags and torch's version, so later processes read it in microseconds. The C++
 kernels report the instruction set they were built for (`-march=native`). Engines log the plan at
@@ -30,7 +32,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.cpu_linear import onednn_available, pack_weight, packed_linear
+from pdserve.engine.cpu_linear import (
+    onednn_available,
+    pack_weight,
+    packed_linear,
+    stream_linear,
+    stream_linear_available,
+    stream_pack,
+)
 
 # SmolLM2-sized projections: hidden 576 -> MLP 1536; M = 1 (decode), 32 (a batch), 512 (a chunk).
 _SHAPE = (1536, 576)
@@ -39,6 +48,10 @@ _WEIGHTS = 12  # 42 MB in fp32, 21 MB in bf16: past most L3 caches
 # A choice must win by this much to be taken: below it, the machine's noise decides.
 _MARGIN = 1.05
 _FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+# The stream GEMV is tried at these row counts, in order; it is used up to the last that wins.
+_STREAM_ROWS = (1, 2, 4)
+# Part of the cache key: a plan cached by an older version of this file is measured again.
+_PLAN_VERSION = 2
 
 
 @dataclass
@@ -50,11 +63,17 @@ class CpuPlan:
     gflops: dict[str, dict[str, float]] = field(default_factory=dict)  # dtype -> rows -> GFLOP/s
     prepack: dict[str, bool] = field(default_factory=dict)  # dtype -> use prepacked oneDNN weights
     prepack_speedup: dict[str, dict[str, float]] = field(default_factory=dict)  # dtype -> rows -> x
+    # dtype -> the most rows a step may have to use the stream GEMV (0: never), and its speedups
+    # over the linear path chosen above (rows -> x)
+    stream_rows: dict[str, int] = field(default_factory=dict)
+    stream_speedup: dict[str, dict[str, float]] = field(default_factory=dict)
     measured_at: float = 0.0
 
     def summary(self, dtype: torch.dtype | None = None) -> str:
         name = _dtype_name(dtype) if dtype is not None else self.auto_dtype
         linear = "oneDNN prepacked" if self.prepack.get(name) else "torch F.linear"
+        if self.stream_rows.get(name, 0) > 0:
+            linear += f", stream GEMV up to {self.stream_rows[name]} rows"
         bf16, fp32 = self.gflops.get("bfloat16", {}), self.gflops.get("float32", {})
         return (
             f"{self.model} [{' '.join(self.flags) or 'no AVX2'}]: auto dtype {self.auto_dtype} "
@@ -85,9 +104,8 @@ def cpu_model_and_flags() -> tuple[str, list[str]]:
 def _cache_file(model: str, flags: list[str]) -> Path:
     base = os.environ.get("PDSERVE_CACHE_DIR")
     root = Path(base) if base else Path.home() / ".cache" / "pdserve"
-    key = hashlib.sha256(repr((model, flags, torch.__version__, platform.machine())).encode()).hexdigest()[
-        :16
-    ]
+    key = repr((model, flags, torch.__version__, platform.machine(), _PLAN_VERSION))
+    key = hashlib.sha256(key.encode()).hexdigest()[:16]
     return root / f"cpu_plan_{key}.json"
 
 
@@ -145,11 +163,43 @@ def measure() -> CpuPlan:
             plan.prepack[name] = (
                 bool(speedups) and speedups["1"] >= _MARGIN and speedups["256"] >= 1 / _MARGIN
             )
+            if dtype == torch.bfloat16 and stream_linear_available():
+                chosen = packed if plan.prepack[name] and packed is not None else None
+                plan.stream_speedup[name] = _stream_speedups(weights, chosen)
+                plan.stream_rows[name] = _stream_rows(plan.stream_speedup[name])
         if plan.gflops["bfloat16"]["32"] >= _MARGIN * plan.gflops["float32"]["32"]:
             plan.auto_dtype = "bfloat16"
         return plan
     finally:
         torch.set_num_threads(threads)
+
+
+def _stream_speedups(weights: list[torch.Tensor], packed: list[torch.Tensor] | None) -> dict[str, float]:
+    """rows -> how much faster the stream GEMV runs than oneDNN's packed weights (or F.linear)."""
+    out_features, in_features = weights[0].shape
+    streams = [stream_pack(w) for w in weights]
+    speedups = {}
+    for rows in _STREAM_ROWS:
+        x = torch.randn(rows, in_features).to(weights[0].dtype)
+        if packed is not None:
+            base = _time(functools.partial(_in_turn, _packed, x, packed))
+        else:
+            base = _time(functools.partial(_in_turn, F.linear, x, weights))
+        ours = _time(
+            functools.partial(_in_turn, lambda x, s: stream_linear(x, s, out_features, None), x, streams)
+        )
+        speedups[str(rows)] = base / ours
+    return speedups
+
+
+def _stream_rows(speedups: dict[str, float]) -> int:
+    """The most rows up to which every measured row count won by the margin (0: none did)."""
+    best = 0
+    for rows in _STREAM_ROWS:
+        if speedups.get(str(rows), 0.0) < _MARGIN:
+            break
+        best = rows
+    return best
 
 
 @functools.cache

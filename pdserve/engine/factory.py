@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -13,13 +14,14 @@ from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore, pick_device, pick_dtype
 from pdserve.engine.cpu_choice import cpu_plan
 from pdserve.engine.cpu_kernels import decode_attention_kernel
-from pdserve.engine.cpu_linear import onednn_available
+from pdserve.engine.cpu_linear import onednn_available, stream_linear_available
 from pdserve.engine.layer_ops import CpuKernelOps
 from pdserve.engine.runner import KVAllocator
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.loader import generation_eos_ids, iter_weights, load_config, load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
+_OFF = ("0", "false", "no", "off")
 
 
 def build_engine(
@@ -57,9 +59,15 @@ def build_engine(
         # rather than stalling the first step of the first request.
         if decode_attention_kernel() is not None and dtype in (torch.float32, torch.bfloat16):
             model.ops = CpuKernelOps()
-        plan = cpu_plan()
-        if plan.prepack.get(str(dtype).removeprefix("torch."), False) and onednn_available():
-            model.pack_for_onednn()
+        plan, name = cpu_plan(), str(dtype).removeprefix("torch.")
+        onednn = plan.prepack.get(name, False) and onednn_available()
+        stream_rows = plan.stream_rows.get(name, 0) if stream_linear_available() else 0
+        if stream_rows and os.environ.get("PDSERVE_STREAM_GEMV", "1").strip().lower() in _OFF:
+            # The stream layout is a second copy of the weights: an operator short of memory opts out.
+            logger.info("stream GEMV disabled by PDSERVE_STREAM_GEMV")
+            stream_rows = 0
+        if onednn or stream_rows:
+            model.pack_for_cpu(onednn, stream_rows)
         logger.info("CPU plan: %s; layer ops: %s", plan.summary(dtype), model.ops.name)
     engine = EngineCore(config, model_config, model, eos_ids, device, dtype, kv_allocator)
     logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - started)
