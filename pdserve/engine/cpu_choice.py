@@ -51,7 +51,7 @@ _FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 # The stream GEMV is tried at these row counts, in order; it is used up to the last that wins.
 _STREAM_ROWS = (1, 2, 3, 4)
 # Part of the cache key: a plan cached by an older version of this file is measured again.
-_PLAN_VERSION = 2
+_PLAN_VERSION = 3
 
 
 @dataclass
