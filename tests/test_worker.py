@@ -49,8 +49,17 @@ class Worker:
     """A real worker process, started as the local cluster backend starts one (its configuration
     in its environment, its Ready on a pipe), and a DEALER socket speaking to it as a router does."""
 
-    def __init__(self, model: Path, role: str, worker_id: str, **settings: object) -> None:
-        engine = EngineConfig(model=str(model), dtype="float32", role=Role(role), num_kv_blocks=64)
+    def __init__(
+        self,
+        model: Path,
+        role: str,
+        worker_id: str,
+        engine_settings: dict[str, int] | None = None,
+        **settings: object,
+    ) -> None:
+        engine = EngineConfig(
+            model=str(model), dtype="float32", role=Role(role), num_kv_blocks=64, **(engine_settings or {})
+        )
         config = WorkerConfig(worker_id, POOLS[role], engine, **settings)  # type: ignore[arg-type]
         # Returns once the model is loaded and the RPC socket bound.
         self.proc, reported = start_worker_process(config, SECRETS.for_workers(), stderr=subprocess.PIPE)
@@ -221,6 +230,38 @@ def test_a_request_s_chunk_limit_reaches_the_engine(tiny_llama: Path) -> None:
             answer = worker.recv_tokens()
             assert answer.request_id == rid and answer.finish_reason == "error" and answer.invalid
             assert field in (answer.error or "")
+    finally:
+        assert worker.stop() == 0
+
+
+def test_a_request_s_wait_counts_from_its_arrival_not_from_when_the_step_ends() -> None:
+    # A request that arrives while a long step runs waits for the rest of that step: its queue
+    # time (and the step budget a decode worker sizes its chunks to) counts from when the RPC
+    # thread took it off the socket, not from when the engine thread got to it after the step.
+    # The real model, so that the step is long (a 1000-token prompt: ~1 s on one thread).
+    worker = Worker(
+        Path("smollm2-135m"),
+        "mixed",
+        "m0",
+        engine_settings={"chunk_size": 1024, "max_num_batched_tokens": 1024},
+    )
+    try:
+        params = wire.WireSamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        worker.send(wire.AddRequest("long", [400 + i % 900 for i in range(1000)], params))
+        time.sleep(0.3)  # the engine thread is (almost surely) inside the long prompt's step now
+        sent = time.monotonic()
+        # 100 tokens do not fit beside the 1000 in a 1024-token step: this one runs in the next.
+        worker.send(wire.AddRequest("short", [400 + i for i in range(100)], params))
+        finished: dict[str, tuple[float, wire.Tokens]] = {}
+        while len(finished) < 2:
+            answer = worker.recv_tokens(timeout=60)
+            finished[answer.request_id] = (time.monotonic(), answer)
+        long_done = finished["long"][0]
+        waited = finished["short"][1].queue_seconds
+        assert waited is not None and long_done - sent > 0.2  # it did arrive during a long step
+        # It waited at least from its arrival to the end of that step (less the messages' way here,
+        # given 0.1 s on a busy machine; without the arrival stamp it would read ~0).
+        assert waited >= long_done - sent - 0.1
     finally:
         assert worker.stop() == 0
 
