@@ -315,6 +315,8 @@ def test_the_planner_follows_a_prefill_step_a_decode_step_and_idle(smollm2: str,
         assert decode_ups[-1]["reason"] in ("move", "predictive", "reactive")
         # By now the cost model has the workers' steps: it chose the paths.
         assert server.metric("pdserve_path_choices_total", reason="cost_model") > 0
+        # ... and exported what it divided the ITL budget by (a gauge never set would read 0).
+        assert server.metric("pdserve_cost_model_stall_margin") >= 1.0
 
         # 3. Idle: back to the minimum, through drains that lose nothing.
         server.wait_for(lambda: targets(server) == {"prefill": 1, "decode": 1}, 90, "both pools at 1")
