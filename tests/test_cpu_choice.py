@@ -82,3 +82,19 @@ def test_the_stream_gemv_is_measured_where_it_can_run(cache_dir: Path) -> None:
     assert rows in (0, 1, 2, 3, 4) and all(speedups[str(r)] >= 1.05 for r in (1, 2, 3, 4) if r <= rows)
     assert "float32" not in plan.stream_rows  # a bf16 kernel
     assert ("stream GEMV up to" in plan.summary(torch.bfloat16)) == (rows > 0)
+
+
+def test_a_plan_measured_with_the_kernels_off_is_measured_again_once_they_are_on(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdserve.engine.cpu_linear import stream_linear_available
+
+    if not stream_linear_available():
+        pytest.skip("no stream GEMV in this build")
+    plan = cpu_choice.cpu_plan()
+    stored = json.loads(cpu_choice.cache_path().read_text())
+    stored["stream_rows"], stored["stream_speedup"] = {}, {}  # what PDSERVE_CPU_KERNELS=0 leaves
+    cpu_choice.cache_path().write_text(json.dumps(stored))
+    cpu_choice.cpu_plan.cache_clear()
+    again = cpu_choice.cpu_plan()
+    assert "bfloat16" in again.stream_speedup and again.measured_at > plan.measured_at

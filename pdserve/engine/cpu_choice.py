@@ -202,16 +202,26 @@ def _stream_rows(speedups: dict[str, float]) -> int:
     return best
 
 
+def _read(path: Path) -> CpuPlan | None:
+    """The cached plan, or None to measure: there is none, it is unreadable, or it was measured
+    while the C++ kernels were off (`PDSERVE_CPU_KERNELS=0`) and they are on now, so it never
+    tried the stream GEMV (a machine whose kernels cannot have it never reaches the last test)."""
+    try:
+        plan = CpuPlan(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None  # none yet, or from another version of this file
+    if "bfloat16" not in plan.stream_speedup and stream_linear_available():
+        return None
+    return plan
+
+
 @functools.cache
 def cpu_plan(refresh: bool = False) -> CpuPlan:
     """This machine's plan: from the cache, or measured now (and cached)."""
     model, flags = cpu_model_and_flags()
     path = _cache_file(model, flags)
-    if not refresh:
-        try:
-            return CpuPlan(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
-            pass  # none yet, or from another version of this file: measure
+    if not refresh and (cached := _read(path)) is not None:
+        return cached
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path.with_suffix(".lock"), "w")  # noqa: SIM115 - held across the measurement
@@ -221,11 +231,8 @@ def cpu_plan(refresh: bool = False) -> CpuPlan:
         # One process measures; the workers starting beside it wait, then read its result (and
         # the machine is not measured while they load it). The kernel drops the lock of a dead one.
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not refresh:
-            try:
-                return CpuPlan(**json.loads(path.read_text()))
-            except (OSError, ValueError, TypeError):
-                pass
+        if not refresh and (cached := _read(path)) is not None:
+            return cached
         plan = measure()
         try:
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
