@@ -102,6 +102,10 @@ class WorkerConfig:
     # a decode step ~100 ms on one CPU). A slower pull finishes in the background meanwhile.
     kv_join_wait: float = 0.05
     load_interval: float = 0.1  # seconds between the worker's load reports
+    # Prefill role on CPU: a prompt of at most one chunk that arrives while a step runs is
+    # prefilled between two of that step's layers, when it is shorter than what each prompt of
+    # the step has left (shortest remaining first), instead of waiting for the step to end.
+    prefill_interrupts: bool = True
     cpus: str | None = None  # pin to these CPUs, e.g. "0" or "0-1" (Linux); set by the backend
     log_level: str = "INFO"
     # The tokens that end generation, as the router's tokenizer says (None: the worker loads the

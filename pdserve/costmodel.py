@@ -148,6 +148,7 @@ class StepCostModel:
         decode_streams: int = 0,
         decode_context: int = 0,
         max_steps: int = 400,
+        interrupts: bool = False,
     ) -> tuple[float, float]:
         """(seconds until a new prompt of `prompt_tokens` has its first token, the longest step on
         the way) on a worker with the prompts `ahead` (remaining tokens, oldest first) still to
@@ -155,11 +156,19 @@ class StepCostModel:
 
         Follows the engine's scheduler: every step each prompt takes up to `chunk` tokens, oldest
         first, within `budget` tokens; the prefill role (`short_first`) runs waiting prompts of at
-        most one chunk in a step of their own first. The step in progress is half done."""
+        most one chunk in a step of their own first. The step in progress is half done, unless
+        the worker `interrupts` it for such a prompt: between two layers, when the prompt is
+        shorter than what each prompt ahead still has left (then it waits for no step)."""
         remaining = [t for t in ahead if t > 0]
         new = max(1, prompt_tokens)
         elapsed = longest = 0.0
-        if remaining or decode_streams:  # a step is running when the request arrives
+        jumps_in = (
+            interrupts
+            and short_first
+            and new <= chunk
+            and all(t - min(chunk, t) / 2 > new for t in remaining)
+        )
+        if (remaining or decode_streams) and not jumps_in:  # a step is running when the request arrives
             first = _first_step(remaining, chunk, budget, decode_streams, decode_context)
             elapsed = 0.5 * self.step_seconds(first)
         if short_first and new <= chunk:

@@ -230,6 +230,7 @@ def worker_config(
         kv_fault_rate=o["kv_fault_rate"],
         kv_corrupt_rate=o["kv_corrupt_rate"],
         kv_checksum=o["kv_checksum"],
+        prefill_interrupts=o["prefill_interrupts"],
         log_level=o["log_level"],
         eos_token_ids=eos_token_ids,
     )

@@ -139,6 +139,12 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
         _default(_W, "kv_corrupt_rate"),
         "fault tests only: share of KV transfers to land with one bit flipped on purpose",
     ),
+    "prefill_interrupts": (
+        bool,
+        _default(_W, "prefill_interrupts"),
+        "a prefill worker prefills a short prompt between two layers of a longer prompt's step "
+        "(shortest remaining first) instead of after it",
+    ),
     "kv_checksum": (
         str,
         _default(_W, "kv_checksum"),

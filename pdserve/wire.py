@@ -150,6 +150,9 @@ class Ready(msgspec.Struct, frozen=True, tag="ready"):
     rpc_public_key: str = ""
     node_id: str = ""  # the node it runs on (WorkerConfig.node_id)
     kv_shm_address: str = ""  # its KV segment besides `kv_address` (same-node shm), or ""
+    # Prefill role: a prompt of at most one chunk that arrives during a step runs between two of
+    # its layers when it is shorter than what that step's prompts have left (it waits for no step).
+    prefill_interrupts: bool = False
 
 
 class Tokens(msgspec.Struct, frozen=True, tag="tokens"):

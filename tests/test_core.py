@@ -246,3 +246,54 @@ def test_a_stream_resumed_without_its_kv_recomputes_it_and_goes_on_with_the_same
     else:
         assert got == expected[5:]
         assert resumed.stats().kv_blocks_used == 0
+
+
+def test_a_short_prompt_runs_between_two_layers_of_a_long_prefill_step(tiny_llama: Path) -> None:
+    # A prefill engine on CPU lets a short prompt that arrives during a long prompt's step run
+    # between two of its layers when it is shorter than what the long prompt has left (shortest
+    # remaining first); each gets the token it would get alone.
+    long_prompt, short_prompt, other_short = list(range(10, 90)), list(range(200, 212)), list(range(100, 160))
+    alone = engine(tiny_llama, Role.PREFILL, chunk_size=64)
+    for rid, prompt in (("long", long_prompt), ("short", short_prompt), ("other", other_short)):
+        alone.add_request(rid, prompt, GREEDY)
+    expected = run_to_end(alone)
+
+    core = engine(tiny_llama, Role.PREFILL, chunk_size=64)
+    assert core.interrupts_steps
+    layers = core.model_config.num_layers
+    core.add_request("long", long_prompt, GREEDY)
+    nested: list[list[tuple[str, list[int], bool]]] = []
+
+    def between_layers() -> None:
+        if not nested:  # both arrive while the first layer of the 64-token chunk runs
+            core.add_request("short", short_prompt, GREEDY)
+            core.add_request("other", other_short, GREEDY)
+        outputs = core.step_between_layers()
+        nested.append([(out.request_id, out.new_token_ids, out.finished) for out in outputs])
+
+    assert core.step(between_layers) == []  # the long prompt's first chunk: 16 tokens left
+    assert len(nested) == layers - 1
+    # After one layer the long prompt has 16 + 64 x (1 - 1/layers) tokens left: more than the
+    # short prompt's 12, so it runs at once; fewer than 12 + 60, so the other one waits.
+    assert nested[0] == [("short", expected["short"], True)] and all(ids == [] for ids in nested[1:])
+    assert core.steps_between_layers == 1
+    step = core.last_step
+    assert step is not None and step.num_prefill_tokens == 64
+    assert run_to_end(core) == {"other": expected["other"], "long": expected["long"]}
+    assert core.stats().num_held == 3
+
+    # When the prompts of the running step have less left than a waiting prompt, it waits.
+    late = engine(tiny_llama, Role.PREFILL, chunk_size=64)
+    late.add_request("long", long_prompt, GREEDY)
+    late.step()  # 64 of 80 tokens: its last step has 16, and 12 > 16 x (1 - 1/layers) for 3 layers
+    ran: list[str] = []
+
+    def arrives() -> None:
+        if "short" not in [r.request_id for r in late.scheduler.waiting]:
+            late.add_request("short", short_prompt, GREEDY)
+        ran.extend(out.request_id for out in late.step_between_layers())
+
+    assert [o.request_id for o in late.step(arrives)] == ["long"]
+    assert ran == ([] if 16 * (layers - 1) / layers <= 12 else ["short"])
+    with pytest.raises(RuntimeError):
+        late.step_between_layers()  # only from inside a step

@@ -131,6 +131,24 @@ def test_a_short_prompt_on_a_busy_prefill_worker_waits_only_for_the_step_in_prog
     assert ttft == pytest.approx(0.5 * long_chunk + own, rel=0.05)
 
 
+def test_a_short_prompt_waits_for_no_step_on_a_worker_that_interrupts_its_steps() -> None:
+    # A prefill worker that runs a short prompt between two layers of the step in progress (when
+    # the prompts of that step have more left than it): its own prefill, no half step before it.
+    model = fitted()
+    own = true_seconds(Step(100, chunk_attention(0, 100)))
+    kw = {"chunk": 256, "budget": 2048, "short_first": True, "interrupts": True}
+    ttft, _ = model.prefill_finish_seconds(100, (2000,), **kw)  # type: ignore[arg-type]
+    assert ttft == pytest.approx(own, rel=0.05)
+    # ... but a step that has less left than the new prompt ends first (shortest remaining first).
+    nearly_done, _ = model.prefill_finish_seconds(100, (120,), **kw)  # type: ignore[arg-type]
+    as_before, _ = model.prefill_finish_seconds(100, (120,), chunk=256, budget=2048, short_first=True)
+    assert nearly_done == as_before > own
+    # ... and a prompt longer than a chunk never jumps in: it waits as before.
+    waits, _ = model.prefill_finish_seconds(300, (2000,), **kw)  # type: ignore[arg-type]
+    no_jump, _ = model.prefill_finish_seconds(300, (2000,), chunk=256, budget=2048, short_first=True)
+    assert waits == no_jump
+
+
 def test_a_long_prompt_shares_steps_with_the_prompts_ahead() -> None:
     model = fitted()
     alone = model.prefill_alone_seconds(2048, 256, 2048)

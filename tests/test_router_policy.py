@@ -89,6 +89,20 @@ def test_a_chat_goes_local_when_the_prefill_worker_is_busy_and_the_stall_fits() 
     assert choice.predicted_ttft == choice.local_ttft and choice.alone_s is not None
 
 
+def test_a_chat_goes_remote_to_a_busy_prefill_worker_that_interrupts_its_steps_for_it() -> None:
+    # The same busy prefill worker, but one that runs a short prompt between two layers of its
+    # long chunk (wire.Ready.prefill_interrupts): the chat waits for no chunk there, so it spares
+    # the decode worker's streams.
+    model = _machine()
+    interrupting = policy.PrefillCandidate("p0", (2000, 2000), chunk=256, budget=256, interrupts=True)
+    choice = policy.choose_path_by_cost(
+        model, 120, interrupting, _decode(4), itl_budget_s=1.0, local_prefill_threshold=16
+    )
+    assert (choice.path, choice.reason) == ("remote", "cost_model")
+    assert choice.remote_ttft is not None and choice.alone_s is not None
+    assert choice.remote_ttft == pytest.approx(choice.alone_s)
+
+
 def test_a_local_prefill_goes_in_chunks_whose_steps_fit_the_itl_budget() -> None:
     model = _machine()
     decode = _decode(16)

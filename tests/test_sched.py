@@ -353,6 +353,29 @@ def test_prefill_role_lets_a_short_prompt_overtake_a_long_prompts_next_chunk() -
     assert_no_leak(s)
 
 
+def test_between_two_layers_only_waiting_short_prompts_below_the_bound_run() -> None:
+    s = make(Role.PREFILL, blocks=256, chunk_size=8, max_num_batched_tokens=100)
+    s.add_request(req("long", 40))
+    running = s.schedule()  # the long prompt's first chunk: the step whose layers run now
+    for rid, n in (("a", 5), ("b", 6), ("too_long", 20)):
+        s.add_request(req(rid, n))
+    # Fewer tokens than the bound, oldest first, prompts of one chunk at most: a then b is 11.
+    first = s.schedule_between_layers(10.5)
+    assert [c.request.request_id for c in first.chunks] == ["a"]
+    assert [r.request_id for r in s.update_from_output(first, {"a": 7})] == ["a"]  # prefilled
+    second = s.schedule_between_layers(20.0)
+    assert [c.request.request_id for c in second.chunks] == ["b"]  # too_long is over a chunk
+    s.update_from_output(second, {"b": 7})
+    s.update_from_output(running, {})  # the step whose layers ran ends: untouched till now
+    after = [(c.request.request_id, c.start) for c in s.schedule().chunks]
+    assert after == [("long", 8), ("too_long", 0)]  # long went on from its 8 computed tokens
+    assert s.schedule_between_layers(1.0).is_empty  # nothing is shorter than one token
+    for role in (Role.DECODE, Role.MIXED):  # their steps carry streams: nothing runs inside them
+        other = make(role)
+        other.add_request(req("x", 3))
+        assert other.schedule_between_layers(100.0).is_empty
+
+
 def test_prefill_role_does_not_stall_when_a_short_prompt_cannot_start() -> None:
     s = make(Role.PREFILL, blocks=256, chunk_size=8, max_num_batched_tokens=100, max_num_seqs=1)
     s.add_request(req("long", 24))

@@ -266,6 +266,47 @@ def test_a_request_s_wait_counts_from_its_arrival_not_from_when_the_step_ends() 
         assert worker.stop() == 0
 
 
+def first_tokens_in_order(interrupts: bool) -> tuple[bool, list[tuple[str, list[int]]], int]:
+    """A SmolLM2 prefill worker given a 1000-token prompt, then, while its step runs, a 40-token
+    one: (what its Ready says, the answers in the order they came, KV blocks used once both are
+    released)."""
+    worker = Worker(
+        Path("smollm2-135m"),
+        "prefill",
+        "p0",
+        engine_settings={"chunk_size": 1024, "max_num_batched_tokens": 1024},
+        prefill_interrupts=interrupts,
+    )
+    try:
+        assert isinstance(worker.ready, wire.Ready)
+        params = wire.WireSamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        worker.send(wire.AddRequest("long", [400 + i % 900 for i in range(1000)], params))
+        time.sleep(0.3)  # the engine thread is (almost surely) inside the long prompt's step now
+        worker.send(wire.AddRequest("short", [500 + i for i in range(40)], params))
+        answers = [worker.recv_tokens(timeout=60) for _ in range(2)]
+        assert all(a.finish_reason == "prefilled" and a.kv is not None for a in answers)
+        for answer in answers:
+            worker.send(wire.Release(answer.request_id))
+        return (
+            worker.ready.prefill_interrupts,
+            [(a.request_id, a.token_ids) for a in answers],
+            worker.last_load(timeout=10).kv_blocks_used,
+        )
+    finally:
+        assert worker.stop() == 0
+
+
+def test_a_prefill_worker_answers_a_short_prompt_from_inside_a_long_step() -> None:
+    # The real model, so that the long step takes ~1-2 s. With interruption on (the default) the
+    # 40-token prompt is prefilled between two layers of the 1000-token step and answered first;
+    # off, it waits for the step. The tokens are the same either way, and every block is freed.
+    said, answers, used = first_tokens_in_order(interrupts=True)
+    assert said and [rid for rid, _ in answers] == ["short", "long"] and used == 0
+    said_off, answers_off, used_off = first_tokens_in_order(interrupts=False)
+    assert not said_off and [rid for rid, _ in answers_off] == ["long", "short"] and used_off == 0
+    assert dict(answers) == dict(answers_off)
+
+
 def test_failed_kv_pull_is_reported_not_recomputed(tiny_llama: Path) -> None:
     prefill = Worker(tiny_llama, "prefill", "p0")
     decode = Worker(tiny_llama, "decode", "d0", kv_fault_rate=1.0)

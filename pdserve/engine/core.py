@@ -9,18 +9,18 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, Role
 from pdserve.costmodel import Step, chunk_attention
 from pdserve.engine import huge_pages
 from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.runner import KVAllocator, ModelRunner
-from pdserve.engine.sched import Handover, Scheduler, SchedulerConfig, SchedulerStats
+from pdserve.engine.runner import KVAllocator, ModelRunner, RunnerOutput
+from pdserve.engine.sched import Handover, Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
 from pdserve.errors import InvalidRequestError
 from pdserve.models.config import ModelConfig
 from pdserve.models.llama import LlamaForCausalLM
@@ -124,6 +124,12 @@ class EngineCore:
             model, model_config, num_blocks, config.block_size, dtype, device, config.seed, kv_allocator
         )
         self.last_step: StepStats | None = None
+        # Prefill role: the step whose layers are running and the share of them done (while
+        # `step` calls its `between_layers`), the time spent in steps run between them, and how
+        # many such steps ran (`step_between_layers`).
+        self._in_flight: tuple[SchedulerOutput, float] | None = None
+        self._nested_seconds = 0.0
+        self.steps_between_layers = 0
         self._kv_to_receive: list[tuple[str, list[int]]] = []
         logger.info(
             "engine ready: %s on %s, %s, %d KV blocks of %d tokens (%.0f MiB%s), max_model_len %d, role %s",
@@ -294,13 +300,59 @@ class EngineCore:
         return self.scheduler.stats()
 
     # -- the step ---------------------------------------------------------------------------------
-    def step(self) -> list[EngineOutput]:
+    def step(self, between_layers: Callable[[], None] | None = None) -> list[EngineOutput]:
+        """One step. `between_layers` (prefill role on CPU; else ignored): called between two
+        layers of the step, where the caller may add requests and call `step_between_layers`."""
         started = time.perf_counter()
         out = self.scheduler.schedule()
         self._kv_to_receive.extend(out.kv_to_receive)
         if out.is_empty:
             return []
+        hook = None
+        if between_layers is not None and self.interrupts_steps and out.num_batched_tokens > 1:
+            num_layers = self.model_config.num_layers
+
+            def hook(layers_done: int) -> None:
+                self._in_flight = (out, layers_done / num_layers)
+                between_layers()
+
+        self._nested_seconds = 0.0
+        try:
+            result = self.runner.execute(out, self.kv, hook)
+        finally:
+            self._in_flight = None
+        # The steps run between its layers are steps of their own (the cost model sees each).
+        return self._finish(out, result, time.perf_counter() - started - self._nested_seconds)
+
+    @property
+    def interrupts_steps(self) -> bool:
+        """Whether `step(between_layers=...)` calls it: on a prefill engine on CPU. (On a GPU the
+        layers are queued ahead of their execution: a call between two launches says nothing of
+        where the device is.)"""
+        return self.scheduler.config.role is Role.PREFILL and self.device.type == "cpu"
+
+    def step_between_layers(self) -> list[EngineOutput]:
+        """From `step`'s `between_layers`: a step of waiting short prompts that are shorter than
+        what every prompt of the running step still has left (`Scheduler.schedule_between_layers`),
+        run now, between two of its layers; [] when none is. Its outputs are final as any step's."""
+        if self._in_flight is None:
+            raise RuntimeError("step_between_layers is only for step's between_layers callback")
+        running, done = self._in_flight
+        left = min(
+            c.request.num_tokens_to_compute - c.num_tokens + c.num_tokens * (1.0 - done)
+            for c in running.chunks
+        )
+        out = self.scheduler.schedule_between_layers(left)
+        if out.is_empty:
+            return []
+        started = time.perf_counter()
         result = self.runner.execute(out, self.kv)
+        seconds = time.perf_counter() - started
+        self._nested_seconds += seconds
+        self.steps_between_layers += 1
+        return self._finish(out, result, seconds)
+
+    def _finish(self, out: SchedulerOutput, result: RunnerOutput, seconds: float) -> list[EngineOutput]:
         updated = self.scheduler.update_from_output(out, result.sampled)
         outputs = []
         for request in updated:
@@ -327,7 +379,7 @@ class EngineCore:
         stats = StepStats(
             num_batched_tokens=out.num_batched_tokens,
             num_decode_tokens=len(decodes),
-            step_seconds=time.perf_counter() - started,
+            step_seconds=seconds,
             num_prefill_tokens=sum(c.num_tokens for c in prompts),
             prefill_attention=sum(chunk_attention(c.start, c.num_tokens) for c in prompts),
             decode_context=sum(c.start + 1 for c in decodes),

@@ -89,9 +89,16 @@ class ModelRunner:
 
     # -- the step ------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> RunnerOutput:
+    def execute(
+        self,
+        out: SchedulerOutput,
+        kv: KVCacheManager,
+        between_layers: Callable[[int], None] | None = None,
+    ) -> RunnerOutput:
+        """Run one step. `between_layers(n)`: called after each layer but the last (see
+        `LlamaForCausalLM.forward`); it may call `execute` for another step."""
         input_ids, positions, _, meta, sample_index, rows, sampled_ids = self._prepare(out, kv)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, between_layers)  # [T, hidden]
         result = RunnerOutput()
         if not rows:
             return result

@@ -31,6 +31,7 @@ Nothing here knows about torch, processes or sockets.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -355,7 +356,20 @@ class Scheduler:
     def _short_prompt_waiting(self) -> bool:
         return any(r.num_tokens_to_compute <= self.config.chunk_size for r in self.waiting)
 
-    def _schedule_short_prompts(self, out: SchedulerOutput) -> SchedulerOutput:
+    def schedule_between_layers(self, below_tokens: float) -> SchedulerOutput:
+        """Prefill role, between two layers of a step that is running: a step of the waiting
+        prompts of at most one chunk (oldest first) whose tokens together are fewer than
+        `below_tokens`, the least that any prompt of the running step still has to compute
+        (shortest remaining first: a prompt shorter than what is left of every prompt in that
+        step finishes sooner this way, and the step's prompts finish later by as much, which
+        their longer remainder makes the smaller share). Empty when none qualifies. Only takes
+        waiting requests: those of the running step are untouched until it ends."""
+        out = SchedulerOutput()
+        if self.config.role is not Role.PREFILL or below_tokens <= 1:
+            return out
+        return self._schedule_short_prompts(out, math.ceil(below_tokens) - 1)
+
+    def _schedule_short_prompts(self, out: SchedulerOutput, budget: int | None = None) -> SchedulerOutput:
         """Prefill role: a step of waiting prompts that fit in one chunk, and nothing else.
 
         A short prompt that arrives while a long one is being prefilled would otherwise ride in
@@ -363,8 +377,8 @@ class Scheduler:
         the long chunk's time. Here it goes first, in a step of its own size; the long prompt
         continues in the next step without short prompts waiting (shortest-first between
         chunks; under a steady stream of short prompts the long one still gets every step in
-        which none is waiting)."""
-        budget = self.config.max_num_batched_tokens
+        which none is waiting). `budget`: at most this many tokens (default the step's budget)."""
+        budget = min(self.config.max_num_batched_tokens, budget or self.config.max_num_batched_tokens)
         for request in [r for r in self.waiting if r.num_tokens_to_compute <= self.config.chunk_size]:
             num_new = request.num_tokens_to_compute
             if num_new > budget or len(self.running) + len(self.receiving) >= self.config.max_num_seqs:

@@ -8,7 +8,7 @@ implementation (RMSNorm and RoPE tables in float32) so greedy outputs match it t
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -150,13 +150,21 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, KVH, D]
         meta: AttentionMetadata,
+        between_layers: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # [T, hidden]
+        """`between_layers(n)`: called after each of the first num_layers - 1 layers, with the
+        number done. It may run other forward passes (a prefill worker's short prompts between
+        two layers of a long chunk): this pass keeps no state outside its locals, and what it
+        writes to `kv_cache` lies in its own requests' blocks."""
         hidden: torch.Tensor = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(
                 hidden, residual, positions, self.rope, kv_cache[i, 0], kv_cache[i, 1], meta, self.ops
             )
+            if between_layers is not None and i < last:
+                between_layers(i + 1)
         assert residual is not None
         normed, _ = self.ops.add_norm(hidden, residual, self.norm)
         return normed

@@ -154,7 +154,8 @@ def _limits(link: WorkerLink) -> tuple[int, int]:
 
 def _prefill_candidate(link: WorkerLink, reserved: tuple[int, ...] = ()) -> policy.PrefillCandidate:
     chunk, budget = _limits(link)
-    return policy.PrefillCandidate(link.worker_id, _ahead(link) + reserved, chunk, budget)
+    interrupts = bool(link.ready and link.ready.prefill_interrupts)
+    return policy.PrefillCandidate(link.worker_id, _ahead(link) + reserved, chunk, budget, interrupts)
 
 
 def context_per_stream(link: WorkerLink) -> float:

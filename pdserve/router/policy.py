@@ -99,6 +99,9 @@ class PrefillCandidate:
     ahead: tuple[int, ...]  # prompt tokens still to prefill there, oldest first
     chunk: int
     budget: int
+    # A prompt of at most one chunk runs between two layers of the step in progress there,
+    # rather than after it (wire.Ready.prefill_interrupts).
+    interrupts: bool = False
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,12 @@ def choose_path_by_cost(
         return PathChoice("local", "no_prefill_worker", local, alone, None, local, longest)
     alone = cost.prefill_alone_seconds(prompt_tokens, prefill.chunk, prefill.budget)
     remote, _ = cost.prefill_finish_seconds(
-        prompt_tokens, prefill.ahead, chunk=prefill.chunk, budget=prefill.budget, short_first=True
+        prompt_tokens,
+        prefill.ahead,
+        chunk=prefill.chunk,
+        budget=prefill.budget,
+        short_first=True,
+        interrupts=prefill.interrupts,
     )
     quiet = cost.decode_step_seconds(decode.streams, decode.context_per_stream)
     if itl_budget_s is not None:

@@ -82,6 +82,10 @@ class WorkerServer:
         # leased, so it never serves a block after it was freed (see the lease hooks below).
         self.exporter = exporter
         self._inbox: queue.Queue[wire.Message | _KVDone] = queue.Queue()
+        # Prefill role: short prompts may run between two layers of a long step (_between_layers);
+        # the other messages that arrive meanwhile wait here for the step to end.
+        self._interrupts = config.prefill_interrupts and engine.interrupts_steps
+        self._deferred: list[wire.Message | _KVDone] = []
         self._stop = threading.Event()
         self._stop_requested = False  # set by a signal handler (stop_from_signal)
         # Engine thread -> RPC thread: an inproc PUSH/PULL pair, so a new token wakes the RPC
@@ -172,6 +176,7 @@ class WorkerServer:
             rpc_public_key=self.rpc.keypair.public,
             node_id=self.config.node_id,
             kv_shm_address=self.shm_address,
+            prefill_interrupts=self._interrupts,
         )
 
     def _engine_loop(self) -> None:
@@ -183,6 +188,9 @@ class WorkerServer:
                 self._stop.set()
                 break
             busy = engine.has_unfinished
+            deferred, self._deferred = self._deferred, []
+            for item in deferred:  # what came during the last step, in the order it came
+                self._apply(item)
             try:
                 item = self._inbox.get(timeout=0 if busy else 0.02)
                 self._apply(item)
@@ -199,7 +207,7 @@ class WorkerServer:
             self._hand_over()
             if engine.has_unfinished:
                 step_started = time.perf_counter()
-                for out in engine.step():
+                for out in engine.step(self._between_layers if self._interrupts else None):
                     self._emit(out)
                 self._record_step(step_started)
                 self._hand_over()  # right after their tokens: the next step would not wait
@@ -208,6 +216,34 @@ class WorkerServer:
             if now - last_load >= self.config.load_interval:
                 self._send(self._load())
                 last_load = now
+
+    def _between_layers(self) -> None:
+        """Prefill role, between two layers of a step (`EngineCore.step`): new prompts join the
+        engine's queue now, and those short enough run at once, in a step of their own
+        (`EngineCore.step_between_layers`), instead of waiting for the rest of this one. Every
+        other message waits for the step to end (an Abort or Release of a request of that step
+        must not free its blocks while its layers still write to them)."""
+        if self._inbox.empty():
+            return
+        added = False
+        try:
+            while True:
+                item = self._inbox.get_nowait()
+                if isinstance(item, wire.AddRequest):
+                    self._add(item)
+                    added = True
+                else:
+                    self._deferred.append(item)
+        except queue.Empty:
+            pass
+        if not added:
+            return
+        started = time.perf_counter()
+        outputs = self.engine.step_between_layers()
+        for out in outputs:
+            self._emit(out)
+        if outputs:
+            self._record_step(started)
 
     # -- commands --------------------------------------------------------------------------------------
     def _apply(self, item: wire.Message | _KVDone) -> None:
