@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Issue 10's measurements on SmolLM2-135M (docs/performance.md, "The planner and the path choice"):
 #
-#   benchmarks/planner.sh OUT STEP...     STEP: paths paths-m2 paths-tight quiet step
+#   benchmarks/planner.sh OUT STEP...     STEP: paths paths-m2 paths-tight interrupt interrupt-m2 quiet step
 #
 # paths / paths-m2: steady short chats plus long prompts that keep the one prefill worker busy most
 #   of the time (two mixes; BUSY, PREFILL_TOK_S below), colocated chunked prefill (2 workers) against DPD 1+1 with each
 #   request's path chosen by the cost model and DPD with the old fixed threshold.
-# paths-tight: paths' workload on DPD with the server's ITL SLO at ITL_TIGHT ms (default 55).
-# quiet: the same chats alone on DPD (the ITL baseline).
+# paths-tight: paths' workload on DPD with the server's ITL SLO at ITL_TIGHT ms (default 45).
+# interrupt / interrupt-m2: paths' and paths-m2's workloads; colocated, DPD at the ITL SLO of 250 and
+#   of ITL_TIGHT (45) ms with short prompts prefilled between two layers of a document's step (the
+#   default), and DPD at 250 without (--no-prefill-interrupts).
+# quiet: the same chats alone on DPD, at both ITL SLOs (the ITL baseline).
 # step: a chat rate that steps x3 for 60 s, static pools against --planner slo (budget 3).
 # Run on a quiet machine; configurations never share it (bench compare runs them in turn).
 set -euo pipefail
@@ -63,9 +66,19 @@ for step in "$@"; do
         --repeats 1 --out "$OUT/paths-m2" ;;
     paths-tight) # the path choice held to an ITL SLO near the chats' quiet ITL p99 (ITL_TIGHT ms)
         $PDSERVE bench compare "${COMMON[@]}" --workload "$W_CHAT; $W_DOCS" --repeats "$REPEATS" \
-        --config "dpd-cost-itl${ITL_TIGHT:-55}=--prefill 1 --decode 1 --slo ttft=2000,itl=${ITL_TIGHT:-55}" \
+        --config "dpd-cost-itl${ITL_TIGHT:-45}=--prefill 1 --decode 1 --slo ttft=2000,itl=${ITL_TIGHT:-45}" \
         --out "$OUT/paths-tight" ;;
+    interrupt|interrupt-m2) # short prompts between two layers of a document's step, on and off
+        docs=$W_DOCS; repeats=$REPEATS
+        if [[ $step == interrupt-m2 ]]; then docs=$W_DOCS2; repeats=1; fi
+        $PDSERVE bench compare "${COMMON[@]}" --workload "$W_CHAT; $docs" --repeats "$repeats" \
+        --config "colocated=--colocated 2" \
+        --config "dpd-cost=--prefill 1 --decode 1 --slo $SLO" \
+        --config "dpd-cost-itl${ITL_TIGHT:-45}=--prefill 1 --decode 1 --slo ttft=2000,itl=${ITL_TIGHT:-45}" \
+        --config "dpd-cost-no-interrupt=--prefill 1 --decode 1 --slo $SLO --no-prefill-interrupts" \
+        --out "$OUT/$step" ;;
     quiet) $PDSERVE bench compare "${COMMON[@]}" --config "dpd-cost=--prefill 1 --decode 1 --slo $SLO" \
+        --config "dpd-cost-itl${ITL_TIGHT:-45}=--prefill 1 --decode 1 --slo ttft=2000,itl=${ITL_TIGHT:-45}" \
         --workload "$W_CHAT" --repeats "$REPEATS" --out "$OUT/quiet" ;;
     step) $PDSERVE bench compare --model smollm2-135m --duration 180 --slo $SLO \
         --workload "chat: poisson(rate=0.4) step(60, 60, 3) prompt=lognormal(160,0.4,32,512) output=uniform(24,48)" \

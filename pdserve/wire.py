@@ -228,6 +228,9 @@ class Load(msgspec.Struct, frozen=True, tag="load"):
     # CURVE) and frames from accepted peers that were dropped (not our protocol).
     rpc_refused: int = 0
     rpc_dropped: int = 0
+    # Since the worker started (prefill role): steps of short prompts run between two layers of
+    # another step (wire.Ready.prefill_interrupts).
+    steps_between_layers: int = 0
 
 
 Message = (

@@ -266,9 +266,9 @@ def test_a_request_s_wait_counts_from_its_arrival_not_from_when_the_step_ends() 
         assert worker.stop() == 0
 
 
-def first_tokens_in_order(interrupts: bool) -> tuple[bool, list[tuple[str, list[int]]], int]:
+def first_tokens_in_order(interrupts: bool) -> tuple[bool, list[tuple[str, list[int]]], wire.Load]:
     """A SmolLM2 prefill worker given a 1000-token prompt, then, while its step runs, a 40-token
-    one: (what its Ready says, the answers in the order they came, KV blocks used once both are
+    one: (what its Ready says, the answers in the order they came, its load report once both are
     released)."""
     worker = Worker(
         Path("smollm2-135m"),
@@ -287,11 +287,8 @@ def first_tokens_in_order(interrupts: bool) -> tuple[bool, list[tuple[str, list[
         assert all(a.finish_reason == "prefilled" and a.kv is not None for a in answers)
         for answer in answers:
             worker.send(wire.Release(answer.request_id))
-        return (
-            worker.ready.prefill_interrupts,
-            [(a.request_id, a.token_ids) for a in answers],
-            worker.last_load(timeout=10).kv_blocks_used,
-        )
+        load = worker.last_load(timeout=10)
+        return worker.ready.prefill_interrupts, [(a.request_id, a.token_ids) for a in answers], load
     finally:
         assert worker.stop() == 0
 
@@ -300,10 +297,12 @@ def test_a_prefill_worker_answers_a_short_prompt_from_inside_a_long_step() -> No
     # The real model, so that the long step takes ~1-2 s. With interruption on (the default) the
     # 40-token prompt is prefilled between two layers of the 1000-token step and answered first;
     # off, it waits for the step. The tokens are the same either way, and every block is freed.
-    said, answers, used = first_tokens_in_order(interrupts=True)
-    assert said and [rid for rid, _ in answers] == ["short", "long"] and used == 0
-    said_off, answers_off, used_off = first_tokens_in_order(interrupts=False)
-    assert not said_off and [rid for rid, _ in answers_off] == ["long", "short"] and used_off == 0
+    said, answers, load = first_tokens_in_order(interrupts=True)
+    assert said and [rid for rid, _ in answers] == ["short", "long"]
+    assert load.kv_blocks_used == 0 and load.steps_between_layers == 1
+    said_off, answers_off, load_off = first_tokens_in_order(interrupts=False)
+    assert not said_off and [rid for rid, _ in answers_off] == ["long", "short"]
+    assert load_off.kv_blocks_used == 0 and load_off.steps_between_layers == 0
     assert dict(answers) == dict(answers_off)
 
 

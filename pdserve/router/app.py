@@ -445,6 +445,7 @@ class Router:
         m.worker_step.labels(*labels).set(load.last_step_ms / 1000)
         m.worker_rpc_refused.labels(*labels).set(load.rpc_refused)
         m.worker_rpc_dropped.labels(*labels).set(load.rpc_dropped)
+        m.worker_steps_between_layers.labels(*labels).set(load.steps_between_layers)
         if load.steps and link.up_at is not None:
             self.signals.steps(load.steps, time.monotonic() - link.up_at)
 

@@ -243,6 +243,13 @@ class RouterMetrics:
             worker_labels,
             registry=r,
         )
+        self.worker_steps_between_layers = Gauge(
+            "pdserve_worker_steps_between_layers",
+            "Steps of short prompts a prefill worker ran between two layers of a longer prompt's "
+            "step since it started (--prefill-interrupts)",
+            worker_labels,
+            registry=r,
+        )
 
         self._worker_gauges = (
             self.worker_up,
@@ -254,6 +261,7 @@ class RouterMetrics:
             self.worker_step,
             self.worker_rpc_refused,
             self.worker_rpc_dropped,
+            self.worker_steps_between_layers,
         )
 
     def load_gauges(self) -> tuple[Gauge, ...]:

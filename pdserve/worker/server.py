@@ -567,6 +567,7 @@ class WorkerServer:
             block_size=self.engine.config.block_size,
             rpc_refused=self.rpc.refused,
             rpc_dropped=self.rpc.dropped_frames,
+            steps_between_layers=self.engine.steps_between_layers,
         )
 
     def _send(self, message: wire.Message, *, final: bool = False) -> None:
