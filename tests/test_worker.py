@@ -306,6 +306,35 @@ def test_a_prefill_worker_answers_a_short_prompt_from_inside_a_long_step() -> No
     assert dict(answers) == dict(answers_off)
 
 
+def test_an_abort_that_arrives_inside_a_step_frees_its_blocks_once_the_step_ends() -> None:
+    # Between two layers the worker takes only new prompts; an Abort of the request whose layers
+    # are running is applied after its step. The client hears nothing more of the aborted one,
+    # the short prompt that came with the Abort is answered from inside the step, and every block
+    # is free at the end. (What this cannot see: blocks freed under the running step and reused by
+    # the short one would corrupt its KV, not its first token.)
+    worker = Worker(
+        Path("smollm2-135m"),
+        "prefill",
+        "p0",
+        engine_settings={"chunk_size": 1024, "max_num_batched_tokens": 1024},
+    )
+    try:
+        params = wire.WireSamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        worker.send(wire.AddRequest("long", [400 + i % 900 for i in range(1000)], params))
+        time.sleep(0.3)  # the engine thread is (almost surely) inside the long prompt's step now
+        worker.send(wire.Abort("long"))
+        worker.send(wire.AddRequest("short", [500 + i for i in range(40)], params))
+        answer = worker.recv_tokens(timeout=60)
+        assert answer.request_id == "short" and answer.finish_reason == "prefilled"
+        worker.send(wire.Release("short"))
+        load = worker.last_load(timeout=10)
+        assert load.kv_blocks_used == 0 and load.steps_between_layers == 1 and load.num_held == 0
+        with pytest.raises(TimeoutError):
+            worker.recv_tokens(timeout=1)  # nothing for the aborted request
+    finally:
+        assert worker.stop() == 0
+
+
 def test_failed_kv_pull_is_reported_not_recomputed(tiny_llama: Path) -> None:
     prefill = Worker(tiny_llama, "prefill", "p0")
     decode = Worker(tiny_llama, "decode", "d0", kv_fault_rate=1.0)
