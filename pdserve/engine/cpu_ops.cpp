@@ -79,9 +79,14 @@ inline const raw_t<T>* raw(const at::Tensor& t) {
 }
 
 // e^x over the whole float range, Cephes' expf polynomial (~1 ulp), branch-free so that `omp simd`
-// loops vectorize it (glibc's expf does not vectorize without -ffast-math).
+// loops vectorize it (glibc's expf does not vectorize without -ffast-math). Up to ~88.72 the result
+// is finite (silu(-88.5) needs e^88.5 = 2.7e38), past it inf: 2^n is applied as 2^(n - 1) * 2 so
+// that n = 128 does not build an exponent field of 255. Below -87 it stays at e^-87, which is all
+// silu needs (1 + e^x rounds to 1 long before).
+constexpr float EXP_MAX_ARG = 88.75f;  // > log(FLT_MAX) = 88.7228: every larger x gives inf
+
 inline float exp_poly(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
+  x = std::min(std::max(x, -87.0f), EXP_MAX_ARG);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   float r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
@@ -92,10 +97,10 @@ inline float exp_poly(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  const int32_t bits = (static_cast<int32_t>(n) + 126) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return p * scale * 2.0f;
 }
 
 void check_rows(const at::Tensor& x, const char* name) {
@@ -265,6 +270,41 @@ void rotary_and_cache(at::Tensor qkv,                // [T, (H + 2 KVH) * D]: q 
   }
 }
 
+#if defined(__AVX512F__)
+// exp_poly on 16 lanes, the same operations in the same order (so the same bits).
+inline __m512 exp_poly16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(EXP_MAX_ARG));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(126)), 23);
+  return _mm512_mul_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(bits)), _mm512_set1_ps(2.0f));
+}
+
+// Elem<c10::BFloat16>::store on 16 lanes: round to nearest even, NaN kept (quiet), as 16 bf16.
+inline __m256i to_bf16x16(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                       _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))),
+      16);
+  const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 is_nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, is_nan, nan));
+}
+
+inline __m512 from_bf16x16(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
+#endif
+
 template <typename T>
 void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   using E = Elem<T>;
@@ -276,11 +316,25 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
       const raw_t<T>* __restrict gate = xp + r * xs;
       const raw_t<T>* __restrict up = gate + n;
       raw_t<T>* __restrict o = op + r * n;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      // gcc's own vectorization of the loop below runs at a third of this (bf16: 1.5 against
+      // 0.5 ms for [512, 2 x 1536]); the same operations, so the same bits.
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= n; i += 16) {
+          const __m512 g = from_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate + i)));
+          const __m512 u = from_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(up + i)));
+          const __m512 act = from_bf16x16(to_bf16x16(_mm512_div_ps(g, _mm512_add_ps(one, exp_poly16(_mm512_sub_ps(_mm512_setzero_ps(), g))))));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), to_bf16x16(_mm512_mul_ps(act, u)));
+        }
+      }
+#endif
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {  // torch: silu(gate) in T, then times up in T
-        const float g = E::load(gate[i]);
+      for (int64_t j = i; j < n; ++j) {  // torch: silu(gate) in T, then times up in T
+        const float g = E::load(gate[j]);
         const float act = E::round(g / (1.0f + exp_poly(-g)));
-        o[i] = E::store(act * E::load(up[i]));
+        o[j] = E::store(act * E::load(up[j]));
       }
     }
   });
