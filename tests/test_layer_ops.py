@@ -48,6 +48,12 @@ def test_norms_and_activation_match_the_portable_ops(dtype: torch.dtype) -> None
     assert same_residual is got_residual and torch.equal(got_residual, want_sum)  # in place
     pairs = [(want, got), (portable.norm(x, norm), fused.norm(x, norm))]
     pairs.append((portable.silu_and_mul(gate_up), fused.silu_and_mul(gate_up)))
+    # A width the 16-lane loop does not divide (its tail runs the scalar loop), and values where
+    # exp saturates or silu's sign flips.
+    edges = torch.tensor([-100.0, -88.5, -20.0, -1e-3, -0.0, 0.0, 1e-3, 0.5, 20.0, 88.5, 100.0, 1e30])
+    odd = torch.cat([edges.repeat(37 * 40 // len(edges) + 1)[: 37 * 40].view(37, 40), gate_up[:, :40]], dim=1)
+    odd = odd.to(dtype)
+    pairs.append((portable.silu_and_mul(odd), fused.silu_and_mul(odd)))
     for expected, actual in pairs:
         if dtype == torch.bfloat16:  # the same roundings, op for op: bit for bit
             assert torch.equal(expected, actual)
@@ -137,6 +143,12 @@ CASES = [
     # whole decodes longer than one staged chunk of keys (256), blocks that do not divide it
     ([1] * 5 + [5], [600, 257, 513, 31, 256, 700], 5, 9, 3, 64, 0),
     ([1] * 4, [700, 300, 520, 299], 16, 9, 3, 64, 300),  # a window: the first key off a tile edge
+    # prompt chunks whose 16 queries x G heads fill vectors (rows in lanes): G = 8 (8 row vectors,
+    # taken 3, 3, 2), a long chunk over a context with a window that starts inside tiles, G = 1
+    # with wide heads, and blocks that split every tile
+    ([40, 1], [90, 50], 16, 16, 2, 64, 0),
+    ([100, 3], [300, 40], 5, 9, 3, 64, 50),
+    ([64], [200], 7, 4, 4, 128, 0),
 ]
 
 
