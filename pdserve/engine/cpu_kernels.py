@@ -40,7 +40,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 _NAME = "pdserve_cpu_kernels"
-_SOURCES = ("cpu_attention.cpp", "cpu_gemv.cpp", "cpu_ops.cpp", "cpu_paged_attention.cpp")
+_SOURCES = (
+    "cpu_attention.cpp",
+    "cpu_gemv.cpp",
+    "cpu_ops.cpp",
+    "cpu_paged_attention.cpp",
+    "cpu_paged_attention_bf16.cpp",
+)
+_HEADERS = ("cpu_paged_attention.h",)  # not compiled on their own, but the build depends on them
 # -ffp-contract=fast lets gcc fuse a*b+c into FMAs (off by default in torch's ISO -std=c++ mode;
 # the ops that must round between a product and a sum turn it off for themselves);
 # -fopenmp enables the `omp simd` loops and matches torch's OpenMP at::parallel_for;
@@ -71,7 +78,7 @@ def _cpu_fingerprint() -> str:
 
 def _build_dir() -> Path:
     digest = hashlib.sha256()
-    for name in _SOURCES:
+    for name in _SOURCES + _HEADERS:
         digest.update((Path(__file__).parent / name).read_bytes())
     for part in (_CFLAGS, _LDFLAGS, torch.__version__, sys.version, _cpu_fingerprint()):
         digest.update(repr(part).encode())
