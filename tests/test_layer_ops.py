@@ -174,6 +174,25 @@ def test_paged_attention_matches_dense_attention(case: tuple, dtype: torch.dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_threads_give_one_threads_output(dtype: torch.dtype) -> None:
+    """Prompt items (rows in lanes and row at a time) and decodes split over two threads."""
+    q_lens, seq_lens = [100, 1, 37, 1], [300, 40, 90, 200]
+    qkv, k_cache, v_cache, tables, lens, starts = batch(q_lens, seq_lens, 16, 9, 3, 64, dtype, seed=5)
+    q = qkv[:, : 9 * 64].view(-1, 9, 64)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(
+                torch.ops.pdserve.paged_attention(q, k_cache, v_cache, tables, lens, starts, 0.125, 0)
+            )
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_mixed_step_matches_the_portable_path(dtype: torch.dtype) -> None:
     """What the model sees: decodes then prompt chunks in one step, RoPE and the cache write
     included, through both ops (the fp32 one sends its decodes to the older decode kernel)."""
