@@ -29,11 +29,11 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 namespace {
+
+using namespace pdserve_vec;
 
 // Tokens per tile (a multiple of 8, see qk_tile_avx2): enough to amortize the per-tile softmax
 // bookkeeping, small enough that a tile's K/V rows stay in L1 while the G heads reuse them.
@@ -43,20 +43,9 @@ constexpr int64_t TILE = 16;
 // ~1 ulp. Branch-free so that it vectorizes; x below -87 flushes to ~1e-38 instead of 0.
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);  // round(x / ln 2)
-  float r = x - n * 0.693359375f;                               // ln 2 split in two for accuracy
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n >= -126: a normal float
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  const float n = std::floor(x * LOG2E + 0.5f);  // round(x / ln 2)
+  // 2^n, n >= -126: a normal float
+  return exp_reduced(x, n) * from_bits(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
 }
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -173,17 +162,9 @@ inline __m256 exp_nonpositive8(__m256 x) {
   const __m256 floor_x = _mm256_set1_ps(-87.0f);
   const __m256 keep = _mm256_cmp_ps(x, floor_x, _CMP_GE_OQ);
   x = _mm256_max_ps(x, floor_x);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // round(x / ln 2)
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256 p = exp_reduced(x, n);
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), keep);
 }

@@ -30,6 +30,8 @@
 #include <cstring>
 #include <optional>
 
+#include "cpu_vec.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define PDSERVE_STREAM_GEMV 1
@@ -41,14 +43,6 @@ constexpr int64_t kRows = 8;    // output rows per group
 constexpr int64_t kDepth = 32;  // inputs per 64-byte piece
 
 #ifdef PDSERVE_STREAM_GEMV
-
-inline uint16_t to_bf16(float value) {  // round to nearest even; NaN stays NaN (quiet)
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 // MR input rows against one group of eight output rows: MR * 8 accumulators (MR <= 2: 16 of the 32
 // vector registers). A three-row variant (24 accumulators) measured 7-10% faster at M = 3-4 in one
@@ -73,7 +67,7 @@ void group_rows(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t 
   for (int m = 0; m < MR; ++m)
     for (int64_t i = 0; i < rows_here; ++i) {
       const float sum = _mm512_reduce_add_ps(acc[m][i]);
-      out[m * out_stride + i] = to_bf16(bias == nullptr ? sum : sum + bias[i]);
+      out[m * out_stride + i] = pdserve_vec::bf16_bits(bias == nullptr ? sum : sum + bias[i]);
     }
 }
 

@@ -26,11 +26,11 @@
 #include <limits>
 #include <type_traits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 namespace {
+
+using namespace pdserve_vec;
 
 // Element access on raw storage (float, or the 16 bits of a bf16) with conversions written as plain
 // integer arithmetic, so that gcc vectorizes the loops below (c10::BFloat16's own conversion does
@@ -49,19 +49,8 @@ struct Elem<float> {
 template <>
 struct Elem<c10::BFloat16> {
   using raw = uint16_t;
-  static float load(uint16_t b) {
-    const uint32_t u = static_cast<uint32_t>(b) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof(f));
-    return f;
-  }
-  static uint16_t store(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, sizeof(u));
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t nan = (u >> 16) | 0x40u;  // quiet, as c10::BFloat16 does
-    return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-  }
+  static float load(uint16_t b) { return from_bf16_bits(b); }
+  static uint16_t store(float f) { return bf16_bits(f); }
   static float round(float f) { return load(store(f)); }  // the value as bf16 holds it
 };
 
@@ -87,20 +76,9 @@ constexpr float EXP_MAX_ARG = 88.75f;  // > log(FLT_MAX) = 88.7228: every larger
 
 inline float exp_poly(float x) {
   x = std::min(std::max(x, -87.0f), EXP_MAX_ARG);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 126) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale * 2.0f;
+  const float n = std::floor(x * LOG2E + 0.5f);
+  const float p = exp_reduced(x, n);
+  return p * from_bits(static_cast<uint32_t>(static_cast<int32_t>(n) + 126) << 23) * 2.0f;
 }
 
 void check_rows(const at::Tensor& x, const char* name) {
@@ -274,35 +252,12 @@ void rotary_and_cache(at::Tensor qkv,                // [T, (H + 2 KVH) * D]: q 
 // exp_poly on 16 lanes, the same operations in the same order (so the same bits).
 inline __m512 exp_poly16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(EXP_MAX_ARG));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(LOG2E), _mm512_set1_ps(0.5f)),
                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512 p = exp_reduced(x, n);
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(126)), 23);
   return _mm512_mul_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(bits)), _mm512_set1_ps(2.0f));
 }
-
-// Elem<c10::BFloat16>::store on 16 lanes: round to nearest even, NaN kept (quiet), as 16 bf16.
-inline __m256i to_bf16x16(__m512 f) {
-  const __m512i u = _mm512_castps_si512(f);
-  const __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                       _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))),
-      16);
-  const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  const __mmask16 is_nan =
-      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, is_nan, nan));
-}
-
-inline __m512 from_bf16x16(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
 #endif
 
 template <typename T>

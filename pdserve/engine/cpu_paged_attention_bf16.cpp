@@ -65,18 +65,6 @@ inline void stage_tokens(const Problem& p, const int64_t* table, int64_t first, 
   }
 }
 
-inline __m512bh as_bh(__m512i v) {
-  __m512bh b;
-  std::memcpy(&b, &v, sizeof(b));
-  return b;
-}
-
-inline __m512i bh_bits(__m512bh b) {
-  __m512i v;
-  std::memcpy(&v, &b, sizeof(v));
-  return v;
-}
-
 // scores[r][0..16 * GROUPS) = q[r] . K^T for ROWS rows: kp holds the tile's K as pairs along D,
 // transposed, one [pairs][16] block per group of 16 keys.
 template <int ROWS, int GROUPS>
