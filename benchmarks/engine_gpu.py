@@ -13,6 +13,8 @@ Measured per engine, each in its own process, timed the same way from outside th
   of all of them;
 - decode tokens/s at each batch B (1, 8, 32, 128): (time for N tokens - time for 1) over the N - 1
   later tokens of each request, N = `--decode-tokens`.
+`pdserve-eager` is pdserve with `cuda_graphs=False` (every step launched op by op): what the
+decode steps' CUDA graphs (pdserve/engine/decode_graphs.py) save, in the same run.
 Each worker runs every measurement `--repeats` times (each shape after a warm-up call) and reports
 the medians; ratios are against transformers measured in the same run.
 
@@ -122,10 +124,12 @@ def synchronize(device: str) -> None:
 
 
 # -- workers: each runs in its own process and prints one JSON line -------------------------------
-def worker_pdserve(args: argparse.Namespace) -> Callable[[list[list[int]], int], float]:
+def worker_pdserve(
+    args: argparse.Namespace, cuda_graphs: bool = True
+) -> Callable[[list[list[int]], int], float]:
     from pdserve import LLM, SamplingParams
 
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"cuda_graphs": cuda_graphs}
     if args.chunk_size:
         options["chunk_size"] = args.chunk_size
     if args.max_num_batched_tokens:
@@ -178,7 +182,12 @@ def worker_hf(args: argparse.Namespace) -> Callable[[list[list[int]], int], floa
     return generate
 
 
-WORKERS = {"pdserve": worker_pdserve, "hf": worker_hf}
+def worker_pdserve_eager(args: argparse.Namespace) -> Callable[[list[list[int]], int], float]:
+    """pdserve with every step launched op by op (no CUDA graphs): what the graphs save."""
+    return worker_pdserve(args, cuda_graphs=False)
+
+
+WORKERS = {"pdserve": worker_pdserve, "pdserve-eager": worker_pdserve_eager, "hf": worker_hf}
 
 
 def run_worker_here(args: argparse.Namespace) -> dict[str, Any]:
@@ -273,11 +282,15 @@ def print_tables(
         value = table[engine]["median"][metric]
         text = f"{value:,.0f}"
         ref = table.get("hf", {}).get("median", {}).get(metric)
-        if engine == "pdserve" and ref:
+        if engine.startswith("pdserve") and ref:
             text += f" ({value / ref:.2f}× hf)"
         return text
 
-    names = {"pdserve": "pdserve", "hf": "transformers `generate`"}
+    names = {
+        "pdserve": "pdserve",
+        "pdserve-eager": "pdserve, no CUDA graphs",
+        "hf": "transformers `generate`",
+    }
     print("\nDecode tokens/s (medians):\n")
     print("| engine | " + " | ".join(f"b{b}" for b in batches) + " |")
     print("|---" * (len(batches) + 1) + "|")
@@ -300,7 +313,7 @@ def main() -> int:
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--engines", default="pdserve,hf")
+    parser.add_argument("--engines", default="pdserve,pdserve-eager,hf")
     parser.add_argument("--batches", default="1,8,32,128")
     parser.add_argument("--prefill-len", type=int, default=2048)
     parser.add_argument("--prompt-len", type=int, default=512)

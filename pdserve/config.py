@@ -16,6 +16,21 @@ class Role(enum.StrEnum):
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
+# Step budgets by device, where the configuration leaves them unset (EngineConfig.step_budget).
+# CPU: a 512-token chunk of SmolLM2 is ~0.8 s on one core, so a decode sharing the step waits that
+# long; the budget lets a step carry four such chunks, or 2048 decodes.
+CPU_MAX_NUM_BATCHED_TOKENS = 2048
+CPU_CHUNK_SIZE = 512
+# A prefill worker runs one chunk per step: a short prompt that arrives during a long prompt's
+# chunk waits for the rest of it. 256 instead of 512 took SmolLM2's chat TTFT p50 with documents
+# from 1.26x to 1.09x colocated and raised goodput, documents included (docs/performance.md, run B).
+DEFAULT_PREFILL_CHUNK_SIZE = 256
+# GPU: a 512-token chunk of a small model is well under a millisecond of an H200's compute, less
+# than the host's cost of launching its step; 8192 tokens a step (vLLM's default for its OpenAI
+# server on such GPUs) fills the device, and 2048-token chunks let four prompts share a step.
+GPU_MAX_NUM_BATCHED_TOKENS = 8192
+GPU_CHUNK_SIZE = 2048
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -36,10 +51,15 @@ class EngineConfig:
     kv_cache_memory_gib: float = 1.0
     max_model_len: int | None = None  # default: the model's context length
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    chunk_size: int = 512
+    # Tokens of one step, and prompt tokens of one request in a step (chunked prefill). None: the
+    # device's defaults (`step_budget`), which differ by two orders of magnitude in compute.
+    max_num_batched_tokens: int | None = None
+    chunk_size: int | None = None
     seed: int = 0
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    # On a CUDA GPU: replay decode-only steps from CUDA graphs captured at start-up
+    # (engine/decode_graphs.py), one launch a step instead of ~15 per layer. No effect on CPU.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -52,6 +72,20 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        for name in ("max_num_batched_tokens", "chunk_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+    def step_budget(self, device_type: str) -> tuple[int, int]:
+        """(max_num_batched_tokens, chunk_size) on a device of this type ("cpu", "cuda"): the
+        configured values, else the device's defaults."""
+        if device_type == "cuda":
+            tokens, chunk = GPU_MAX_NUM_BATCHED_TOKENS, GPU_CHUNK_SIZE
+        else:
+            tokens = CPU_MAX_NUM_BATCHED_TOKENS
+            chunk = DEFAULT_PREFILL_CHUNK_SIZE if self.role is Role.PREFILL else CPU_CHUNK_SIZE
+        return self.max_num_batched_tokens or tokens, self.chunk_size or chunk
 
 
 TRANSPORTS = ("shm", "tcp", "nixl")

@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import serve_options
-from pdserve.config import KV_CHECKSUM_MODES, POOL_ROLES, TRANSPORTS, EngineConfig, WorkerConfig
+from pdserve.config import (
+    DEFAULT_PREFILL_CHUNK_SIZE,
+    KV_CHECKSUM_MODES,
+    POOL_ROLES,
+    TRANSPORTS,
+    EngineConfig,
+    WorkerConfig,
+)
 from pdserve.errors import PdserveError
 from pdserve.planner.law import LawSettings
 from pdserve.planner.loop import MODES, PlannerSettings
@@ -32,7 +39,6 @@ from pdserve.router.app import RouterSettings
 from pdserve.router.auth import AccessKeys
 from pdserve.router.config import PATH_CHOICES, RouterConfig
 from pdserve.security import DeploymentSecrets
-from pdserve.serve_options import DEFAULT_PREFILL_CHUNK_SIZE
 from pdserve.slo import SLO, parse_slo
 
 logger = logging.getLogger("pdserve.serve")
@@ -202,9 +208,11 @@ def worker_config(
     """The configuration of a new worker of `pool`: the shared settings, then the pool's own."""
     role = POOL_ROLES[pool]
     own = o["pools"].get(pool, {})
-    chunk = o["chunk_size"]
-    if pool == "prefill":  # the prefill pool's own chunk size (see DEFAULT_PREFILL_CHUNK_SIZE)
-        chunk = o["prefill_chunk_size"] or min(o["chunk_size"], DEFAULT_PREFILL_CHUNK_SIZE)
+    chunk = o["chunk_size"]  # None: the engine's default for its device and role
+    if pool == "prefill" and o["prefill_chunk_size"]:
+        chunk = o["prefill_chunk_size"]
+    elif pool == "prefill" and chunk:  # never above the prefill default (DEFAULT_PREFILL_CHUNK_SIZE)
+        chunk = min(chunk, DEFAULT_PREFILL_CHUNK_SIZE)
     chunk = own.get("chunk_size", chunk)
     engine = EngineConfig(
         model=o["model"],
@@ -218,6 +226,7 @@ def worker_config(
         max_num_batched_tokens=own.get("max_num_batched_tokens", o["max_num_batched_tokens"]),
         chunk_size=chunk,
         threads=o["threads"],
+        cuda_graphs=o["cuda_graphs"],
     )
     return WorkerConfig(
         worker_id=worker_id,

@@ -13,7 +13,16 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pdserve.config import POOL_ROLES, EngineConfig, WorkerConfig
+from pdserve.config import (
+    CPU_CHUNK_SIZE,
+    CPU_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_PREFILL_CHUNK_SIZE,
+    GPU_CHUNK_SIZE,
+    GPU_MAX_NUM_BATCHED_TOKENS,
+    POOL_ROLES,
+    EngineConfig,
+    WorkerConfig,
+)
 from pdserve.errors import PdserveError
 from pdserve.planner.law import LawSettings
 from pdserve.planner.loop import PlannerSettings
@@ -24,10 +33,6 @@ from pdserve.slo import DEFAULT_PERCENTILE
 
 # name -> (type, default, help). One table: it makes the flags, checks the config file, and
 # supplies the defaults, so the three never disagree.
-# A prefill worker runs one chunk per step: a short prompt that arrives during a long prompt's
-# chunk waits for the rest of it. 256 instead of 512 took SmolLM2's chat TTFT p50 with documents
-# from 1.26x to 1.09x colocated and raised goodput, documents included (docs/performance.md, run B).
-DEFAULT_PREFILL_CHUNK_SIZE = 256
 
 
 def _default(cls: Any, name: str) -> Any:
@@ -72,17 +77,28 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     "kv_cache_memory_gib": (float, _default(_E, "kv_cache_memory_gib"), "KV cache size per worker"),
     "block_size": (int, _default(_E, "block_size"), "tokens per KV block"),
     "max_num_seqs": (int, _default(_E, "max_num_seqs"), "requests running at once per worker"),
-    "max_num_batched_tokens": (int, _default(_E, "max_num_batched_tokens"), "tokens per engine step"),
+    "max_num_batched_tokens": (
+        int,
+        _default(_E, "max_num_batched_tokens"),
+        f"tokens per engine step (default: {CPU_MAX_NUM_BATCHED_TOKENS} on CPU, "
+        f"{GPU_MAX_NUM_BATCHED_TOKENS} on a GPU)",
+    ),
     "chunk_size": (
         int,
         _default(_E, "chunk_size"),
-        "prompt tokens of one request per step (chunked prefill)",
+        f"prompt tokens of one request per step (chunked prefill; default: {CPU_CHUNK_SIZE} on CPU, "
+        f"{GPU_CHUNK_SIZE} on a GPU)",
     ),
     "prefill_chunk_size": (
         int,
         None,
-        f"the prefill pool's chunk size (default: {DEFAULT_PREFILL_CHUNK_SIZE}, or --chunk-size if "
-        "smaller); smaller lets a short prompt overtake a long one sooner",
+        f"the prefill pool's chunk size (default on CPU: {DEFAULT_PREFILL_CHUNK_SIZE}, or --chunk-size "
+        "if smaller); smaller lets a short prompt overtake a long one sooner",
+    ),
+    "cuda_graphs": (
+        bool,
+        _default(_E, "cuda_graphs"),
+        "on a GPU, replay decode steps from CUDA graphs captured at start-up",
     ),
     "path_choice": (
         str,

@@ -269,3 +269,55 @@ def test_penalties_on_cuda_logits_equal_those_on_cpu() -> None:
         assert a is not None and b is not None
         assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
         assert list(a.top) == list(b.top)
+
+
+# -- CUDA graphs of decode steps and the GPU's step budget --------------------------------------------
+def test_decode_steps_replay_cuda_graphs_with_the_tokens_of_eager_steps(
+    tiny_llama: Path, reference: list[list[int]]
+) -> None:
+    eager = LLM(str(tiny_llama), dtype="float32", device=DEVICE, cuda_graphs=False)
+    assert eager.engine.runner.decode_graphs is None
+    assert tokens(eager.generate(prompts(), GREEDY)) == reference
+    llm = LLM(str(tiny_llama), dtype="float32", device=DEVICE)  # cuda_graphs by default
+    graphs = llm.engine.runner.decode_graphs
+    static = llm.engine.runner.static_decode
+    assert graphs is not None and static is not None
+    assert set(graphs.graphs) == {(b, c) for b in static.batches for c in static.contexts}
+    # Six prompts: batch bucket 8, two padding rows; then fewer rows as requests end early.
+    params = [SamplingParams(max_tokens=12 - i, temperature=0.0, ignore_eos=True) for i in range(6)]
+    expected = [r[: 12 - i] for i, r in enumerate(reference)]
+    assert tokens(llm.generate(prompts(), params)) == expected
+    assert static.steps >= 10
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_sampling_on_replayed_steps_equals_sampling_on_eager_steps(tiny_llama: Path) -> None:
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=1.2, top_k=20, seed=3, ignore_eos=True),
+    ] * 2
+    runs = []
+    for graphs in (False, True):
+        llm = LLM(str(tiny_llama), dtype="float32", device=DEVICE, cuda_graphs=graphs, block_size=4)
+        outputs = llm.generate(prompts(), params)
+        runs.append(
+            [(o.outputs[0].token_ids, [lp.top for lp in o.outputs[0].logprobs or []]) for o in outputs]
+        )
+    assert [r[0] for r in runs[0]] == [r[0] for r in runs[1]]
+    for (_, eager_top), (_, graph_top) in zip(runs[0], runs[1], strict=True):
+        for a, b in zip(eager_top, graph_top, strict=True):
+            assert list(a) == list(b)
+            assert all(abs(a[k] - b[k]) < LOGPROB_TOLERANCE for k in a)
+
+
+def test_a_gpu_engine_takes_gpu_sized_steps_unless_told_otherwise(tiny_llama: Path) -> None:
+    from pdserve.config import GPU_CHUNK_SIZE, GPU_MAX_NUM_BATCHED_TOKENS
+
+    llm = LLM(str(tiny_llama), dtype="float32", device=DEVICE)
+    assert (llm.engine.max_num_batched_tokens, llm.engine.chunk_size) == (
+        GPU_MAX_NUM_BATCHED_TOKENS,
+        GPU_CHUNK_SIZE,
+    )
+    told = LLM(str(tiny_llama), dtype="float32", device=DEVICE, chunk_size=64, max_num_batched_tokens=256)
+    assert (told.engine.max_num_batched_tokens, told.engine.chunk_size) == (256, 64)

@@ -40,12 +40,18 @@ def test_the_command_line_wins_over_the_config_file_which_wins_over_defaults(tmp
     prefill, decode = serve.worker_config(o, "prefill", "p"), serve.worker_config(o, "decode", "d")
     assert (prefill.role.value, decode.role.value) == ("prefill", "decode")
     assert prefill.kv_pull_timeout == decode.kv_pull_timeout == 3.0
-    # The prefill pool's chunks are smaller than the decode pool's by default, or as asked.
-    assert (prefill.engine.chunk_size, decode.engine.chunk_size) == (256, 512)
+    # On CPU the prefill pool's chunks are smaller than the decode pool's by default, or as asked;
+    # a GPU's steps are larger (the engine resolves what is left unset by its device).
+    assert (prefill.engine.chunk_size, decode.engine.chunk_size) == (None, None)
+    assert (prefill.engine.step_budget("cpu"), decode.engine.step_budget("cpu")) == ((2048, 256), (2048, 512))
+    assert prefill.engine.step_budget("cuda") == decode.engine.step_budget("cuda") == (8192, 2048)
     tuned = options("--prefill-chunk-size", "128", config=config)
     assert serve.worker_config(tuned, "prefill", "p").engine.chunk_size == 128
     small = options("--chunk-size", "64", config=config)
     assert serve.worker_config(small, "prefill", "p").engine.chunk_size == 64  # already smaller
+    large = options("--chunk-size", "1024", config=config)
+    assert serve.worker_config(large, "prefill", "p").engine.chunk_size == 256  # capped
+    assert serve.worker_config(large, "decode", "d").engine.step_budget("cuda") == (8192, 1024)
     # Pool bounds default to the start counts; a pool may start empty if it may grow.
     assert serve.pool_bounds(o, "decode") == (1, 1)
     elastic = options("--prefill", "0", "--prefill-max", "2", "--decode-min", "0", config=config)
@@ -65,7 +71,7 @@ def test_pool_tables_set_each_pools_engine_bounds_and_slos(tmp_path: Path) -> No
     o = options(config=config)
     prefill, decode = serve.worker_config(o, "prefill", "p"), serve.worker_config(o, "decode", "d")
     assert (prefill.engine.chunk_size, prefill.engine.max_num_batched_tokens) == (128, 1024)
-    assert (decode.engine.chunk_size, decode.engine.max_num_seqs) == (512, 16)
+    assert (decode.engine.step_budget("cpu")[1], decode.engine.max_num_seqs) == (512, 16)
     # The planner's defaults: min 1, max the budget; a table or a flag wins.
     assert serve.pool_bounds(o, "prefill") == (1, 3) and serve.pool_bounds(o, "decode") == (1, 4)
     assert serve.pool_bounds(options("--prefill-max", "2", config=config), "prefill") == (1, 2)

@@ -110,19 +110,24 @@ class EngineCore:
         # A request can never need more than the whole cache, or it would preempt itself forever.
         self.max_model_len = min(context, num_blocks * config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size)
+        # The step budget as configured, else the device's (a GPU's steps are far larger).
+        self.max_num_batched_tokens, self.chunk_size = config.step_budget(device.type)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=self.max_model_len,
                 role=config.role,
                 max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                chunk_size=config.chunk_size,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                chunk_size=self.chunk_size,
             ),
             self.kv,
         )
         self.runner = ModelRunner(
             model, model_config, num_blocks, config.block_size, dtype, device, config.seed, kv_allocator
         )
+        if device.type == "cuda" and config.cuda_graphs and config.role is not Role.PREFILL:
+            # A prefill engine samples one token per prompt, in steps with its chunk: no decode steps.
+            self.runner.use_static_decode(config.max_num_seqs, self.max_model_len, capture=True)
         self.last_step: StepStats | None = None
         # Prefill role: the step whose layers are running and the share of them done (while
         # `step` calls its `between_layers`), the time spent in steps run between them, and how
@@ -132,7 +137,8 @@ class EngineCore:
         self.steps_between_layers = 0
         self._kv_to_receive: list[tuple[str, list[int]]] = []
         logger.info(
-            "engine ready: %s on %s, %s, %d KV blocks of %d tokens (%.0f MiB%s), max_model_len %d, role %s",
+            "engine ready: %s on %s, %s, %d KV blocks of %d tokens (%.0f MiB%s), max_model_len %d, "
+            "role %s, steps of up to %d tokens in chunks of %d%s",
             config.model,
             device,
             dtype,
@@ -142,7 +148,17 @@ class EngineCore:
             self._kv_pages_note(device, kv_allocator is not None),
             self.max_model_len,
             config.role.value,
+            self.max_num_batched_tokens,
+            self.chunk_size,
+            self._graphs_note(device),
         )
+
+    def _graphs_note(self, device: torch.device) -> str:
+        if device.type != "cuda" or self.config.role is Role.PREFILL:
+            return ""
+        if self.runner.decode_graphs is None:
+            return ", CUDA graphs off"
+        return f", {len(self.runner.decode_graphs.graphs)} CUDA graphs of decode steps"
 
     def _kv_pages_note(self, device: torch.device, custom_allocator: bool) -> str:
         """What the startup line says of the cache's pages (huge_pages.py), on CPU."""

@@ -16,6 +16,7 @@ import torch
 
 from pdserve.engine import huge_pages
 from pdserve.engine.attention import AttentionMetadata, PrefillChunkMeta
+from pdserve.engine.decode_graphs import DecodeGraphs, StaticDecode
 from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SamplingRow, sample
@@ -61,6 +62,26 @@ class ModelRunner:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self._generators: dict[str, torch.Generator] = {}
         self._seed_source = random.Random(seed)  # seeds for requests that did not ask for one
+        # Decode-only steps on fixed-shape buffers, and their CUDA graphs (use_static_decode).
+        self.static_decode: StaticDecode | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def use_static_decode(self, max_batch: int, max_model_len: int, capture: bool) -> None:
+        """Run decode-only steps padded to fixed shapes (decode_graphs.py); with `capture` (CUDA),
+        replay them from CUDA graphs, all captured now. Before any request: the capture's warm-up
+        writes into the first block's first slot."""
+        if self.model.ops.varlen:
+            raise ValueError(
+                f"fixed-shape decode steps need the portable layer ops, not {self.model.ops.name}"
+            )
+        max_blocks = -(-max_model_len // self.block_size)
+        self.static_decode = StaticDecode(
+            self.model, self.kv_cache, max_batch, max_blocks, self.config.sliding_window
+        )
+        if capture:
+            graphs = DecodeGraphs(self.static_decode)
+            graphs.capture_all()
+            self.decode_graphs = graphs
 
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -97,12 +118,56 @@ class ModelRunner:
     ) -> RunnerOutput:
         """Run one step. `between_layers(n)`: called after each layer but the last (see
         `LlamaForCausalLM.forward`); it may call `execute` for another step."""
+        if self.static_decode is not None and between_layers is None:
+            static = self._execute_static(out, kv, self.static_decode)
+            if static is not None:
+                return static
         input_ids, positions, _, meta, sample_index, rows, sampled_ids = self._prepare(out, kv)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, between_layers)  # [T, hidden]
-        result = RunnerOutput()
         if not rows:
-            return result
+            return RunnerOutput()
         logits = self.model.compute_logits(hidden[sample_index])  # [S, vocab] in the model dtype
+        return self._sample(logits, rows, sampled_ids)
+
+    def _execute_static(
+        self, out: SchedulerOutput, kv: KVCacheManager, static: StaticDecode
+    ) -> RunnerOutput | None:
+        """A decode-only step within the largest bucket, on the fixed-shape path (a CUDA graph's
+        replay where captured); None for any other step (the caller runs it the ordinary way)."""
+        chunks = out.chunks
+        if not chunks or not all(chunk.is_decode for chunk in chunks):
+            return None
+        block_size = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        for chunk in chunks:
+            position = chunk.start
+            table = kv.block_table(chunk.request.request_id)
+            token_ids.extend(chunk.request.token_ids_slice(position, position + 1))
+            positions.append(position)
+            slots.append(table[position // block_size] * block_size + position % block_size)
+            tables.append(table[: position // block_size + 1])
+        bucket = static.bucket(len(chunks), max(len(t) for t in tables))
+        if bucket is None:
+            return None
+        static.load(bucket, token_ids, positions, slots, tables, [p + 1 for p in positions])
+        graphs = self.decode_graphs
+        logits = graphs.replay(bucket) if graphs is not None else static.forward(bucket)  # [bucket B, V]
+        static.steps += 1
+        sampled = [i for i, chunk in enumerate(chunks) if chunk.sample]
+        if not sampled:
+            return RunnerOutput()
+        if len(sampled) == len(chunks):
+            logits = logits[: len(chunks)]
+        else:
+            logits = logits[torch.tensor(sampled, device=self.device)]
+        rows = [self._sampling_row(chunks[i].request.request_id, chunks[i].request) for i in sampled]
+        return self._sample(logits, rows, [chunks[i].request.request_id for i in sampled])
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], sampled_ids: list[str]) -> RunnerOutput:
+        result = RunnerOutput()
         tokens, logprobs = sample(logits, rows, self.model.ops.argmax_rows)
         for request_id, token, logprob in zip(sampled_ids, tokens, logprobs, strict=True):
             result.sampled[request_id] = token

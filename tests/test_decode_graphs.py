@@ -1,0 +1,125 @@
+"""Decode steps on fixed-shape buffers (what a CUDA graph captures), run eagerly on CPU: the same
+tokens as the ordinary path whatever the batch's padding, context bucket, window or sampling.
+The capture and replay themselves need a GPU: tests/test_cuda.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.decode_graphs import (
+    MAX_GATHERED_TOKENS,
+    StaticDecode,
+    batch_buckets,
+    context_buckets,
+    smallest_at_least,
+)
+from pdserve.engine.layer_ops import TorchLayerOps
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPT_LENGTHS = (1, 3, 4, 9, 17, 40)  # six decodes: a batch bucket of 8, two of its rows padding
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 250, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def portable_llm(path: Path, static: bool, max_num_seqs: int = 64, **options: int) -> LLM:
+    """An engine on the portable torch ops (the path a GPU runs), with or without fixed-shape decodes."""
+    llm = LLM(str(path), dtype="float32", device="cpu", max_num_seqs=max_num_seqs, **options)
+    runner = llm.engine.runner
+    runner.model.ops = TorchLayerOps()
+    if static:
+        runner.use_static_decode(max_num_seqs, llm.engine.max_model_len, capture=False)
+    return llm
+
+
+def tokens(llm: LLM, params: SamplingParams | list[SamplingParams] = GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts(), params)]
+
+
+def test_buckets_cover_every_batch_and_context_up_to_the_largest() -> None:
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_buckets(5) == [1, 2, 4, 5]
+    assert batch_buckets(1) == [1]
+    assert context_buckets(128) == [8, 16, 32, 64, 128]
+    assert context_buckets(100) == [8, 16, 32, 64, 100]
+    assert context_buckets(3) == [3]
+    assert smallest_at_least([1, 2, 4, 8], 3) == 4
+    assert smallest_at_least([1, 2, 4, 8], 9) is None
+
+
+def test_no_bucket_gathers_more_than_the_limit_and_a_step_takes_the_smallest_that_holds_it(
+    tiny_llama: Path,
+) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
+    # 64-token blocks, 2048 of them (a 131072-token context, as Llama 3.2 1B's), 128 rows at most
+    kv_cache = torch.zeros(1, 2, 1, 64, 1, 1)
+    step = StaticDecode(
+        llm.engine.runner.model, kv_cache, max_batch=128, max_blocks=2048, sliding_window=None
+    )
+    assert all(b * c * 64 <= MAX_GATHERED_TOKENS for b, c in step.buckets)
+    assert (1, 2048) in step.buckets and (128, 128) in step.buckets and (128, 256) not in step.buckets
+    assert step.buckets == sorted(step.buckets, reverse=True)  # captured largest first
+    assert step.bucket(3, 9) == (4, 16)
+    assert step.bucket(128, 128) == (128, 128)
+    assert step.bucket(100, 200) is None  # (104, 256) gathers too much: the ordinary path
+    assert step.bucket(129, 1) is None and step.bucket(1, 2049) is None
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_padded_decode_steps_give_the_ordinary_paths_tokens(tiny_llama: Path, block_size: int) -> None:
+    reference = tokens(portable_llm(tiny_llama, static=False, block_size=block_size))
+    llm = portable_llm(tiny_llama, static=True, block_size=block_size)
+    assert tokens(llm) == reference
+    static = llm.engine.runner.static_decode
+    assert static is not None and static.steps >= GREEDY.max_tokens - 1  # every decode step ran padded
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_a_batch_larger_than_every_bucket_runs_the_ordinary_way(tiny_llama: Path) -> None:
+    reference = tokens(portable_llm(tiny_llama, static=False))
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
+    runner = llm.engine.runner
+    runner.model.ops = TorchLayerOps()
+    runner.use_static_decode(4, llm.engine.max_model_len, capture=False)  # buckets up to 4 rows
+    assert tokens(llm) == reference
+    static = runner.static_decode
+    assert static is not None and static.steps == 0  # six decodes a step: none fitted
+
+
+def test_sliding_window_decodes_in_buckets_give_the_ordinary_paths_tokens(tmp_path: Path) -> None:
+    window = {
+        "use_sliding_window": True,
+        "sliding_window": 5,
+        "tie_word_embeddings": False,
+        "max_window_layers": 0,
+    }
+    path = make_tiny_model(tmp_path / "sliding", "qwen2", window, seed=1)
+    reference = tokens(portable_llm(path, static=False, block_size=4))
+    llm = portable_llm(path, static=True, block_size=4)
+    assert tokens(llm) == reference
+    assert llm.engine.runner.static_decode is not None and llm.engine.runner.static_decode.steps > 0
+
+
+def test_seeded_sampling_and_penalties_are_the_same_on_padded_steps(tiny_llama: Path) -> None:
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.3, ignore_eos=True, logprobs=3),
+        SamplingParams(max_tokens=4, temperature=1.2, top_k=20, seed=3, ignore_eos=True),
+    ] * 2
+    reference = tokens(portable_llm(tiny_llama, static=False), params)
+    assert tokens(portable_llm(tiny_llama, static=True), params) == reference
+
+
+def test_fixed_shape_decodes_refuse_the_cpu_kernels_metadata(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
+    if not llm.engine.runner.model.ops.varlen:
+        pytest.skip("the CPU kernels did not build here: the engine already runs the portable ops")
+    with pytest.raises(ValueError, match="portable layer ops"):
+        llm.engine.runner.use_static_decode(8, llm.engine.max_model_len, capture=False)
