@@ -80,7 +80,13 @@ class ModelRunner:
         )
         if capture:
             graphs = DecodeGraphs(self.static_decode)
-            graphs.capture_all()
+            try:
+                graphs.capture_all()
+            except RuntimeError as exc:  # said, not worked around: eager steps are the user's choice
+                raise RuntimeError(
+                    f"capturing CUDA graphs of decode steps failed ({exc}); start the engine with "
+                    "cuda_graphs=False (pdserve serve --no-cuda-graphs) to run every step eagerly"
+                ) from exc
             self.decode_graphs = graphs
 
     @staticmethod
