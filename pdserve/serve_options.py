@@ -92,8 +92,9 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     "prefill_chunk_size": (
         int,
         None,
-        f"the prefill pool's chunk size (default on CPU: {DEFAULT_PREFILL_CHUNK_SIZE}, or --chunk-size "
-        "if smaller); smaller lets a short prompt overtake a long one sooner",
+        f"the prefill pool's chunk size (default: {DEFAULT_PREFILL_CHUNK_SIZE} on CPU, {GPU_CHUNK_SIZE} on a "
+        f"GPU; with --chunk-size set, the smaller of it and {DEFAULT_PREFILL_CHUNK_SIZE}); smaller lets a "
+        "short prompt overtake a long one sooner",
     ),
     "cuda_graphs": (
         bool,

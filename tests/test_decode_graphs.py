@@ -12,10 +12,11 @@ from conftest import make_tiny_model
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.decode_graphs import (
-    MAX_GATHERED_TOKENS,
+    MAX_GATHERED_BYTES,
     StaticDecode,
     batch_buckets,
     context_buckets,
+    gathered_bytes,
     smallest_at_least,
 )
 from pdserve.engine.layer_ops import TorchLayerOps
@@ -58,18 +59,35 @@ def test_no_bucket_gathers_more_than_the_limit_and_a_step_takes_the_smallest_tha
     tiny_llama: Path,
 ) -> None:
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
+    model = llm.engine.runner.model
+    heads, head_dim = model.config.num_heads, model.config.head_dim  # 4 x 16
     # 64-token blocks, 2048 of them (a 131072-token context, as Llama 3.2 1B's), 128 rows at most
     kv_cache = torch.zeros(1, 2, 1, 64, 1, 1)
-    step = StaticDecode(
-        llm.engine.runner.model, kv_cache, max_batch=128, max_blocks=2048, sliding_window=None
-    )
-    assert all(b * c * 64 <= MAX_GATHERED_TOKENS for b, c in step.buckets)
-    assert (1, 2048) in step.buckets and (128, 128) in step.buckets and (128, 256) not in step.buckets
+    step = StaticDecode(model, kv_cache, max_batch=128, max_blocks=2048, sliding_window=None)
+    assert all(gathered_bytes(b, c * 64, heads, head_dim) <= MAX_GATHERED_BYTES for b, c in step.buckets)
+    # 128 rows x 512 blocks x 64 tokens x 64 values x 8 bytes is 2 GiB exactly
+    assert (1, 2048) in step.buckets and (128, 512) in step.buckets and (128, 1024) not in step.buckets
     assert step.buckets == sorted(step.buckets, reverse=True)  # captured largest first
     assert step.bucket(3, 9) == (4, 16)
-    assert step.bucket(128, 128) == (128, 128)
-    assert step.bucket(100, 200) is None  # (104, 256) gathers too much: the ordinary path
+    assert step.bucket(128, 512) == (128, 512)
+    assert step.bucket(100, 600) is None  # (104, 1024) gathers too much: the ordinary path
     assert step.bucket(129, 1) is None and step.bucket(1, 2049) is None
+
+
+def test_padding_rows_write_into_a_free_block_and_leave_the_cache_of_every_request_alone(
+    tiny_llama: Path,
+) -> None:
+    llm = portable_llm(tiny_llama, static=True, block_size=4, num_kv_blocks=64)
+    runner, kv = llm.engine.runner, llm.engine.kv
+    spare = kv.spare_block()
+    assert spare is not None
+    before = runner.kv_cache.clone()
+    outputs = llm.generate(prompts()[:3], GREEDY)  # three decodes a step: a bucket of 4, one padding row
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outputs)
+    assert runner.static_decode is not None and runner.static_decode.steps > 0
+    changed = (runner.kv_cache != before).flatten(3).any(dim=-1)  # [L, 2, blocks]: written
+    assert bool(changed[:, :, spare].any())  # the padding row's K/V went to the spare block
+    assert kv.num_free_blocks == kv.num_blocks and kv.spare_block() == spare
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

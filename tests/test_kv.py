@@ -48,3 +48,15 @@ def test_can_fit_and_blocks_for_tokens() -> None:
 def test_bad_sizes_rejected(num_blocks: int, block_size: int) -> None:
     with pytest.raises(ValueError):
         KVCacheManager(num_blocks, block_size)
+
+
+def test_a_spare_block_is_free_stays_free_and_is_none_when_the_cache_is_full() -> None:
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    spare = kv.spare_block()
+    assert spare is not None and kv.num_free_blocks == 3  # looking takes nothing
+    table = kv.allocate("a", 8)  # two blocks
+    assert table is not None and spare not in table and kv.spare_block() == spare
+    assert kv.allocate("b", 4) == [spare]  # the last free block is the spare one
+    assert kv.spare_block() is None
+    kv.free("a")
+    assert kv.spare_block() in table

@@ -34,10 +34,16 @@ from pdserve.models.llama import LlamaForCausalLM
 logger = logging.getLogger(__name__)
 
 MIN_CONTEXT_BLOCKS = 8  # the smallest context bucket, in blocks (512 tokens with 64-token blocks)
-# A bucket's step gathers batch x context tokens of K and V per layer (attention.py): buckets above
-# this many tokens are not made (2 GiB of K and V per layer for Llama 3.2 1B's 8 x 64 bf16 heads);
-# such steps run the ordinary way, which gathers only the context they have.
-MAX_GATHERED_TOKENS = 2**20
+# A bucket's step gathers batch x context tokens of K and V per layer (attention.py), and SDPA's math
+# backend (the one that takes a mask with GQA) holds them repeated to every query head, in float32:
+# buckets whose K and V would take more than this are not made (SmolLM2: 466k tokens; Llama 3.2 1B,
+# 32 x 64 query heads: 131k). Such steps run the ordinary way, which gathers only what they have.
+MAX_GATHERED_BYTES = 2**31
+
+
+def gathered_bytes(batch: int, tokens: int, num_heads: int, head_dim: int) -> int:
+    """K and V of a decode step's attention as the math backend holds them (float32, every head)."""
+    return batch * tokens * num_heads * head_dim * 4 * 2
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -75,18 +81,24 @@ class StaticDecode:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.shape[3]
+        num_heads, head_dim = model.config.num_heads, model.config.head_dim
         self.sliding_window = sliding_window
         self.batches = batch_buckets(max_batch)
         self.contexts = context_buckets(max_blocks)
-        # (batch, blocks), largest first: those within MAX_GATHERED_TOKENS
+        # (batch, blocks), largest first: those within MAX_GATHERED_BYTES
         self.buckets = [
             (b, c)
             for b in reversed(self.batches)
             for c in reversed(self.contexts)
-            if b * c * self.block_size <= MAX_GATHERED_TOKENS
+            if gathered_bytes(b, c * self.block_size, num_heads, head_dim) <= MAX_GATHERED_BYTES
         ]
         self._bucket_set = set(self.buckets)
         device = kv_cache.device
+        # Block tables on the host, pinned on a GPU (an asynchronous copy), written row by row up to
+        # each table's length: what lies past it is masked (stale ids of real blocks, or zeros).
+        self.host_tables = torch.zeros(
+            max_batch, max_blocks, dtype=torch.long, pin_memory=device.type == "cuda"
+        )
         # The step's inputs, written before each run (at most the largest bucket of each).
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)  # [Bmax]
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)  # [Bmax]
@@ -113,25 +125,31 @@ class StaticDecode:
         slots: Sequence[int],
         tables: Sequence[Sequence[int]],
         seq_lens: Sequence[int],
+        pad_slot: int | None,
     ) -> None:
-        """Write one step's inputs (one entry per decode) into the buffers, padded to `bucket`."""
+        """Write one step's inputs (one entry per decode) into the buffers, padded to `bucket`.
+        Padding rows repeat the first row but write their K/V to `pad_slot` (a slot of a free block);
+        without one (a full cache) to the first row's own slot, which then gets one of two
+        computations of the same K/V (equal unless the GEMM rounds rows differently)."""
         batch, blocks = bucket
-        pad = batch - len(token_ids)
+        real, pad = len(token_ids), batch - len(token_ids)
         rows = [list(token_ids) + [token_ids[0]] * pad]
         rows.append(list(positions) + [positions[0]] * pad)
-        rows.append(list(slots) + [slots[0]] * pad)
+        rows.append(list(slots) + [slots[0] if pad_slot is None else pad_slot] * pad)
         rows.append(list(seq_lens) + [seq_lens[0]] * pad)
-        padded_tables = [list(t) + [0] * (blocks - len(t)) for t in tables]
-        padded_tables += [padded_tables[0]] * pad
-        # Two host tensors and two copies to the device, then device copies into the buffers.
         host = torch.tensor(rows, dtype=torch.long)  # [4, batch]
         staged = host.to(self.input_ids.device, non_blocking=True)  # [4, batch]
         self.input_ids[:batch].copy_(staged[0])
         self.positions[:batch].copy_(staged[1])
         self.slots[:batch].copy_(staged[2])
         self.seq_lens[:batch].copy_(staged[3])
-        table_host = torch.tensor(padded_tables, dtype=torch.long)  # [batch, blocks]
-        self.tables[:batch, :blocks].copy_(table_host.to(self.tables.device, non_blocking=True))
+        host_tables = self.host_tables
+        for i, table in enumerate(tables):
+            host_tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+        host_tables[real:batch] = host_tables[0]
+        # [batch, blocks]; on a GPU it waits for nothing, and the next load comes after this step's
+        # sampling has synchronized, so the pinned rows are not rewritten while they are copied.
+        self.tables[:batch, :blocks].copy_(host_tables[:batch, :blocks], non_blocking=True)
 
     def forward(self, bucket: tuple[int, int]) -> torch.Tensor:  # [batch, vocab] in the model dtype
         """The step on the buffers: what a CUDA graph captures (fixed shapes, no host reads)."""
@@ -164,19 +182,19 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture_all(self) -> float:
         """Capture every bucket, largest first (its memory then serves the smaller ones from the
-        shared pool: one graph runs at a time, and each keeps only its logits alive). The capture's warm-up runs write K/V to the slot of the buffers' rows (slot 0
+        shared pool: one graph runs at a time). The capture's warm-up runs write K/V to the slot of the buffers' rows (slot 0
         of block 0): harmless at start-up, as a block's slot is always written before it is read.
         Returns the seconds taken."""
         started = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # the warm-ups, off the capture
         step = self.step
         step.seq_lens.fill_(1)
         step.slots.zero_()
         step.tables.zero_()
         for bucket in step.buckets:
-            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the capture (cuBLAS picks its kernels)
+            with torch.cuda.stream(side):  # cuBLAS picks its kernels and workspace here
                 step.forward(bucket)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
@@ -194,7 +212,9 @@ class DecodeGraphs:
         )
         return seconds
 
-    def replay(self, bucket: tuple[int, int]) -> torch.Tensor:  # [batch, vocab]: valid until the next replay
+    def replay(self, bucket: tuple[int, int]) -> torch.Tensor:
+        """[batch, vocab] logits, valid until the next replay of any graph: the graphs share one
+        memory pool, and another graph's intermediates may lie where these logits are."""
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits

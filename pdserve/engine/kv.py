@@ -30,6 +30,12 @@ class KVCacheManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    def spare_block(self) -> int | None:
+        """A block no request holds (the one next to be handed out last), or None if none is free.
+        It stays free: what is written to it is scratch (a padded decode step's extra rows), as a
+        block's slots are always written before they are read once it is allocated."""
+        return self._free[-1] if self._free else None
+
     @property
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks

@@ -56,6 +56,11 @@ class ModelRunner:
         self.kv_huge_pages = False
         if kv_allocator is not None:  # e.g. in shared memory, for the `shm` KV transport; zeroed
             self.kv_cache = kv_allocator(shape, dtype)
+            if self.kv_cache.device != device:
+                raise ValueError(
+                    f"the KV cache was placed on {self.kv_cache.device} but the model runs on {device} "
+                    "(the shm transport keeps it in host shared memory: a GPU worker needs tcp or nixl)"
+                )
         elif device.type == "cpu" and huge_pages.wanted():
             self.kv_cache, self.kv_huge_pages = huge_pages.zeros_on_huge_pages(shape, dtype)
         else:
@@ -158,7 +163,9 @@ class ModelRunner:
         bucket = static.bucket(len(chunks), max(len(t) for t in tables))
         if bucket is None:
             return None
-        static.load(bucket, token_ids, positions, slots, tables, [p + 1 for p in positions])
+        spare = kv.spare_block()
+        pad_slot = None if spare is None else spare * block_size
+        static.load(bucket, token_ids, positions, slots, tables, [p + 1 for p in positions], pad_slot)
         graphs = self.decode_graphs
         logits = graphs.replay(bucket) if graphs is not None else static.forward(bucket)  # [bucket B, V]
         static.steps += 1
