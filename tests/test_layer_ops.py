@@ -192,10 +192,13 @@ def test_two_threads_give_one_threads_output(dtype: torch.dtype) -> None:
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("explicit_mask", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_mixed_step_matches_the_portable_path(dtype: torch.dtype) -> None:
+def test_a_mixed_step_matches_the_portable_path(dtype: torch.dtype, explicit_mask: bool) -> None:
     """What the model sees: decodes then prompt chunks in one step, RoPE and the cache write
-    included, through both ops (the fp32 one sends its decodes to the older decode kernel)."""
+    included, through both ops (the fp32 one sends its decodes to the older decode kernel). The
+    portable path takes a chunk's causal mask as a tensor, or as the lower-right causal bias that
+    the runner gives it (no mask: attention.py)."""
     from pdserve.models.config import ModelConfig
     from pdserve.models.llama import RotaryEmbedding
 
@@ -219,7 +222,9 @@ def test_a_mixed_step_matches_the_portable_path(dtype: torch.dtype) -> None:
             mask = keys[None, :] <= chunk_pos[:, None]
             table = tables[s, : -(-length // block_size)]
             start = int(starts[s])
-            prefills.append(PrefillChunkMeta(start, start + q_len, length - q_len, table, mask))
+            prefills.append(
+                PrefillChunkMeta(start, start + q_len, length - q_len, table, mask if explicit_mask else None)
+            )
     decodes = q_lens.count(1)
     slot_mapping = torch.tensor(slots)
     max_blocks = max(-(-n // block_size) for n in seq_lens[:decodes])

@@ -4,7 +4,8 @@ The flat batch of one step holds `num_decode_tokens` decode tokens first (one pe
 prompt chunks. Decodes are attended together: their blocks are gathered into a padded
 [B, max_blocks * block_size] view and masked. Each prompt chunk is attended on its own: with no
 earlier context its fresh K/V are used directly under a causal mask; otherwise its earlier tokens
-are gathered from the cache.
+are gathered from the cache, and a lower-right causal bias (no mask tensor) lets CUDA use its
+fused kernels; only a sliding window needs a mask.
 
 This path is the reference. On CPU the C++ kernels do the same work without gathering blocks
 (layer_ops.CpuKernelOps, chosen when the model is built); this module runs where they do not
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass
@@ -25,7 +27,8 @@ class PrefillChunkMeta:
     end: int
     num_context: int  # tokens of this request already in the cache before this chunk
     block_table: torch.Tensor  # [num_blocks_of_request] int64
-    # [q_len, num_context + q_len] bool, True = attend; None = plain causal over the chunk itself
+    # [q_len, num_context + q_len] bool, True = attend (a sliding window); None = causal, each query
+    # seeing the context and the chunk up to itself (flash-eligible: no mask tensor)
     mask: torch.Tensor | None
 
 
@@ -79,23 +82,40 @@ def paged_attention(
         )  # [B, H, 1, D]
         out[:num_decodes] = attn.squeeze(2)
 
+    num_heads = q.shape[1]
     for chunk in meta.prefills:
         q_chunk = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+        q_len = chunk.end - chunk.start
         if chunk.num_context == 0:
             keys = k[chunk.start : chunk.end]  # [L, KVH, D]
             values = v[chunk.start : chunk.end]
         else:
-            total = chunk.num_context + (chunk.end - chunk.start)
+            total = chunk.num_context + q_len
             keys = k_cache.index_select(0, chunk.block_table).view(-1, num_kv_heads, head_dim)[:total]
             values = v_cache.index_select(0, chunk.block_table).view(-1, num_kv_heads, head_dim)[:total]
-        attn = F.scaled_dot_product_attention(
-            q_chunk,
-            keys.transpose(0, 1).unsqueeze(0),  # [1, KVH, S, D]
-            values.transpose(0, 1).unsqueeze(0),
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )  # [1, H, L, D]
+        keys_h = keys.transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
+        values_h = values.transpose(0, 1).unsqueeze(0)
+        if chunk.mask is None and chunk.num_context > 0:
+            # Causal aligned to the last key (query i sees keys up to num_context + i): a CausalBias,
+            # which CUDA runs in the flash or memory-efficient kernel instead of a masked math one.
+            # Those take no GQA here: the KV heads are repeated to the query heads first.
+            groups = num_heads // num_kv_heads
+            attn = F.scaled_dot_product_attention(
+                q_chunk,
+                keys_h.repeat_interleave(groups, dim=1),  # [1, H, S, D]
+                values_h.repeat_interleave(groups, dim=1),
+                attn_mask=causal_lower_right(q_len, keys.shape[0]),
+                scale=scale,
+            )  # [1, H, L, D]
+        else:
+            attn = F.scaled_dot_product_attention(
+                q_chunk,
+                keys_h,
+                values_h,
+                attn_mask=chunk.mask,
+                is_causal=chunk.mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )  # [1, H, L, D]
         out[chunk.start : chunk.end] = attn[0].transpose(0, 1)
     return out

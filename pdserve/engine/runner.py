@@ -271,16 +271,15 @@ class ModelRunner:
         )
 
     def _chunk_meta(self, row: int, start: int, end: int, used_blocks: list[int]) -> PrefillChunkMeta:
-        """A prompt chunk for the portable path: its blocks, and its mask when it has context or the
-        window cuts it (else plain causal attention over the chunk)."""
+        """A prompt chunk for the portable path: its blocks, and its mask when the window cuts it
+        (else causal attention over its context and itself, without a mask: attention.py)."""
         window = self.config.sliding_window
         mask = None
-        if start > 0 or (window is not None and end > window):
+        if window is not None and end > window:
             pos = torch.arange(start, end)
             keys = torch.arange(end)  # [S]
             mask = keys[None, :] <= pos[:, None]  # [L, S] causal with an offset
-            if window is not None:
-                mask &= keys[None, :] > pos[:, None] - window
+            mask &= keys[None, :] > pos[:, None] - window
             mask = mask.to(self.device)
         table = torch.tensor(used_blocks, dtype=torch.long, device=self.device)
         return PrefillChunkMeta(row, row + end - start, start, table, mask)
