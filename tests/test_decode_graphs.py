@@ -60,16 +60,16 @@ def test_no_bucket_gathers_more_than_the_limit_and_a_step_takes_the_smallest_tha
 ) -> None:
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
     model = llm.engine.runner.model
-    heads, head_dim = model.config.num_heads, model.config.head_dim  # 4 x 16
+    shape = (model.config.num_heads, model.config.num_kv_heads, model.config.head_dim)  # 4, 2, 16
     # 64-token blocks, 2048 of them (a 131072-token context, as Llama 3.2 1B's), 128 rows at most
     kv_cache = torch.zeros(1, 2, 1, 64, 1, 1)
     step = StaticDecode(model, kv_cache, max_batch=128, max_blocks=2048, sliding_window=None)
-    assert all(gathered_bytes(b, c * 64, heads, head_dim) <= MAX_GATHERED_BYTES for b, c in step.buckets)
-    # 128 rows x 512 blocks x 64 tokens x 64 values x 8 bytes is 2 GiB exactly
-    assert (1, 2048) in step.buckets and (128, 512) in step.buckets and (128, 1024) not in step.buckets
+    assert all(gathered_bytes(b, c * 64, *shape) <= MAX_GATHERED_BYTES for b, c in step.buckets)
+    # 800 bytes a token of context: 128 rows x 256 blocks of 64 tokens is 1.6 GiB, 512 blocks 3.1
+    assert (1, 2048) in step.buckets and (128, 256) in step.buckets and (128, 512) not in step.buckets
     assert step.buckets == sorted(step.buckets, reverse=True)  # captured largest first
     assert step.bucket(3, 9) == (4, 16)
-    assert step.bucket(128, 512) == (128, 512)
+    assert step.bucket(128, 256) == (128, 256)
     assert step.bucket(100, 600) is None  # (104, 1024) gathers too much: the ordinary path
     assert step.bucket(129, 1) is None and step.bucket(1, 2049) is None
 

@@ -2,7 +2,7 @@
 
 The flat batch of one step holds `num_decode_tokens` decode tokens first (one per sequence), then
 prompt chunks. Decodes are attended together: their blocks are gathered into a padded
-[B, max_blocks * block_size] view and masked. Each prompt chunk is attended on its own: with no
+[B, max_blocks * block_size] view and masked, each KV head's group of query heads at once. Each prompt chunk is attended on its own: with no
 earlier context its fresh K/V are used directly under a causal mask; otherwise its earlier tokens
 are gathered from the cache, and a lower-right causal bias (no mask tensor) lets CUDA use its
 fused kernels; only a sliding window needs a mask.
@@ -72,15 +72,18 @@ def paged_attention(
         # [B, ctx, KVH, D]: whole blocks gathered at once (contiguous rows of block_size tokens).
         keys = k_cache.index_select(0, tables.reshape(-1)).view(num_decodes, ctx, num_kv_heads, head_dim)
         values = v_cache.index_select(0, tables.reshape(-1)).view(num_decodes, ctx, num_kv_heads, head_dim)
-        attn = F.scaled_dot_product_attention(
-            q[:num_decodes].unsqueeze(2),  # [B, H, 1, D]
-            keys.transpose(1, 2),  # [B, KVH, ctx, D]
-            values.transpose(1, 2),
-            attn_mask=meta.decode_mask,  # [B, 1, 1, ctx]
-            scale=scale,
-            enable_gqa=True,
-        )  # [B, H, 1, D]
-        out[:num_decodes] = attn.squeeze(2)
+        # One query per sequence: its heads grouped by KV head, so that K and V are read as they
+        # are (SDPA's masked math kernel would repeat them to every query head, in float32). Scores,
+        # softmax and the weighted sum in float32, as the fused kernels accumulate.
+        groups = q.shape[1] // num_kv_heads
+        q_grouped = (
+            q[:num_decodes].view(num_decodes, num_kv_heads, groups, head_dim).float()
+        )  # [B, KVH, G, D]
+        scores = torch.einsum("bkgd,bskd->bkgs", q_grouped, keys.float()) * scale  # [B, KVH, G, ctx]
+        scores = scores.masked_fill(~meta.decode_mask.view(num_decodes, 1, 1, ctx), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        attn = torch.einsum("bkgs,bskd->bkgd", probs, values.float())  # [B, KVH, G, D]
+        out[:num_decodes] = attn.reshape(num_decodes, -1, head_dim).to(out.dtype)
 
     num_heads = q.shape[1]
     for chunk in meta.prefills:

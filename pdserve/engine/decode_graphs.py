@@ -34,16 +34,17 @@ from pdserve.models.llama import LlamaForCausalLM
 logger = logging.getLogger(__name__)
 
 MIN_CONTEXT_BLOCKS = 8  # the smallest context bucket, in blocks (512 tokens with 64-token blocks)
-# A bucket's step gathers batch x context tokens of K and V per layer (attention.py), and SDPA's math
-# backend (the one that takes a mask with GQA) holds them repeated to every query head, in float32:
-# buckets whose K and V would take more than this are not made (SmolLM2: 466k tokens; Llama 3.2 1B,
-# 32 x 64 query heads: 131k). Such steps run the ordinary way, which gathers only what they have.
+# A bucket's step gathers batch x context tokens of K and V per layer and attends over them in
+# float32 (attention.py): buckets whose attention would hold more than this are not made (SmolLM2:
+# ~459k tokens, Llama 3.2 1B: ~171k). Such steps run the ordinary way, which gathers only what they have.
 MAX_GATHERED_BYTES = 2**31
 
 
-def gathered_bytes(batch: int, tokens: int, num_heads: int, head_dim: int) -> int:
-    """K and V of a decode step's attention as the math backend holds them (float32, every head)."""
-    return batch * tokens * num_heads * head_dim * 4 * 2
+def gathered_bytes(batch: int, tokens: int, num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """What a decode step's attention holds for `tokens` of context per sequence, at most: K and V
+    gathered, widened to float32 and laid out for the products (24 bytes a value), and the scores
+    and probabilities (8 bytes a query head)."""
+    return batch * tokens * (24 * num_kv_heads * head_dim + 8 * num_heads)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -81,7 +82,7 @@ class StaticDecode:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.shape[3]
-        num_heads, head_dim = model.config.num_heads, model.config.head_dim
+        config = model.config
         self.sliding_window = sliding_window
         self.batches = batch_buckets(max_batch)
         self.contexts = context_buckets(max_blocks)
@@ -90,7 +91,8 @@ class StaticDecode:
             (b, c)
             for b in reversed(self.batches)
             for c in reversed(self.contexts)
-            if gathered_bytes(b, c * self.block_size, num_heads, head_dim) <= MAX_GATHERED_BYTES
+            if gathered_bytes(b, c * self.block_size, config.num_heads, config.num_kv_heads, config.head_dim)
+            <= MAX_GATHERED_BYTES
         ]
         self._bucket_set = set(self.buckets)
         device = kv_cache.device
