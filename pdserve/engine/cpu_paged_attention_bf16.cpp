@@ -323,7 +323,12 @@ void attend_bf16(const Problem& p, const Item& item, const c10::BFloat16* q, con
 // cache row: no per-tile transpose of K. The PV product is the row-at-a-time one above, reading the
 // probabilities as pairs from pb[key pair][row].
 
-constexpr int LANE_KEYS = 8;  // keys of one QK register block: 8 x (up to) 3 row vectors of accumulators
+constexpr int LANE_KEYS = 8;
+// Keys of one prompt tile in lanes: 4x the row-at-a-time kernel's KT, so each tile's fixed work
+// (accumulators loaded and stored around PV, the running max and sum, V packed) is spread over more
+// keys. A layer of a 2048-token prefill (benchmarks/prefill_attention.py, one thread): 34.1-34.5 ms
+// with 32-key tiles, 31.3-34.8 with 64, 30.5-31.1 with 128, 29.9-31.3 with 256.
+constexpr int64_t LKT = 128;  // keys of one QK register block: 8 x (up to) 3 row vectors of accumulators
 
 // 2^y on 16 lanes for y <= 0; -inf (a masked key), and anything below -126, gives exactly 0. A
 // degree-5 polynomial for 2^f on [-0.5, 0.5] (relative error 2.2e-7; fitted on Chebyshev nodes)
@@ -367,7 +372,7 @@ struct LaneScratch {
   std::vector<float> st, acc, m, l;
   std::vector<int32_t> pos, lo;
   LaneScratch(int64_t rows, int64_t D)
-      : qp(D / 2 * rows), vp(KT / 2 * D), pb(KT / 2 * rows), st(KT * rows), acc(rows * D), m(rows), l(rows),
+      : qp(D / 2 * rows), vp(LKT / 2 * D), pb(LKT / 2 * rows), st(LKT * rows), acc(rows * D), m(rows), l(rows),
         pos(rows), lo(rows) {}
 };
 
@@ -401,15 +406,15 @@ void attend_lanes_bf16(const Problem& p, const Item& item, const c10::BFloat16* 
   const __m512 neg_inf = _mm512_set1_ps(NEG_INF), one = _mm512_set1_ps(1.0f);
   // e^(scale * x) = 2^(scale * log2(e) * x)
   const __m512 scale = _mm512_set1_ps(p.scale * 1.44269504088896341f);
-  int64_t offsets[KT];
-  const uint32_t* krows[KT];
+  int64_t offsets[LKT];
+  const uint32_t* krows[LKT];
   alignas(64) float alpha[16];
 
   const int64_t start = key_lo(p, first_pos);
-  for (int64_t k0 = start; k0 <= last_pos; k0 += KT) {
-    const int64_t n = std::min<int64_t>(KT, last_pos + 1 - k0);
+  for (int64_t k0 = start; k0 <= last_pos; k0 += LKT) {
+    const int64_t n = std::min<int64_t>(LKT, last_pos + 1 - k0);
     token_offsets(p, table, k0, n, item.kv_head, offsets);
-    for (int64_t t = 0; t < KT; ++t) {  // keys past n point at key 0 (their scores are masked)
+    for (int64_t t = 0; t < LKT; ++t) {  // keys past n point at key 0 (their scores are masked)
       krows[t] = reinterpret_cast<const uint32_t*>(k_cache + offsets[t < n ? t : 0]);
     }
     pack_v_pairs(v_cache, offsets, 0, n, D, sc.vp.data());
@@ -425,7 +430,7 @@ void attend_lanes_bf16(const Problem& p, const Item& item, const c10::BFloat16* 
       }
     }
     // Every key of the tile is in range for every row: no masking.
-    const bool full = n == KT && k0 + KT - 1 <= first_pos && k0 >= key_lo(p, last_pos);
+    const bool full = n == LKT && k0 + LKT - 1 <= first_pos && k0 >= key_lo(p, last_pos);
     const int64_t keys = key_blocks * LANE_KEYS;  // scores computed (past n: masked)
     for (int64_t v = 0; v < vectors; ++v) {
       const __m512i pos = _mm512_loadu_si512(sc.pos.data() + v * 16), lo = _mm512_loadu_si512(sc.lo.data() + v * 16);
