@@ -6,7 +6,7 @@ A b1 decode step reads every weight once, from memory: SmolLM2's 30 layers' four
 step does. Rows (M) are a step's decode streams; the engine uses the stream GEMV up to the row
 count its per-machine measurement chose (`pdserve info`).
 
-    .venv/bin/python benchmarks/decode_gemv.py --threads 1 2 --rows 1 2 3 4 8 --rounds 9
+    .venv/bin/python benchmarks/decode_gemv.py --threads 1 2 --rows 1 2 4 8 16 32 64 --rounds 9
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--layers", type=int, default=30)
     args = p.parse_args()

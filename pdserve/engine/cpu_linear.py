@@ -11,8 +11,8 @@ op torch's own compiler uses for frozen CPU models). bf16 results are bit-identi
 
 In bf16, where the machine has AVX512-BF16 and its measurement says it pays, a layer also keeps its
 weight a second time, laid out as one sequential stream for `torch.ops.pdserve.stream_linear`
-(cpu_gemv.cpp), and uses that for steps of up to `stream_rows` rows (a decode step's few streams):
-it reads the weights up to twice as fast as oneDNN does for one row. The price is the memory of a
+(cpu_gemv.cpp), and uses that for steps of up to `stream_rows` rows (a decode step's streams):
+it reads the weights up to twice as fast as oneDNN does at 1-8 rows. The price is the memory of a
 second copy of the weights (SmolLM2: 269 MB); the results differ from oneDNN's in the last bit of
 some outputs (another summation order).
 """
@@ -56,16 +56,16 @@ def stream_linear_available() -> bool:
     return available
 
 
-STREAM_ROWS, STREAM_DEPTH = 8, 32  # cpu_gemv.cpp's kRows and kDepth
+STREAM_COLS, STREAM_PAIR = 48, 2  # cpu_gemv.cpp's kCols and kPair
 
 
 def stream_pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] bf16 -> [ceil(N/8), ceil(K/32), 8, 32]: eight rows' next 32 inputs side by side, zero-padded."""
+    """[N, K] bf16 -> [ceil(N/48), ceil(K/2), 48, 2]: for each tile of 48 outputs, each pair of
+    inputs, the 48 outputs' two weights side by side (zero-padded): one forward stream of tiles."""
     n, k = weight.shape
-    n_pad, k_pad = -n % STREAM_ROWS, -k % STREAM_DEPTH
-    padded = F.pad(weight.detach(), (0, k_pad, 0, n_pad))  # [N', K']
-    groups, pieces = (n + n_pad) // STREAM_ROWS, (k + k_pad) // STREAM_DEPTH
-    return padded.view(groups, STREAM_ROWS, pieces, STREAM_DEPTH).permute(0, 2, 1, 3).contiguous()
+    padded = F.pad(weight.detach(), (0, -k % STREAM_PAIR, 0, -n % STREAM_COLS))  # [N', K']
+    tiles, pairs = padded.shape[0] // STREAM_COLS, padded.shape[1] // STREAM_PAIR
+    return padded.view(tiles, STREAM_COLS, pairs, STREAM_PAIR).permute(0, 2, 1, 3).contiguous()
 
 
 def stream_linear(
