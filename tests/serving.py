@@ -37,7 +37,7 @@ def children(pid: int) -> list[int]:
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError):  # gone, or went between open and read
         return False
     return state != "Z"
 
