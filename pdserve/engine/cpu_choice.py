@@ -25,7 +25,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -51,7 +51,7 @@ _FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 # The stream GEMV is tried at these row counts, in order; it is used up to the last that wins.
 _STREAM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Part of the cache key: a plan cached by an older version of this file is measured again.
-_PLAN_VERSION = 4
+_PLAN_VERSION = 5
 
 
 @dataclass
@@ -109,21 +109,27 @@ def _cache_file(model: str, flags: list[str]) -> Path:
     return root / f"cpu_plan_{key}.json"
 
 
-def _time(fn: Callable[[], object], budget: float = 0.05) -> float:
-    """Median seconds per call over three runs of a loop of about `budget` seconds."""
-    for _ in range(2):
-        fn()
-    started, calls = time.perf_counter(), 0
-    while time.perf_counter() - started < budget / 3 or calls < 3:
-        fn()
-        calls += 1
-    runs = []
-    for _ in range(3):
-        started = time.perf_counter()
-        for _ in range(calls):
+def _times(fns: Sequence[Callable[[], object]], budget: float = 0.05, rounds: int = 5) -> list[float]:
+    """Median seconds per call of each of `fns`, over `rounds` loops of about `budget` / `rounds`
+    seconds each, the functions taking turns (a, b, a, b, ...): a burst of load from elsewhere on
+    the machine then falls on both sides of a comparison, not on one of them."""
+    calls = []
+    for fn in fns:
+        for _ in range(2):
             fn()
-        runs.append((time.perf_counter() - started) / calls)
-    return statistics.median(runs)
+        started, count = time.perf_counter(), 0
+        while time.perf_counter() - started < budget / rounds or count < 3:
+            fn()
+            count += 1
+        calls.append(count)
+    runs: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, count, times in zip(fns, calls, runs, strict=True):
+            started = time.perf_counter()
+            for _ in range(count):
+                fn()
+            times.append((time.perf_counter() - started) / count)
+    return [statistics.median(times) for times in runs]
 
 
 def _in_turn(
@@ -153,11 +159,13 @@ def measure() -> CpuPlan:
             plan.gflops[name], plan.prepack_speedup[name] = {}, {}
             for rows in _ROWS:
                 x = torch.randn(rows, in_features).to(dtype)
-                plain = _time(functools.partial(_in_turn, F.linear, x, weights)) / _WEIGHTS
-                plan.gflops[name][str(rows)] = 2 * rows * out_features * in_features / plain / 1e9
+                loops = [functools.partial(_in_turn, F.linear, x, weights)]
                 if packed is not None:
-                    fast = _time(functools.partial(_in_turn, _packed, x, packed)) / _WEIGHTS
-                    plan.prepack_speedup[name][str(rows)] = plain / fast
+                    loops.append(functools.partial(_in_turn, _packed, x, packed))
+                plain, *fast = (t / _WEIGHTS for t in _times(loops))
+                plan.gflops[name][str(rows)] = 2 * rows * out_features * in_features / plain / 1e9
+                if fast:
+                    plan.prepack_speedup[name][str(rows)] = plain / fast[0]
             speedups = plan.prepack_speedup[name]
             # Decode rows must gain and prompt chunks must not lose: decodes are most of the steps.
             plan.prepack[name] = (
@@ -182,13 +190,12 @@ def _stream_speedups(weights: list[torch.Tensor], packed: list[torch.Tensor] | N
     for rows in _STREAM_ROWS:
         x = torch.randn(rows, in_features).to(weights[0].dtype)
         if packed is not None:
-            base = _time(functools.partial(_in_turn, _packed, x, packed))
+            base = functools.partial(_in_turn, _packed, x, packed)
         else:
-            base = _time(functools.partial(_in_turn, F.linear, x, weights))
-        ours = _time(
-            functools.partial(_in_turn, lambda x, s: stream_linear(x, s, out_features, None), x, streams)
-        )
-        speedups[str(rows)] = base / ours
+            base = functools.partial(_in_turn, F.linear, x, weights)
+        ours = functools.partial(_in_turn, lambda x, s: stream_linear(x, s, out_features, None), x, streams)
+        base_time, our_time = _times([base, ours])
+        speedups[str(rows)] = base_time / our_time
     return speedups
 
 
