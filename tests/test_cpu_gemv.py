@@ -1,7 +1,8 @@
 """The stream GEMV (cpu_gemv.cpp) for a decode step's rows: what F.linear computes, to bf16's
 rounding, for every shape (outputs that are no multiple of its 48-wide tiles, an odd number of
-inputs, rows past its eight a pass, a bias, a strided input), the same on any thread count, clear errors for what it cannot take; and SmolLM2 in
-bf16 gives the same greedy text through it as through oneDNN.
+inputs, rows past its eight a pass, a bias, a strided input), the same on any thread count, clear
+errors for what it cannot take; and SmolLM2 in bf16 gives the same greedy text through it as
+through oneDNN.
 
 Skipped where the C++ kernels are unavailable or were built without AVX512-BF16."""
 
