@@ -6,8 +6,13 @@ can import `pdserve.*` freely.
 
 from typing import TYPE_CHECKING, Any
 
+from pdserve.engine.cpu_isa import apply_torch_caps
 from pdserve.outputs import CompletionOutput, RequestOutput
 from pdserve.sampling_params import SamplingParams
+
+# Under PDSERVE_CPU_ISA, cap torch's own dispatch (ATen, oneDNN, MKL) before torch reads its knobs
+# (none of the imports above loads torch).
+apply_torch_caps()
 
 if TYPE_CHECKING:
     from pdserve.llm import LLM

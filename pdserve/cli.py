@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -125,16 +126,22 @@ def main(argv: list[str] | None = None) -> int:
 def _info(args: argparse.Namespace) -> int:
     import torch
 
-    from pdserve.engine import cpu_choice, huge_pages
+    from pdserve.engine import cpu_choice, cpu_isa, huge_pages
     from pdserve.engine.cpu_kernels import unavailable_reason
 
+    isa_now = cpu_isa.probe()  # raises CpuIsaError (a PdserveError) for a bad PDSERVE_CPU_ISA
     plan = cpu_choice.cpu_plan(refresh=args.refresh)
-    isa = cpu_choice.kernel_isa()
+    kernels = cpu_choice.kernel_isa()
     print(
-        f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads"
+        f"torch {torch.__version__} (its own dispatch: {torch.backends.cpu.get_cpu_capability()}), "
+        f"{torch.get_num_threads()} threads"
     )
     print(f"CPU: {plan.model}")
-    print(f"  flags: {' '.join(plan.flags) or '(none of ' + ', '.join(cpu_choice._FLAGS) + ')'}")
+    print(f"  ISA: {isa_now.describe()}")
+    if isa_now.torch_env:
+        knobs = " ".join(f"{key}={os.environ.get(key, '(unset)')}" for key in isa_now.torch_env)
+        print(f"    torch capped by: {knobs}")
+    print(f"  flags in force: {' '.join(plan.flags) or '(none of ' + ', '.join(cpu_isa.TRACKED_FLAGS) + ')'}")
     print(f"  dtype=auto: {plan.auto_dtype}")
     for dtype, by_rows in plan.gflops.items():
         rates = ", ".join(f"M={rows} {rate:.0f}" for rows, rate in by_rows.items())
@@ -144,11 +151,15 @@ def _info(args: argparse.Namespace) -> int:
         if dtype in plan.stream_speedup:
             stream = ", ".join(f"M={rows} {x:.2f}x" for rows, x in plan.stream_speedup[dtype].items())
             rows = plan.stream_rows.get(dtype, 0)
+            stored = " (weights stored in bf16)" if dtype == "float32" else ""
             print(
-                f"    stream GEMV against it: {stream} -> "
+                f"    stream GEMV{stored} against it: {stream} -> "
                 + (f"used for steps of up to {rows} rows" if rows else "not used")
             )
-    print(f"  C++ kernels: {isa if isa else 'unavailable: ' + str(unavailable_reason())}")
+    for what, why in plan.unavailable.items():
+        print(f"  {what}: unavailable — {why}")
+    built = f"{kernels} ({' '.join(isa_now.march)})" if kernels else f"unavailable: {unavailable_reason()}"
+    print(f"  C++ kernels: {built}")
     private, shared = huge_pages.thp_setting(), huge_pages.thp_setting(huge_pages.THP_SHMEM_ENABLED)
     print(
         f"  KV cache pages: transparent_hugepage={private} (a private cache: "

@@ -31,6 +31,7 @@ from pdserve.config import (
     EngineConfig,
     WorkerConfig,
 )
+from pdserve.engine import cpu_isa
 from pdserve.errors import PdserveError
 from pdserve.planner.law import LawSettings
 from pdserve.planner.loop import MODES, PlannerSettings
@@ -54,6 +55,8 @@ def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _check(o: dict[str, Any]) -> None:
+    # A PDSERVE_CPU_ISA that names no level fails here, not in every worker (torch-free check).
+    cpu_isa.requested_cap()
     if not o["model"]:
         raise PdserveError("--model is required (on the command line or in the config file)")
     if o["colocated"] and (o["prefill"] or o["decode"]):

@@ -8,14 +8,28 @@ cd "$(dirname "$0")/.."
 PORT="${PORT:-8000}"
 QUESTION="${1:-What is the capital of France? Answer in one sentence.}"
 
-.venv/bin/pdserve serve --model smollm2-135m --prefill 1 --decode 1 --port "$PORT" &
+LOG=$(mktemp -t pdserve-demo.XXXXXX)
+# The server's output goes to the terminal and to $LOG, whose last error line is quoted if it exits.
+.venv/bin/pdserve serve --model smollm2-135m --prefill 1 --decode 1 --port "$PORT" > >(tee "$LOG") 2>&1 &
 SERVER=$!
-trap 'kill -INT $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
+trap 'kill -INT $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true; rm -f "$LOG"' EXIT
 
-.venv/bin/python - "$PORT" "$QUESTION" <<'PY'
+status=0
+.venv/bin/python - "$PORT" "$QUESTION" "$SERVER" <<'PY' || status=$?
 import sys, time, httpx, openai
 
-port, question = sys.argv[1], sys.argv[2]
+port, question, server = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+
+def server_exited() -> bool:
+    # An exited child stays a zombie (state Z) until the shell reaps it.
+    try:
+        with open(f"/proc/{server}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
 deadline = time.monotonic() + 300  # the first start builds the tokenizer cache and the CPU kernel
 while True:
     try:
@@ -23,6 +37,8 @@ while True:
             break
     except httpx.TransportError:
         pass
+    if server_exited():
+        sys.exit(3)  # the shell says why, with the server's exit code
     if time.monotonic() > deadline:
         sys.exit("pdserve serve did not become ready within 300 s")
     time.sleep(0.5)
@@ -38,3 +54,12 @@ for chunk in stream:
         print(chunk.choices[0].delta.content, end="", flush=True)
 print("\n")
 PY
+if [ "$status" -eq 3 ]; then
+  code=0
+  wait "$SERVER" || code=$?
+  trap 'rm -f "$LOG"' EXIT
+  last=$(grep -E "ERROR|Error|error" "$LOG" | tail -n 1 || true)
+  echo "demo: pdserve serve exited with code $code before it was ready${last:+; its last error: $last}" >&2
+  exit 1
+fi
+exit "$status"

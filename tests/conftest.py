@@ -108,3 +108,19 @@ def tiny_llama_4k(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with a 4096-token context: streams long enough to outlast a worker's start."""
     out = tmp_path_factory.mktemp("tiny-4k") / "llama-4k"
     return make_tiny_model(out, "llama", {"tie_word_embeddings": False, "max_position_embeddings": 4096})
+
+
+def load_hf_reference(path: Path, weights_in_bf16: bool):  # type: ignore[no-untyped-def]
+    """transformers' model of `path` in fp32, as the engine computes it: where the engine stores an
+    fp32 model's matrices in bf16 (the AVX2 stream GEMV, cpu_linear.py), every matrix (2-D weight:
+    projections, embedding, lm_head) rounded to bf16 the same way; norms and biases kept."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    if weights_in_bf16:
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() == 2:
+                    param.copy_(param.to(torch.bfloat16))
+    return model

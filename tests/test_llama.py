@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import load_hf_reference, make_tiny_model
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
@@ -29,8 +29,9 @@ def prompt_ids(length: int = 21, seed: int = 3) -> list[int]:
     return torch.randint(3, 250, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def engine_logprobs(path: Path, prompt: list[int], **options: Any) -> list[Any]:
-    """Greedy generation through the engine core, returning each step's TokenLogprob."""
+def engine_logprobs(path: Path, prompt: list[int], **options: Any) -> tuple[list[Any], bool]:
+    """Greedy generation through the engine core: each step's TokenLogprob, and whether the engine
+    stored the model's matrices in bf16 (the per-machine plan's choice on a CPU without native bf16)."""
     engine, _ = build_engine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, **options))
     engine.add_request(
         "r", prompt, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, logprobs=TOP, ignore_eos=True)
@@ -44,22 +45,22 @@ def engine_logprobs(path: Path, prompt: list[int], **options: Any) -> list[Any]:
             break
     assert len(logprobs) == NUM_TOKENS
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    return logprobs
+    return logprobs, engine.runner.model.weights_in_bf16
 
 
-def hf_log_softmax(path: Path, token_ids: list[int]) -> torch.Tensor:  # [len(token_ids), vocab]
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+def hf_log_softmax(
+    path: Path, token_ids: list[int], weights_in_bf16: bool = False
+) -> torch.Tensor:  # [len(token_ids), vocab]
+    model = load_hf_reference(path, weights_in_bf16)
     with torch.no_grad():
         logits = model(torch.tensor([token_ids])).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)
 
 
 def assert_matches_transformers(path: Path, prompt: list[int], **options: Any) -> None:
-    ours = engine_logprobs(path, prompt, **options)
+    ours, weights_in_bf16 = engine_logprobs(path, prompt, **options)
     generated = [lp.token_id for lp in ours]
-    reference = hf_log_softmax(path, prompt + generated)
+    reference = hf_log_softmax(path, prompt + generated, weights_in_bf16)
     worst = 0.0
     for i, lp in enumerate(ours):
         ref = reference[len(prompt) - 1 + i]  # the position that predicts generated[i]

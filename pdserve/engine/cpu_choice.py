@@ -9,10 +9,17 @@ not others. So on first use a machine measures, in about a second:
   few rows of a decode step and the hundreds of a prompt chunk;
 - in bf16, with the C++ kernels built for AVX512-BF16, up to how many rows the stream GEMV
   (cpu_gemv.cpp) beats that choice: a step of at most that many rows uses it;
+- in fp32, with the C++ kernels built for AVX2 and FMA, up to how many rows the fp32 stream GEMV
+  over weights stored in bf16 (cpu_gemv_f32.cpp) beats that choice;
 and keeps the answer in `$PDSERVE_CACHE_DIR` (default `~/.cache/pdserve`) under a key made of the
-CPU's model and flags and torch's version, so later processes read it in microseconds. The C++
-kernels report the instruction set they were built for (`-march=native`). Engines log the plan at
-start; `pdserve info` prints it (`--refresh` measures again).
+CPU's model, the flags in force, the `PDSERVE_CPU_ISA` cap (cpu_isa.py) and torch's version, so later
+processes read it in microseconds. A cached file that is unreadable, or whose CPU, cap, torch or
+plan version differs from this process's, is measured again.
+
+No probe can take the engine down: each capability (a dtype's matmul, oneDNN's prepacking in each
+dtype, each stream GEMV) is first checked against the flags in force, then measured inside a guard;
+what cannot run here is recorded in `unavailable` with the reason, and the plan takes the portable
+path. Engines log the plan in one line at start; `pdserve info` prints it (`--refresh` measures again).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import fcntl
 import functools
 import hashlib
 import json
+import logging
 import os
 import platform
 import statistics
@@ -28,18 +36,25 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine import cpu_isa
 from pdserve.engine.cpu_linear import (
+    STREAM_F32_COLS,
     onednn_available,
     pack_weight,
     packed_linear,
     stream_linear,
     stream_linear_available,
+    stream_linear_f32,
+    stream_linear_f32_available,
     stream_pack,
 )
+
+logger = logging.getLogger(__name__)
 
 # SmolLM2-sized projections: hidden 576 -> MLP 1536; M = 1 (decode), 32 (a batch), 512 (a chunk).
 _SHAPE = (1536, 576)
@@ -47,17 +62,18 @@ _ROWS = (1, 32, 256)
 _WEIGHTS = 12  # 42 MB in fp32, 21 MB in bf16: past most L3 caches
 # A choice must win by this much to be taken: below it, the machine's noise decides.
 _MARGIN = 1.05
-_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
-# The stream GEMV is tried at these row counts, in order; it is used up to the last that wins.
+# The stream GEMVs are tried at these row counts, in order; each is used up to the last that wins.
 _STREAM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Part of the cache key: a plan cached by an older version of this file is measured again.
-_PLAN_VERSION = 5
+# Part of the cache key and of the file: a plan cached by an older version of this file is measured again.
+_PLAN_VERSION = 6
+# oneDNN's bf16 matmuls and reorders (and torch's use of them for bf16 F.linear) need these.
+_ONEDNN_BF16 = "oneDNN needs AVX512-BW/VL/DQ or AVX-NE-CONVERT"
 
 
 @dataclass
 class CpuPlan:
     model: str
-    flags: list[str]
+    flags: list[str]  # the tracked flags in force (the CPU's, less those above a cap)
     torch_version: str
     auto_dtype: str  # what dtype="auto" means here
     gflops: dict[str, dict[str, float]] = field(default_factory=dict)  # dtype -> rows -> GFLOP/s
@@ -67,18 +83,29 @@ class CpuPlan:
     # over the linear path chosen above (rows -> x)
     stream_rows: dict[str, int] = field(default_factory=dict)
     stream_speedup: dict[str, dict[str, float]] = field(default_factory=dict)
+    # what cannot run on this CPU (or under its cap) -> why, e.g. "bfloat16 prepack" -> _ONEDNN_BF16
+    unavailable: dict[str, str] = field(default_factory=dict)
+    isa: str = ""  # the level in force (cpu_isa.py), "" below AVX2
+    isa_cap: str = ""  # PDSERVE_CPU_ISA as asked ("" unset)
+    plan_version: int = 0
     measured_at: float = 0.0
 
     def summary(self, dtype: torch.dtype | None = None) -> str:
+        """One line for an engine's start: what it runs and, briefly, what is unavailable and why."""
         name = _dtype_name(dtype) if dtype is not None else self.auto_dtype
         linear = "oneDNN prepacked" if self.prepack.get(name) else "torch F.linear"
         if self.stream_rows.get(name, 0) > 0:
-            linear += f", stream GEMV up to {self.stream_rows[name]} rows"
+            stored = ", weights stored in bf16" if name == "float32" else ""
+            linear += f", stream GEMV up to {self.stream_rows[name]} rows{stored}"
         bf16, fp32 = self.gflops.get("bfloat16", {}), self.gflops.get("float32", {})
+        rates = f"fp32 {fp32.get('32', 0):.0f}" + (f", bf16 {bf16['32']:.0f}" if "32" in bf16 else "")
+        cap = f", capped by {cpu_isa.ISA_ENV}={self.isa_cap}" if self.isa_cap else ""
+        missing = "; ".join(f"{what}: {why}" for what, why in self.unavailable.items())
         return (
-            f"{self.model} [{' '.join(self.flags) or 'no AVX2'}]: auto dtype {self.auto_dtype} "
-            f"(matmul M=32: bf16 {bf16.get('32', 0):.0f}, fp32 {fp32.get('32', 0):.0f} GFLOP/s); "
-            f"{name} linear layers: {linear}; C++ kernels: {kernel_isa() or 'unavailable'}"
+            f"{self.model} [{self.isa or 'below AVX2'}{cap}]: auto dtype {self.auto_dtype} "
+            f"(matmul M=32 GFLOP/s: {rates}); {name} linear layers: {linear}; "
+            f"C++ kernels: {kernel_isa() or 'unavailable'}"
+            + (f"; unavailable here: {missing}" if missing else "")
         )
 
 
@@ -86,25 +113,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def cpu_model_and_flags() -> tuple[str, list[str]]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine(), []
-    model, flags = platform.machine(), set[str]()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and model == platform.machine():
-            model = value.strip()
-        elif key.strip() in ("flags", "Features") and not flags:
-            flags = set(value.split())
-    return model, [f for f in _FLAGS if f in flags]
-
-
-def _cache_file(model: str, flags: list[str]) -> Path:
+def _cache_file(isa: cpu_isa.CpuIsa) -> Path:
     base = os.environ.get("PDSERVE_CACHE_DIR")
     root = Path(base) if base else Path.home() / ".cache" / "pdserve"
-    key = repr((model, flags, torch.__version__, platform.machine(), _PLAN_VERSION))
+    key = repr(
+        (isa.model, isa.flags, isa.cap or "native", torch.__version__, platform.machine(), _PLAN_VERSION)
+    )
     key = hashlib.sha256(key.encode()).hexdigest()[:16]
     return root / f"cpu_plan_{key}.json"
 
@@ -143,59 +157,142 @@ def _packed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return packed_linear(x, weight, None)
 
 
-def measure() -> CpuPlan:
-    model, flags = cpu_model_and_flags()
+def _reason(error: BaseException) -> str:
+    """One line from an exception: its type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _guarded(plan: CpuPlan, what: str, probe: Callable[[], Any]) -> Any:
+    """probe()'s result, or None with the reason recorded under `what` (logged once, no traceback)."""
+    try:
+        return probe()
+    except Exception as error:  # any failure of a probe means: that path is unavailable here
+        plan.unavailable[what] = _reason(error)
+        logger.warning("CPU plan: %s unavailable on this CPU: %s", what, plan.unavailable[what])
+        return None
+
+
+def measure(isa: cpu_isa.CpuIsa | None = None) -> CpuPlan:
+    isa = isa or cpu_isa.probe()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # each worker runs its own threads; one is what they share
     try:
-        plan = CpuPlan(model, flags, torch.__version__, "float32", measured_at=time.time())
-        out_features, in_features = _SHAPE
+        plan = CpuPlan(
+            isa.model,
+            list(isa.flags),
+            torch.__version__,
+            "float32",
+            isa=isa.level or "",
+            isa_cap=isa.cap or "",
+            plan_version=_PLAN_VERSION,
+            measured_at=time.time(),
+        )
         for dtype in (torch.float32, torch.bfloat16):
-            name = _dtype_name(dtype)
-            # Several weights, used in turn, so that they come from memory as a model's layers do
-            # (one weight would sit in the cache and flatter the few-rows case).
-            weights = [torch.randn(out_features, in_features).to(dtype) for _ in range(_WEIGHTS)]
-            packed = [pack_weight(w) for w in weights] if onednn_available() else None
-            plan.gflops[name], plan.prepack_speedup[name] = {}, {}
-            for rows in _ROWS:
-                x = torch.randn(rows, in_features).to(dtype)
-                loops = [functools.partial(_in_turn, F.linear, x, weights)]
-                if packed is not None:
-                    loops.append(functools.partial(_in_turn, _packed, x, packed))
-                plain, *fast = (t / _WEIGHTS for t in _times(loops))
-                plan.gflops[name][str(rows)] = 2 * rows * out_features * in_features / plain / 1e9
-                if fast:
-                    plan.prepack_speedup[name][str(rows)] = plain / fast[0]
-            speedups = plan.prepack_speedup[name]
-            # Decode rows must gain and prompt chunks must not lose: decodes are most of the steps.
-            plan.prepack[name] = (
-                bool(speedups) and speedups["1"] >= _MARGIN and speedups["256"] >= 1 / _MARGIN
-            )
-            if dtype == torch.bfloat16 and stream_linear_available():
-                chosen = packed if plan.prepack[name] and packed is not None else None
-                plan.stream_speedup[name] = _stream_speedups(weights, chosen)
-                plan.stream_rows[name] = _stream_rows(plan.stream_speedup[name])
-        if plan.gflops["bfloat16"]["32"] >= _MARGIN * plan.gflops["float32"]["32"]:
+            _measure_dtype(plan, isa, dtype)
+        bf16 = plan.gflops.get("bfloat16", {}).get("32", 0.0)
+        if bf16 >= _MARGIN * plan.gflops["float32"]["32"]:
             plan.auto_dtype = "bfloat16"
         return plan
     finally:
         torch.set_num_threads(threads)
 
 
+def _measure_dtype(plan: CpuPlan, isa: cpu_isa.CpuIsa, dtype: torch.dtype) -> None:
+    name = _dtype_name(dtype)
+    out_features, in_features = _SHAPE
+    if dtype == torch.bfloat16 and not (
+        isa.has("avx512bw", "avx512vl", "avx512dq") or isa.has("avx_ne_convert")
+    ):
+        # torch hands bf16 matmuls to oneDNN only on these CPUs and emulates them elsewhere, several
+        # times slower than fp32 (docs/performance.md): not worth a measurement, never `auto`.
+        plan.unavailable["bfloat16 matmul"] = (
+            f"emulated by torch, several times slower than float32 ({_ONEDNN_BF16})"
+        )
+        plan.unavailable["bfloat16 prepack"] = _ONEDNN_BF16
+        return
+    # Several weights, used in turn, so that they come from memory as a model's layers do (one
+    # weight would sit in the cache and flatter the few-rows case).
+    weights = [torch.randn(out_features, in_features).to(dtype) for _ in range(_WEIGHTS)]
+    packed = None
+    if not onednn_available():
+        plan.unavailable[f"{name} prepack"] = "torch was built without oneDNN"
+    else:
+        packed = _guarded(
+            plan, f"{name} prepack", lambda: _check_packed([pack_weight(w) for w in weights], weights)
+        )
+    plan.gflops[name], plan.prepack_speedup[name] = {}, {}
+    for rows in _ROWS:
+        x = torch.randn(rows, in_features).to(dtype)
+        loops = [functools.partial(_in_turn, F.linear, x, weights)]
+        if packed is not None:
+            loops.append(functools.partial(_in_turn, _packed, x, packed))
+        plain, *fast = (t / _WEIGHTS for t in _times(loops))
+        plan.gflops[name][str(rows)] = 2 * rows * out_features * in_features / plain / 1e9
+        if fast:
+            plan.prepack_speedup[name][str(rows)] = plain / fast[0]
+    speedups = plan.prepack_speedup[name]
+    # Decode rows must gain and prompt chunks must not lose: decodes are most of the steps.
+    plan.prepack[name] = bool(speedups) and speedups["1"] >= _MARGIN and speedups["256"] >= 1 / _MARGIN
+    chosen = packed if plan.prepack[name] else None
+    stream = "bfloat16 stream GEMV" if dtype == torch.bfloat16 else "float32 stream GEMV (bf16 weights)"
+    available = stream_linear_available if dtype == torch.bfloat16 else stream_linear_f32_available
+    if not _guarded(plan, stream, available):
+        plan.unavailable.setdefault(stream, _no_stream_reason(dtype))
+        return
+    speedups = _guarded(plan, stream, lambda: _stream_speedups(weights, chosen))
+    if speedups is not None:
+        plan.stream_speedup[name] = speedups
+        plan.stream_rows[name] = _stream_rows(speedups)
+
+
+def _check_packed(packed: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The packed weights, once one of them has computed what F.linear does (a reorder that
+    succeeds but computes garbage under some oneDNN ISA would otherwise be measured, and chosen)."""
+    x = torch.randn(3, weights[0].shape[1]).to(weights[0].dtype)
+    want, got = F.linear(x, weights[0]), packed_linear(x, packed[0], None)
+    tolerance = 1e-3 if weights[0].dtype == torch.float32 else 5e-2
+    if not torch.allclose(
+        got.float(), want.float(), rtol=tolerance, atol=tolerance * float(want.abs().max())
+    ):
+        raise RuntimeError("a prepacked weight computed something else than F.linear")
+    return packed
+
+
+def _no_stream_reason(dtype: torch.dtype) -> str:
+    from pdserve.engine.cpu_kernels import unavailable_reason
+
+    isa = kernel_isa()
+    if isa is None:
+        return f"the C++ kernels are unavailable ({unavailable_reason()})"
+    needs = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX2 and FMA"
+    return f"the C++ kernels were built for {isa}, without {needs}"
+
+
 def _stream_speedups(weights: list[torch.Tensor], packed: list[torch.Tensor] | None) -> dict[str, float]:
-    """rows -> how much faster the stream GEMV runs than oneDNN's packed weights (or F.linear)."""
+    """rows -> how much faster the stream GEMV runs than oneDNN's packed weights (or F.linear), up
+    to the first row count where it does not win. In fp32 the stream's weights are the bf16-rounded ones, against the full fp32 ones."""
     out_features, in_features = weights[0].shape
-    streams = [stream_pack(w) for w in weights]
+    dtype = weights[0].dtype
+    if dtype == torch.float32:
+        streams = [stream_pack(w.to(torch.bfloat16), STREAM_F32_COLS) for w in weights]
+        kernel = stream_linear_f32
+    else:
+        streams = [stream_pack(w) for w in weights]
+        kernel = stream_linear
     speedups = {}
     for rows in _STREAM_ROWS:
-        x = torch.randn(rows, in_features).to(weights[0].dtype)
+        x = torch.randn(rows, in_features).to(dtype)
         if packed is not None:
             base = functools.partial(_in_turn, _packed, x, packed)
         else:
             base = functools.partial(_in_turn, F.linear, x, weights)
-        ours = functools.partial(_in_turn, lambda x, s: stream_linear(x, s, out_features, None), x, streams)
+        ours = functools.partial(_in_turn, lambda x, s: kernel(x, s, out_features, None), x, streams)
         base_time, our_time = _times([base, ours])
         speedups[str(rows)] = base_time / our_time
+        if speedups[str(rows)] < _MARGIN:
+            break  # it is used only up to its first loss: wider steps need not be measured
     return speedups
 
 
@@ -209,38 +306,70 @@ def _stream_rows(speedups: dict[str, float]) -> int:
     return best
 
 
-def _read(path: Path) -> CpuPlan | None:
-    """The cached plan, or None to measure: there is none, it is unreadable, or it was measured
-    while the C++ kernels were off (`PDSERVE_CPU_KERNELS=0`) and they are on now, so it never
-    tried the stream GEMV (a machine whose kernels cannot have it never reaches the last test)."""
+def _read(path: Path, isa: cpu_isa.CpuIsa) -> CpuPlan | None:
+    """The cached plan, or None to measure: there is none, it is unreadable or malformed, it is
+    foreign (another CPU, cap, torch or plan version), or it was measured while the C++ kernels
+    were off (`PDSERVE_CPU_KERNELS=0`) and they are on now, so it never tried the stream GEMVs."""
     try:
         plan = CpuPlan(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
-        return None  # none yet, or from another version of this file
-    if "bfloat16" not in plan.stream_speedup and stream_linear_available():
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError, TypeError) as error:
+        logger.warning("CPU plan: %s is unreadable (%s); measuring again", path, _reason(error))
+        return None
+    foreign = _foreign(plan, isa)
+    if foreign:
+        logger.warning("CPU plan: %s is %s; measuring again", path, foreign)
+        return None
+    for dtype, available in (("bfloat16", stream_linear_available), ("float32", stream_linear_f32_available)):
+        if dtype in plan.gflops and dtype not in plan.stream_speedup and available():
+            return None
     return plan
+
+
+def _foreign(plan: CpuPlan, isa: cpu_isa.CpuIsa) -> str:
+    """Why a cached plan is not this process's (empty when it is): its key or its shape differs."""
+    wants = {
+        "model": isa.model,
+        "flags": list(isa.flags),
+        "isa_cap": isa.cap or "",
+        "torch_version": torch.__version__,
+        "plan_version": _PLAN_VERSION,
+    }
+    for key, value in wants.items():
+        if getattr(plan, key) != value:
+            return f"for another {key.replace('_', ' ')} ({getattr(plan, key)!r}, here {value!r})"
+    shapes = (
+        plan.auto_dtype in ("float32", "bfloat16")
+        and isinstance(plan.gflops.get("float32"), dict)
+        and all(isinstance(v, int | float) for d in plan.gflops.values() for v in d.values())
+        and all(isinstance(v, bool) for v in plan.prepack.values())
+        and all(isinstance(v, int) and v >= 0 for v in plan.stream_rows.values())
+        and all(isinstance(v, str) for v in plan.unavailable.values())
+    )
+    return "" if shapes else "malformed"
 
 
 @functools.cache
 def cpu_plan(refresh: bool = False) -> CpuPlan:
-    """This machine's plan: from the cache, or measured now (and cached)."""
-    model, flags = cpu_model_and_flags()
-    path = _cache_file(model, flags)
-    if not refresh and (cached := _read(path)) is not None:
+    """This machine's plan: from the cache, or measured now (and cached). Raises CpuIsaError for a
+    PDSERVE_CPU_ISA that names no level."""
+    isa = cpu_isa.probe()
+    path = _cache_file(isa)
+    if not refresh and (cached := _read(path, isa)) is not None:
         return cached
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path.with_suffix(".lock"), "w")  # noqa: SIM115 - held across the measurement
     except OSError:
-        return measure()  # a read-only home: measured again next time
+        return measure(isa)  # a read-only home: measured again next time
     with lock:
         # One process measures; the workers starting beside it wait, then read its result (and
         # the machine is not measured while they load it). The kernel drops the lock of a dead one.
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not refresh and (cached := _read(path)) is not None:
+        if not refresh and (cached := _read(path, isa)) is not None:
             return cached
-        plan = measure()
+        plan = measure(isa)
         try:
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(asdict(plan), indent=1))
@@ -251,7 +380,7 @@ def cpu_plan(refresh: bool = False) -> CpuPlan:
 
 
 def cache_path() -> Path:
-    return _cache_file(*cpu_model_and_flags())
+    return _cache_file(cpu_isa.probe())
 
 
 def kernel_isa() -> str | None:

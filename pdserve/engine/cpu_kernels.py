@@ -7,7 +7,8 @@ torch path, which stays the reference.
 
 The first use on a machine compiles (10-20 s on 2 cores); later processes load the cached library
 in milliseconds. The build folder is keyed by everything the binary depends on (sources, flags, torch
-and Python versions, the CPU's instruction set since we compile with -march=native), so a changed
+and Python versions, the CPU's instruction set since we compile with -march=native or the level
+PDSERVE_CPU_ISA caps it at, see cpu_isa.py), so a changed
 source, an upgraded torch or a home directory shared between different machines never loads a
 stale or illegal binary. It lives under `$PDSERVE_CACHE_DIR/torch_extensions` (default
 `~/.cache/pdserve/torch_extensions`).
@@ -37,12 +38,15 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine import cpu_isa
+
 logger = logging.getLogger(__name__)
 
 _NAME = "pdserve_cpu_kernels"
 _SOURCES = (
     "cpu_attention.cpp",
     "cpu_gemv.cpp",
+    "cpu_gemv_f32.cpp",
     "cpu_ops.cpp",
     "cpu_paged_attention.cpp",
     "cpu_paged_attention_bf16.cpp",
@@ -54,7 +58,8 @@ _HEADERS = ("cpu_paged_attention.h", "cpu_vec.h")  # not compiled on their own, 
 # -fno-trapping-math lets gcc vectorize loops with float -> int conversions and min/max (exp's
 # polynomial), which it otherwise keeps scalar in case they raise FP exceptions (nothing here
 # reads those). No -ffast-math: the kernels must stay close to the portable path.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-trapping-math", "-DNDEBUG"]
+# The target (-march) comes from cpu_isa.py: `native`, or the level PDSERVE_CPU_ISA caps it at.
+_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast", "-fno-trapping-math", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
 _unavailable_reason: str | None = None
 
@@ -76,11 +81,16 @@ def _cpu_fingerprint() -> str:
     return platform.machine() + "".join(lines.get(key, "") for key in wanted)
 
 
+def _cflags() -> list[str]:
+    """The compiler flags: the fixed ones and the target of the ISA level in force."""
+    return [*_CFLAGS, *cpu_isa.probe().march]
+
+
 def _build_dir() -> Path:
     digest = hashlib.sha256()
     for name in _SOURCES + _HEADERS:
         digest.update((Path(__file__).parent / name).read_bytes())
-    for part in (_CFLAGS, _LDFLAGS, torch.__version__, sys.version, _cpu_fingerprint()):
+    for part in (_cflags(), _LDFLAGS, torch.__version__, sys.version, _cpu_fingerprint()):
         digest.update(repr(part).encode())
     tag = re.sub(
         r"[^A-Za-z0-9._-]", "_", f"py{sys.version_info[0]}{sys.version_info[1]}_torch{torch.__version__}"
@@ -137,7 +147,7 @@ def _load_library() -> None:
                 load(  # builds, then loads the library
                     name=_NAME,
                     sources=[str(Path(__file__).parent / name) for name in _SOURCES],
-                    extra_cflags=_CFLAGS,
+                    extra_cflags=_cflags(),
                     extra_ldflags=_LDFLAGS,
                     build_directory=str(build_dir),
                     is_python_module=False,
@@ -179,6 +189,8 @@ def decode_attention_kernel() -> Callable[..., torch.Tensor] | None:
     try:
         _load_library()
         op: Callable[..., torch.Tensor] = torch.ops.pdserve.paged_decode_attention
+    except cpu_isa.CpuIsaError:
+        raise  # a bad PDSERVE_CPU_ISA is the operator's to fix, not a reason to run slower
     except Exception as error:  # any failure (no compiler, bad flags, load error) means: portable path
         _unavailable_reason = _reason(error)
         logger.warning(

@@ -15,6 +15,13 @@ weight a second time, laid out as one sequential stream for `torch.ops.pdserve.s
 it reads the weights up to twice as fast as oneDNN does at 1-8 rows. The price is the memory of a
 second copy of the weights (SmolLM2: 269 MB); the results differ from oneDNN's in the last bit of
 some outputs (another summation order).
+
+In float32, where the C++ kernels have AVX2 and FMA and the measurement says it pays (a CPU without
+native bf16, where the engine computes in fp32), the weights are *stored* in bf16: each is rounded to
+bf16 once, kept in the stream layout of `torch.ops.pdserve.stream_linear_f32` (cpu_gemv_f32.cpp),
+which widens it back to fp32 in registers, for steps of up to `stream_rows` rows (half the bytes a
+decode step reads), and as an fp32 copy of the same rounded values for wider steps (MKL / oneDNN).
+Every step then computes with the same weights: the model's, rounded to bf16, in fp32 arithmetic.
 """
 
 from __future__ import annotations
@@ -56,16 +63,27 @@ def stream_linear_available() -> bool:
     return available
 
 
+def stream_linear_f32_available() -> bool:
+    """Whether the C++ kernels are loaded and were built with the fp32 stream GEMV (AVX2 + FMA)."""
+    from pdserve.engine.cpu_kernels import decode_attention_kernel
+
+    if decode_attention_kernel() is None:
+        return False
+    available: bool = torch.ops.pdserve.stream_linear_f32_available()
+    return available
+
+
 STREAM_COLS, STREAM_PAIR = 48, 2  # cpu_gemv.cpp's kCols and kPair
+STREAM_F32_COLS = 16  # cpu_gemv_f32.cpp's kCols
 
 
-def stream_pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] bf16 -> [ceil(N/48), ceil(K/2), 48, 2]: for each tile of 48 outputs, each pair of
-    inputs, the 48 outputs' two weights side by side (zero-padded): one forward stream of tiles."""
+def stream_pack(weight: torch.Tensor, cols: int = STREAM_COLS) -> torch.Tensor:
+    """[N, K] bf16 -> [ceil(N/cols), ceil(K/2), cols, 2]: for each tile of `cols` outputs, each pair
+    of inputs, the outputs' two weights side by side (zero-padded): one forward stream of tiles."""
     n, k = weight.shape
-    padded = F.pad(weight.detach(), (0, -k % STREAM_PAIR, 0, -n % STREAM_COLS))  # [N', K']
-    tiles, pairs = padded.shape[0] // STREAM_COLS, padded.shape[1] // STREAM_PAIR
-    return padded.view(tiles, STREAM_COLS, pairs, STREAM_PAIR).permute(0, 2, 1, 3).contiguous()
+    padded = F.pad(weight.detach(), (0, -k % STREAM_PAIR, 0, -n % cols))  # [N', K']
+    tiles, pairs = padded.shape[0] // cols, padded.shape[1] // STREAM_PAIR
+    return padded.view(tiles, cols, pairs, STREAM_PAIR).permute(0, 2, 1, 3).contiguous()
 
 
 def stream_linear(
@@ -75,10 +93,19 @@ def stream_linear(
     return out
 
 
+def stream_linear_f32(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:  # [M, K] f32 (weights: bf16 in the 16-output stream layout) -> [M, N] f32
+    out: torch.Tensor = torch.ops.pdserve.stream_linear_f32.default(x, packed, out_features, bias)
+    return out
+
+
 class PackedLinear(nn.Module):
     """nn.Linear's forward over a prepacked weight (oneDNN's layout, or the plain one when oneDNN's
-    does not pay here), plus the stream layout for steps of up to `stream_rows` rows. The weight is
-    not a parameter any more: the model is loaded before its layers are packed, and never trained."""
+    does not pay here), plus the stream layout for steps of up to `stream_rows` rows: in bf16 the
+    AVX512-BF16 kernel's, in float32 the AVX2 kernel's over the weight rounded to bf16 (and then the
+    wider steps' weight is that rounded one too). The weight is not a parameter any more: the model
+    is loaded before its layers are packed, and never trained."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = True, stream_rows: int = 0
@@ -86,14 +113,23 @@ class PackedLinear(nn.Module):
         super().__init__()
         weight = weight.detach()  # [out, in]
         self.out_features, self.in_features = weight.shape
+        self.stream_rows = stream_rows
+        self.stream: torch.Tensor | None = None
+        self.bf16_weights = stream_rows > 0 and weight.dtype == torch.float32
+        if self.bf16_weights:  # stored in bf16: the stream, and its exact fp32 widening for wide steps
+            rounded = weight.to(torch.bfloat16)
+            self.stream = stream_pack(rounded, STREAM_F32_COLS)
+            weight = rounded.to(torch.float32)
+        elif stream_rows > 0:
+            self.stream = stream_pack(weight)
         self.packed = pack_weight(weight) if onednn else None
         self.weight = None if onednn else weight
-        self.stream_rows = stream_rows
-        self.stream = stream_pack(weight) if stream_rows > 0 else None
         self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.stream is not None and x.shape[0] <= self.stream_rows:
+            if self.bf16_weights:
+                return stream_linear_f32(x, self.stream, self.out_features, self.bias)
             return stream_linear(x, self.stream, self.out_features, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
@@ -103,7 +139,8 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         layouts = ["onednn prepacked" if self.packed is not None else "plain"]
         if self.stream is not None:
-            layouts.append(f"stream GEMV up to {self.stream_rows} rows")
+            stored = ", weights stored in bf16" if self.bf16_weights else ""
+            layouts.append(f"stream GEMV up to {self.stream_rows} rows{stored}")
         return f"in_features={self.in_features}, out_features={self.out_features}, {', '.join(layouts)}"
 
 

@@ -14,7 +14,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore, pick_device, pick_dtype
 from pdserve.engine.cpu_choice import cpu_plan
 from pdserve.engine.cpu_kernels import decode_attention_kernel
-from pdserve.engine.cpu_linear import onednn_available, stream_linear_available
+from pdserve.engine.cpu_linear import onednn_available, stream_linear_available, stream_linear_f32_available
 from pdserve.engine.layer_ops import CpuKernelOps
 from pdserve.engine.runner import KVAllocator
 from pdserve.models.llama import LlamaForCausalLM
@@ -61,9 +61,11 @@ def build_engine(
             model.ops = CpuKernelOps()
         plan, name = cpu_plan(), str(dtype).removeprefix("torch.")
         onednn = plan.prepack.get(name, False) and onednn_available()
-        stream_rows = plan.stream_rows.get(name, 0) if stream_linear_available() else 0
+        available = {"bfloat16": stream_linear_available, "float32": stream_linear_f32_available}
+        stream_rows = plan.stream_rows.get(name, 0) if name in available and available[name]() else 0
         if stream_rows and os.environ.get("PDSERVE_STREAM_GEMV", "1").strip().lower() in _OFF:
-            # The stream layout is a second copy of the weights: an operator short of memory opts out.
+            # The stream layout is a second copy of the weights (in fp32 it also rounds them to bf16):
+            # an operator short of memory, or who wants the full fp32 weights, opts out.
             logger.info("stream GEMV disabled by PDSERVE_STREAM_GEMV")
             stream_rows = 0
         if onednn or stream_rows:

@@ -142,6 +142,8 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.packed_logits: PackedLinear | None = None  # [hidden] -> [vocab], repacked (pack_for_cpu)
+        # True once pack_for_cpu stored an fp32 model's matrices in bf16 (the fp32 stream GEMV)
+        self.weights_in_bf16 = False
         self.ops: TorchLayerOps = TorchLayerOps()  # the per-layer ops (layer_ops.py)
 
     def forward(
@@ -184,7 +186,16 @@ class LlamaForCausalLM(nn.Module):
     def pack_for_cpu(self, onednn: bool = True, stream_rows: int = 0) -> int:
         """Repack every projection's weight, the logits' too, for oneDNN and/or the stream GEMV of
         steps up to `stream_rows` rows (cpu_linear.py): after the weights are loaded and cast, on
-        CPU. Returns how many layers were packed."""
+        CPU. Returns how many layers were packed.
+
+        In float32 a stream stores the weights in bf16: then every matrix of the model is rounded
+        to bf16 (the projections and the logits' by PackedLinear, the embedding table here, which a
+        tied lm_head shares), so that the model computes in fp32 with one set of rounded weights,
+        whatever the step's width; norms and biases stay fp32."""
+        if stream_rows > 0 and self.embed_tokens.weight.dtype == torch.float32:
+            with torch.no_grad():
+                self.embed_tokens.weight.copy_(self.embed_tokens.weight.to(torch.bfloat16))
+            self.weights_in_bf16 = True
         self.packed_logits = PackedLinear(self.logits_weight, None, onednn, stream_rows)
         count = pack_linears(self.layers, onednn, stream_rows)
         return count + 1
