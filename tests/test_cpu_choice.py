@@ -218,3 +218,26 @@ def test_the_cache_is_keyed_by_the_cap_and_a_foreign_plan_is_measured_again(
     ):
         native.write_text(json.dumps(broken))
         assert cpu_choice._read(native, isa) is None
+
+
+def test_a_failing_matmul_is_recorded_and_never_chosen(quick: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A CPU said to have AVX-512 (so bf16 is tried) whose bf16 matmul fails: as if oneDNN refused it.
+    import types
+
+    import torch.nn.functional as F
+
+    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype == torch.bfloat16:
+            raise RuntimeError("could not create a primitive")
+        return F.linear(x, w, b)
+
+    monkeypatch.setattr(cpu_choice, "F", types.SimpleNamespace(linear=linear, pad=F.pad))
+    monkeypatch.setattr(cpu_choice, "pack_weight", lambda w: w)  # no oneDNN reorder to refuse first
+    monkeypatch.setattr(cpu_choice, "packed_linear", lambda x, w, b: linear(x, w, b))
+    isa = cpu_isa.CpuIsa(
+        "Xeon", ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"), "avx512", None
+    )
+    plan = cpu_choice.measure(isa)
+    assert plan.unavailable["bfloat16 matmul"] == "RuntimeError: could not create a primitive"
+    assert "bfloat16" not in plan.gflops and plan.auto_dtype == "float32"
+    assert cpu_choice._foreign(plan, isa) == ""  # and such a plan, cached, is read back as it is

@@ -192,7 +192,7 @@ def measure(isa: cpu_isa.CpuIsa | None = None) -> CpuPlan:
         for dtype in (torch.float32, torch.bfloat16):
             _measure_dtype(plan, isa, dtype)
         bf16 = plan.gflops.get("bfloat16", {}).get("32", 0.0)
-        if bf16 >= _MARGIN * plan.gflops["float32"]["32"]:
+        if bf16 > 0 and bf16 >= _MARGIN * plan.gflops.get("float32", {}).get("32", 0.0):
             plan.auto_dtype = "bfloat16"
         return plan
     finally:
@@ -222,16 +222,10 @@ def _measure_dtype(plan: CpuPlan, isa: cpu_isa.CpuIsa, dtype: torch.dtype) -> No
         packed = _guarded(
             plan, f"{name} prepack", lambda: _check_packed([pack_weight(w) for w in weights], weights)
         )
-    plan.gflops[name], plan.prepack_speedup[name] = {}, {}
-    for rows in _ROWS:
-        x = torch.randn(rows, in_features).to(dtype)
-        loops = [functools.partial(_in_turn, F.linear, x, weights)]
-        if packed is not None:
-            loops.append(functools.partial(_in_turn, _packed, x, packed))
-        plain, *fast = (t / _WEIGHTS for t in _times(loops))
-        plan.gflops[name][str(rows)] = 2 * rows * out_features * in_features / plain / 1e9
-        if fast:
-            plan.prepack_speedup[name][str(rows)] = plain / fast[0]
+    if _guarded(plan, f"{name} matmul", lambda: _time_rows(plan, name, weights, packed)) is None:
+        plan.gflops.pop(name, None)
+        plan.prepack_speedup.pop(name, None)
+        return
     speedups = plan.prepack_speedup[name]
     # Decode rows must gain and prompt chunks must not lose: decodes are most of the steps.
     plan.prepack[name] = bool(speedups) and speedups["1"] >= _MARGIN and speedups["256"] >= 1 / _MARGIN
@@ -245,6 +239,24 @@ def _measure_dtype(plan: CpuPlan, isa: cpu_isa.CpuIsa, dtype: torch.dtype) -> No
     if speedups is not None:
         plan.stream_speedup[name] = speedups
         plan.stream_rows[name] = _stream_rows(speedups)
+
+
+def _time_rows(
+    plan: CpuPlan, name: str, weights: list[torch.Tensor], packed: list[torch.Tensor] | None
+) -> bool:
+    """GFLOP/s of F.linear at each of _ROWS, and the prepacked weights' speedup over it."""
+    out_features, in_features = weights[0].shape
+    plan.gflops[name], plan.prepack_speedup[name] = {}, {}
+    for rows in _ROWS:
+        x = torch.randn(rows, in_features).to(weights[0].dtype)
+        loops = [functools.partial(_in_turn, F.linear, x, weights)]
+        if packed is not None:
+            loops.append(functools.partial(_in_turn, _packed, x, packed))
+        plain, *fast = (t / _WEIGHTS for t in _times(loops))
+        plan.gflops[name][str(rows)] = 2 * rows * out_features * in_features / plain / 1e9
+        if fast:
+            plan.prepack_speedup[name][str(rows)] = plain / fast[0]
+    return True
 
 
 def _check_packed(packed: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -341,7 +353,7 @@ def _foreign(plan: CpuPlan, isa: cpu_isa.CpuIsa) -> str:
             return f"for another {key.replace('_', ' ')} ({getattr(plan, key)!r}, here {value!r})"
     shapes = (
         plan.auto_dtype in ("float32", "bfloat16")
-        and isinstance(plan.gflops.get("float32"), dict)
+        and all(isinstance(d, dict) for d in plan.gflops.values())
         and all(isinstance(v, int | float) for d in plan.gflops.values() for v in d.values())
         and all(isinstance(v, bool) for v in plan.prepack.values())
         and all(isinstance(v, int) and v >= 0 for v in plan.stream_rows.values())
