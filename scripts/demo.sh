@@ -9,14 +9,17 @@ PORT="${PORT:-8000}"
 QUESTION="${1:-What is the capital of France? Answer in one sentence.}"
 
 LOG=$(mktemp -t pdserve-demo.XXXXXX)
-# The server's output goes to the terminal and to $LOG, whose last error line is quoted if it exits.
-.venv/bin/pdserve serve --model smollm2-135m --prefill 1 --decode 1 --port "$PORT" > >(tee "$LOG") 2>&1 &
+# The server writes to $LOG (whose last error line is quoted if it exits), which `tail` shows here.
+PYTHONUNBUFFERED=1 .venv/bin/pdserve serve --model smollm2-135m --prefill 1 --decode 1 --port "$PORT" \
+  > "$LOG" 2>&1 &
 SERVER=$!
-trap 'kill -INT $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true; rm -f "$LOG"' EXIT
+tail -n +1 -f --pid="$SERVER" "$LOG" &
+TAIL=$!
+trap 'kill -INT "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; wait "$TAIL" 2>/dev/null || true; rm -f "$LOG"' EXIT
 
 status=0
 .venv/bin/python - "$PORT" "$QUESTION" "$SERVER" <<'PY' || status=$?
-import sys, time, httpx, openai
+import os, sys, time, httpx, openai
 
 port, question, server = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
@@ -26,8 +29,16 @@ def server_exited() -> bool:
     try:
         with open(f"/proc/{server}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        if os.path.isdir("/proc"):
+            return True  # gone
     except (OSError, IndexError):
+        pass
+    try:  # no /proc (not Linux): only a reaped process is seen as gone
+        os.kill(server, 0)
+    except ProcessLookupError:
         return True
+    return False
 
 
 deadline = time.monotonic() + 300  # the first start builds the tokenizer cache and the CPU kernel
@@ -57,6 +68,7 @@ PY
 if [ "$status" -eq 3 ]; then
   code=0
   wait "$SERVER" || code=$?
+  wait "$TAIL" 2>/dev/null || true
   trap 'rm -f "$LOG"' EXIT
   last=$(grep -E "ERROR|Error|error" "$LOG" | tail -n 1 || true)
   echo "demo: pdserve serve exited with code $code before it was ready${last:+; its last error: $last}" >&2

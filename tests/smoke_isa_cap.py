@@ -12,10 +12,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from serving import Server
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine import cpu_isa
+from pdserve.engine.cpu_choice import cpu_plan
 
 pytestmark = pytest.mark.skipif(
     os.environ.get(cpu_isa.ISA_ENV) != "avx2", reason="run by scripts/test.sh with PDSERVE_CPU_ISA=avx2"
@@ -40,7 +42,10 @@ def test_pdserve_info_says_what_the_cap_leaves() -> None:
 @pytest.fixture(scope="module")
 def offline_answer() -> str:
     llm = LLM("smollm2-135m", dtype="float32", num_kv_blocks=128)
-    assert llm.engine.dtype.is_floating_point
+    # An AVX2 CPU's path: fp32, with the weights stored in bf16 where its plan found the stream faster.
+    plan = cpu_plan()
+    assert llm.engine.dtype == torch.float32 and plan.isa == "avx2"
+    assert llm.engine.runner.model.weights_in_bf16 == (plan.stream_rows.get("float32", 0) > 0)
     out = llm.chat(QUESTION, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     return out[0].outputs[0].text
 

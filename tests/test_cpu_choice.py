@@ -158,16 +158,24 @@ def test_a_prepack_that_computes_garbage_is_not_taken(quick: None, monkeypatch: 
 
 @pytest.mark.parametrize("where", ["available", "measure"])
 def test_a_failing_stream_probe_is_recorded_and_the_stream_is_not_used(
-    quick: None, monkeypatch: pytest.MonkeyPatch, where: str
+    quick: None, monkeypatch: pytest.MonkeyPatch, where: str, tmp_path: Path
 ) -> None:
+    from pdserve.engine.cpu_linear import stream_linear_f32_available
+
     if where == "available":
         monkeypatch.setattr(cpu_choice, "stream_linear_f32_available", boom("no such op"))
+    elif not stream_linear_f32_available():
+        pytest.skip("no fp32 stream GEMV in this build: nothing to fail while measuring")
     else:
         monkeypatch.setattr(cpu_choice, "stream_linear_f32", boom("illegal instruction, say"))
     plan = cpu_choice.measure(AVX2_ONLY)
     key = "float32 stream GEMV (bf16 weights)"
     assert "RuntimeError" in plan.unavailable[key] and plan.stream_rows.get("float32", 0) == 0
     assert "float32" not in plan.stream_speedup and "stream GEMV up to" not in plan.summary(torch.float32)
+    # Cached, such a plan is read back as it is: not measured (and failing) again at every start.
+    path = tmp_path / "cpu_plan.json"
+    path.write_text(json.dumps(cpu_choice.asdict(plan)))
+    assert cpu_choice._read(path, AVX2_ONLY) == plan
 
 
 def test_without_the_kernels_the_stream_says_why(quick: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -202,7 +210,8 @@ def test_the_cache_is_keyed_by_the_cap_and_a_foreign_plan_is_measured_again(
     capped.write_text(native.read_text())
     isa = cpu_isa.probe()
     assert cpu_choice._read(capped, isa) is None
-    assert "isa cap" in cpu_choice._foreign(plan, isa)
+    # foreign by its cap (on a CPU the cap takes flags from, by its flags first)
+    assert any(key in cpu_choice._foreign(plan, isa) for key in ("isa cap", "flags"))
     stored = json.loads(native.read_text())
     monkeypatch.delenv("PDSERVE_CPU_ISA")
     isa = cpu_isa.probe()
@@ -213,6 +222,7 @@ def test_the_cache_is_keyed_by_the_cap_and_a_foreign_plan_is_measured_again(
         native.write_text(json.dumps(stored))
     for broken in (
         {**stored, "gflops": {}},
+        {**stored, "gflops": [1.0]},
         {**stored, "stream_rows": {"float32": -1}},
         {**stored, "extra": 1},
     ):
@@ -234,10 +244,12 @@ def test_a_failing_matmul_is_recorded_and_never_chosen(quick: None, monkeypatch:
     monkeypatch.setattr(cpu_choice, "F", types.SimpleNamespace(linear=linear, pad=F.pad))
     monkeypatch.setattr(cpu_choice, "pack_weight", lambda w: w)  # no oneDNN reorder to refuse first
     monkeypatch.setattr(cpu_choice, "packed_linear", lambda x, w, b: linear(x, w, b))
-    isa = cpu_isa.CpuIsa(
-        "Xeon", ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"), "avx512", None
-    )
+    flags = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
+    isa = cpu_isa.CpuIsa("Xeon", flags, "avx512_bf16", None)
     plan = cpu_choice.measure(isa)
     assert plan.unavailable["bfloat16 matmul"] == "RuntimeError: could not create a primitive"
     assert "bfloat16" not in plan.gflops and plan.auto_dtype == "float32"
+    # Where bf16 is native, float32 asked for is float32 weights: no bf16-stored stream.
+    assert plan.unavailable["float32 stream GEMV (bf16 weights)"] == cpu_choice._NATIVE_BF16
+    assert "float32" not in plan.stream_rows
     assert cpu_choice._foreign(plan, isa) == ""  # and such a plan, cached, is read back as it is

@@ -35,6 +35,15 @@ def test_a_cap_below_the_cpu_takes_its_flags_and_sets_the_build_and_torch() -> N
     assert "-mavx512bf16" in middle.march and middle.torch_env["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16"
 
 
+def test_a_cap_at_the_cpus_level_still_takes_the_flags_above_it() -> None:
+    # An AVX2-level CPU with AVX-NE-CONVERT (oneDNN's bf16 without AVX-512): avx2 takes that away.
+    isa = CpuIsa("Core", ("avx2", "fma", "avx_ne_convert"), "avx2", "avx2")
+    assert isa.capped and isa.level == "avx2" and isa.flags == ("avx2", "fma")
+    assert isa.march == ("-march=x86-64-v3",) and isa.torch_env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    higher = CpuIsa("Core", ("avx2", "fma", "avx_ne_convert"), "avx2", "avx512")
+    assert higher.capped and higher.level == "avx2"  # never above what the CPU has
+
+
 @pytest.mark.parametrize("cap", [None, "avx2", "amx"])
 def test_a_cap_at_or_above_the_cpu_changes_nothing(cap: str | None) -> None:
     isa = CpuIsa("EPYC", AVX2_FLAGS, "avx2", cap)

@@ -68,6 +68,8 @@ _STREAM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _PLAN_VERSION = 6
 # oneDNN's bf16 matmuls and reorders (and torch's use of them for bf16 F.linear) need these.
 _ONEDNN_BF16 = "oneDNN needs AVX512-BW/VL/DQ or AVX-NE-CONVERT"
+_NATIVE_BF16 = "not used where bf16 is native (dtype=float32 keeps the full fp32 weights there)"
+_NO_KERNELS = "the C++ kernels are unavailable"
 
 
 @dataclass
@@ -87,19 +89,22 @@ class CpuPlan:
     unavailable: dict[str, str] = field(default_factory=dict)
     isa: str = ""  # the level in force (cpu_isa.py), "" below AVX2
     isa_cap: str = ""  # PDSERVE_CPU_ISA as asked ("" unset)
+    isa_capped: bool = False  # whether that cap took something away from this CPU
     plan_version: int = 0
     measured_at: float = 0.0
 
-    def summary(self, dtype: torch.dtype | None = None) -> str:
-        """One line for an engine's start: what it runs and, briefly, what is unavailable and why."""
+    def summary(self, dtype: torch.dtype | None = None, stream_rows: int | None = None) -> str:
+        """One line for an engine's start: what it runs and, briefly, what is unavailable and why.
+        `stream_rows`: what the engine uses, where it differs from the plan (PDSERVE_STREAM_GEMV=0)."""
         name = _dtype_name(dtype) if dtype is not None else self.auto_dtype
         linear = "oneDNN prepacked" if self.prepack.get(name) else "torch F.linear"
-        if self.stream_rows.get(name, 0) > 0:
+        rows = self.stream_rows.get(name, 0) if stream_rows is None else stream_rows
+        if rows > 0:
             stored = ", weights stored in bf16" if name == "float32" else ""
-            linear += f", stream GEMV up to {self.stream_rows[name]} rows{stored}"
+            linear += f", stream GEMV up to {rows} rows{stored}"
         bf16, fp32 = self.gflops.get("bfloat16", {}), self.gflops.get("float32", {})
         rates = f"fp32 {fp32.get('32', 0):.0f}" + (f", bf16 {bf16['32']:.0f}" if "32" in bf16 else "")
-        cap = f", capped by {cpu_isa.ISA_ENV}={self.isa_cap}" if self.isa_cap else ""
+        cap = f", capped by {cpu_isa.ISA_ENV}={self.isa_cap}" if self.isa_capped else ""
         missing = "; ".join(f"{what}: {why}" for what, why in self.unavailable.items())
         return (
             f"{self.model} [{self.isa or 'below AVX2'}{cap}]: auto dtype {self.auto_dtype} "
@@ -186,6 +191,7 @@ def measure(isa: cpu_isa.CpuIsa | None = None) -> CpuPlan:
             "float32",
             isa=isa.level or "",
             isa_cap=isa.cap or "",
+            isa_capped=isa.capped,
             plan_version=_PLAN_VERSION,
             measured_at=time.time(),
         )
@@ -231,6 +237,10 @@ def _measure_dtype(plan: CpuPlan, isa: cpu_isa.CpuIsa, dtype: torch.dtype) -> No
     plan.prepack[name] = bool(speedups) and speedups["1"] >= _MARGIN and speedups["256"] >= 1 / _MARGIN
     chosen = packed if plan.prepack[name] else None
     stream = "bfloat16 stream GEMV" if dtype == torch.bfloat16 else "float32 stream GEMV (bf16 weights)"
+    if dtype == torch.float32 and (isa.has("avx512_bf16") or isa.has("amx_bf16")):
+        # bf16 is this CPU's fast path; whoever asks for float32 here wants the full fp32 weights.
+        plan.unavailable[stream] = _NATIVE_BF16
+        return
     available = stream_linear_available if dtype == torch.bfloat16 else stream_linear_f32_available
     if not _guarded(plan, stream, available):
         plan.unavailable.setdefault(stream, _no_stream_reason(dtype))
@@ -277,7 +287,7 @@ def _no_stream_reason(dtype: torch.dtype) -> str:
 
     isa = kernel_isa()
     if isa is None:
-        return f"the C++ kernels are unavailable ({unavailable_reason()})"
+        return f"{_NO_KERNELS} ({unavailable_reason()})"
     needs = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX2 and FMA"
     return f"the C++ kernels were built for {isa}, without {needs}"
 
@@ -321,7 +331,8 @@ def _stream_rows(speedups: dict[str, float]) -> int:
 def _read(path: Path, isa: cpu_isa.CpuIsa) -> CpuPlan | None:
     """The cached plan, or None to measure: there is none, it is unreadable or malformed, it is
     foreign (another CPU, cap, torch or plan version), or it was measured while the C++ kernels
-    were off (`PDSERVE_CPU_KERNELS=0`) and they are on now, so it never tried the stream GEMVs."""
+    were off (`PDSERVE_CPU_KERNELS=0`) or failed to build, and they are on now, so it never tried
+    the stream GEMVs."""
     try:
         plan = CpuPlan(**json.loads(path.read_text()))
     except FileNotFoundError:
@@ -334,7 +345,12 @@ def _read(path: Path, isa: cpu_isa.CpuIsa) -> CpuPlan | None:
         logger.warning("CPU plan: %s is %s; measuring again", path, foreign)
         return None
     for dtype, available in (("bfloat16", stream_linear_available), ("float32", stream_linear_f32_available)):
-        if dtype in plan.gflops and dtype not in plan.stream_speedup and available():
+        stream = "bfloat16 stream GEMV" if dtype == "bfloat16" else "float32 stream GEMV (bf16 weights)"
+        why = plan.unavailable.get(stream)
+        # Measured again only if the stream was missing for want of the kernels, which are here now
+        # (not when its probe failed: that would be measured, and fail, at every start).
+        missing = dtype in plan.gflops and dtype not in plan.stream_speedup
+        if missing and (why is None or why.startswith(_NO_KERNELS)) and available():
             return None
     return plan
 
@@ -351,14 +367,18 @@ def _foreign(plan: CpuPlan, isa: cpu_isa.CpuIsa) -> str:
     for key, value in wants.items():
         if getattr(plan, key) != value:
             return f"for another {key.replace('_', ' ')} ({getattr(plan, key)!r}, here {value!r})"
-    shapes = (
-        plan.auto_dtype in ("float32", "bfloat16")
-        and all(isinstance(d, dict) for d in plan.gflops.values())
-        and all(isinstance(v, int | float) for d in plan.gflops.values() for v in d.values())
-        and all(isinstance(v, bool) for v in plan.prepack.values())
-        and all(isinstance(v, int) and v >= 0 for v in plan.stream_rows.values())
-        and all(isinstance(v, str) for v in plan.unavailable.values())
-    )
+    try:
+        shapes = (
+            plan.auto_dtype in ("float32", "bfloat16")
+            and ("float32" in plan.gflops or "float32 matmul" in plan.unavailable)
+            and all(isinstance(d, dict) for d in plan.gflops.values())
+            and all(isinstance(v, int | float) for d in plan.gflops.values() for v in d.values())
+            and all(isinstance(v, bool) for v in plan.prepack.values())
+            and all(isinstance(v, int) and v >= 0 for v in plan.stream_rows.values())
+            and all(isinstance(v, str) for v in plan.unavailable.values())
+        )
+    except (AttributeError, TypeError):  # a list or a number where a dict belongs
+        shapes = False
     return "" if shapes else "malformed"
 
 

@@ -15,7 +15,8 @@ Under a cap below the CPU's own level:
   kernels), `ONEDNN_MAX_CPU_ISA` (oneDNN) and `MKL_ENABLE_INSTRUCTIONS` (MKL's fp32 GEMM). These are
   read by torch at its first use of each, so `apply_torch_caps()` sets them when pdserve is imported
   (pdserve/__init__.py), before any torch op; a value the user set already is left alone.
-A cap at or above the CPU's own level changes nothing but the plan's cache key.
+A cap that takes nothing away (at or above the CPU's own level and flags) changes nothing but the
+plan's cache key.
 """
 
 from __future__ import annotations
@@ -87,17 +88,19 @@ class CpuIsa:
 
     @property
     def capped(self) -> bool:
-        """Whether the cap takes something away from this CPU."""
-        if self.cap is None:
+        """Whether the cap takes something away from this CPU: a higher level, or a flag beyond the
+        cap's level (an AVX2-level CPU with AVX-NE-CONVERT, capped at avx2, loses that)."""
+        if self.cap is None or self.machine_level is None:
             return False
-        if self.machine_level is None:
-            return False
-        return LEVELS.index(self.cap) < LEVELS.index(self.machine_level)
+        return bool(set(self.machine_flags) - set(_LEVEL_FLAGS[self.cap]))
 
     @property
     def level(self) -> str | None:
         """The level in force: the CPU's, or the cap where it is lower."""
-        return self.cap if self.capped else self.machine_level
+        if not self.capped or self.machine_level is None:
+            return self.machine_level
+        assert self.cap is not None
+        return LEVELS[min(LEVELS.index(self.cap), LEVELS.index(self.machine_level))]
 
     @property
     def flags(self) -> tuple[str, ...]:
@@ -114,18 +117,16 @@ class CpuIsa:
     @property
     def march(self) -> tuple[str, ...]:
         """The compiler's target flags for the C++ kernels."""
-        if not self.capped:
+        if not self.capped or self.level is None:
             return ("-march=native",)
-        assert self.cap is not None
-        return _MARCH[self.cap]
+        return _MARCH[self.level]
 
     @property
     def torch_env(self) -> dict[str, str]:
         """The variables that cap torch's own dispatch at the level in force (none when uncapped)."""
-        if not self.capped:
+        if not self.capped or self.level is None:
             return {}
-        assert self.cap is not None
-        return dict(_TORCH_ENV[self.cap])
+        return dict(_TORCH_ENV[self.level])
 
     def describe(self) -> str:
         """One line: the level in force and why."""
@@ -134,7 +135,9 @@ class CpuIsa:
             return f"{here} (this CPU's own; {ISA_ENV} unset)"
         if not self.capped:
             return f"{here}: {ISA_ENV}={self.cap} is at or above this CPU's level ({here}), so it changes nothing"
-        return f"{self.cap}: capped by {ISA_ENV}={self.cap} (this CPU: {here})"
+        return (
+            f"{self.level}: capped by {ISA_ENV}={self.cap} (this CPU: {here}, {' '.join(self.machine_flags)})"
+        )
 
 
 def _read_cpuinfo() -> tuple[str, set[str]]:

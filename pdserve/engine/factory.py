@@ -70,7 +70,7 @@ def build_engine(
             stream_rows = 0
         if onednn or stream_rows:
             model.pack_for_cpu(onednn, stream_rows)
-        logger.info("CPU plan: %s; layer ops: %s", plan.summary(dtype), model.ops.name)
+        logger.info("CPU plan: %s; layer ops: %s", plan.summary(dtype, stream_rows), model.ops.name)
     engine = EngineCore(config, model_config, model, eos_ids, device, dtype, kv_allocator)
     logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - started)
     return engine, tokenizer
