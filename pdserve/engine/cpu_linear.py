@@ -16,8 +16,8 @@ it reads the weights up to twice as fast as oneDNN does at 1-8 rows. The price i
 second copy of the weights (SmolLM2: 269 MB); the results differ from oneDNN's in the last bit of
 some outputs (another summation order).
 
-In float32, where the C++ kernels have AVX2 and FMA and the measurement says it pays (a CPU without
-native bf16, where the engine computes in fp32), the weights are *stored* in bf16: each is rounded to
+In float32, on a CPU without native bf16 (where the engine computes in fp32) whose C++ kernels have
+AVX2 and FMA, where the measurement says it pays, the weights are *stored* in bf16: each is rounded to
 bf16 once, kept in the stream layout of `torch.ops.pdserve.stream_linear_f32` (cpu_gemv_f32.cpp),
 which widens it back to fp32 in registers, for steps of up to `stream_rows` rows (half the bytes a
 decode step reads), and as an fp32 copy of the same rounded values for wider steps (MKL / oneDNN).
