@@ -261,3 +261,16 @@ def test_two_processes_building_at_once_both_get_the_kernel(op: Op, tmp_path: Pa
         assert proc.returncode == 0, err.decode()
     (build_dir,) = (tmp_path / "torch_extensions").iterdir()
     assert (build_dir / "ready").exists() and not (build_dir / "lock").exists()
+
+
+def test_a_second_cache_folder_in_one_process_keeps_the_loaded_library(
+    op: Op, fresh_kernel_cache: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Loaded once (the `op` fixture); then asked again under an empty cache folder. Building and
+    # loading a second copy would register torch.ops.pdserve again and abort the process (a test
+    # suite on an AVX2 machine died so): the library already loaded is kept, nothing is built.
+    monkeypatch.delenv("PDSERVE_CPU_KERNELS", raising=False)
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    again = cpu_kernels.decode_attention_kernel()
+    assert again is not None and cpu_kernels.unavailable_reason() is None
+    assert not any(tmp_path.iterdir())  # no second build

@@ -121,8 +121,24 @@ def _load_op_library(path: Path) -> None:
     torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
 
 
+def _already_loaded() -> bool:
+    """Whether this process has loaded the library already (its ops are registered)."""
+    try:
+        torch.ops.pdserve.paged_decode_attention  # noqa: B018 - the lookup is the test
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
 def _load_library() -> None:
-    """Build if needed, then load the library (registers torch.ops.pdserve.*). Raises on failure."""
+    """Build if needed, then load the library (registers torch.ops.pdserve.*). Raises on failure.
+
+    One library per process: once its ops are registered, a later call (another PDSERVE_CACHE_DIR,
+    say, after `decode_attention_kernel.cache_clear()`) keeps them. Loading a second build would
+    register the `pdserve` namespace again, which torch refuses in the library's static initializer,
+    where the error can only abort the process (seen: a test suite's SIGABRT on an AVX2 machine)."""
+    if _already_loaded():
+        return
     build_dir = _build_dir()
     library = build_dir / f"{_NAME}.so"
     ready = build_dir / "ready"
