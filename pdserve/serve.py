@@ -17,6 +17,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -360,7 +361,11 @@ def run(o: dict[str, Any]) -> int:
     from pdserve.router.tokenizer import load_router_tokenizer
 
     logging.basicConfig(level=o["log_level"], format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Everything that can fail on bad input fails here, before a worker starts.
+    # Everything that can fail on bad input fails here, before a worker starts. The HTTP port
+    # first: held from now on, so a port in use is said at once, not after the workers have
+    # loaded, and no worker's transport can take it while they start (each binds an ephemeral
+    # port; a port the caller had just found free could be handed to one of them).
+    listener = http_socket(o["host"], o["port"])
     source = resolve_model(o["model"])
     tokenizer = load_router_tokenizer(source)
     eos = generation_eos_ids(source, ModelConfig.from_hf_dict(source.hf_config), tokenizer)
@@ -420,10 +425,26 @@ def run(o: dict[str, Any]) -> int:
         access_log=False,
         timeout_graceful_shutdown=5,
     )
-    return asyncio.run(_serve(_server_class()(config), pools, planner))
+    return asyncio.run(_serve(_server_class()(config), listener, pools, planner))
 
 
-async def _serve(server: Any, pools: Any, planner: Any) -> int:
+def http_socket(host: str, port: int) -> socket.socket:
+    """The API's socket, bound (not yet listening: a client is refused until the workers are up,
+    rather than left waiting in the backlog). Port 0 takes a free port; the start line names it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    # SO_REUSEADDR: a restart may bind while the last run's connections are in TIME_WAIT; it
+    # still refuses a port another process listens on.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise PdserveError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+async def _serve(server: Any, listener: socket.socket, pools: Any, planner: Any) -> int:
     """Start the pools (Ctrl-C or SIGTERM stops that too), serve until a signal, stop every worker."""
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()
@@ -442,9 +463,10 @@ async def _serve(server: Any, pools: Any, planner: Any) -> int:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
         planner.start()
-        await server.serve()  # its own signal handlers from here on
+        await server.serve(sockets=[listener])  # its own signal handlers from here on
         return 0 if server.started else 1
     finally:
+        listener.close()
         await planner.close()
         await pools.close()
 

@@ -55,7 +55,7 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
         "node, the transport between nodes), off, or auto (shm with --cluster ray, else off)",
     ),
     "host": (str, "127.0.0.1", "address the HTTP server listens on"),
-    "port": (int, 8000, "HTTP port"),
+    "port": (int, 8000, "HTTP port (0: a free one, named in the start line at --log-level INFO)"),
     "served_model_name": (str, None, "the model name clients send (default: --model)"),
     "threads": (int, 1, "torch threads per worker"),
     "pin_cpus": (bool, True, "pin each worker to its own CPU where the OS allows (--cluster local)"),

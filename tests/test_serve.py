@@ -4,15 +4,17 @@ it leaves behind when stopped (nothing: no process, no shared-memory segment).""
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from serving import Server, alive, children
+from serving import Server, alive, children, free_port
 
 from pdserve import serve
 from pdserve.errors import PdserveError
@@ -236,6 +238,49 @@ def test_a_bad_engine_setting_is_refused_before_any_worker_starts(tiny_llama: Pa
     )
     assert done.returncode == 2 and "block_size must be a power of two" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_port_in_use_is_said_at_once_and_starts_no_worker(tiny_llama: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        server = subprocess.Popen(
+            [*SERVE, "--model", str(tiny_llama), "--colocated", "1", "--port", str(port)],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        workers: set[int] = set()
+        while server.poll() is None:  # until it exits (communicate's timeout bounds it below)
+            workers.update(children(server.pid))
+            time.sleep(0.01)
+        _, stderr = server.communicate(timeout=60)
+    assert server.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in stderr, stderr
+    assert not workers and "Traceback" not in stderr
+
+
+def test_the_port_is_held_while_the_workers_start(tiny_llama: Path) -> None:
+    """A worker's transport binds an ephemeral port while it starts; the API's port is bound
+    before, so no worker can take it (which one did in CI: the server then died with EADDRINUSE
+    after its workers had loaded). Until the workers are up a client is refused, not kept waiting."""
+    port = free_port()
+    server = subprocess.Popen(
+        [*SERVE, "--model", str(tiny_llama), "--prefill", "1", "--decode", "1", "--port", str(port)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        while not children(server.pid) and server.poll() is None:
+            time.sleep(0.01)
+        assert children(server.pid), "no worker was started"
+        with pytest.raises(OSError) as taken, socket.socket() as other:
+            other.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=10).close()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        _, stderr = server.communicate(timeout=60)
+    assert server.returncode == 1 and "start-up stopped: interrupted" in stderr, stderr
 
 
 def test_a_worker_that_dies_while_starting_stops_the_server_with_the_reason(tiny_llama: Path) -> None:
