@@ -150,6 +150,11 @@ CASES = [
     ([100, 3], [300, 40], 5, 9, 3, 64, 50),
     ([64], [200], 7, 4, 4, 128, 0),
     ([48, 1], [700, 20], 16, 9, 3, 64, 0),  # several whole 128-key tiles of lanes before the diagonal one
+    # fp32 in lanes of 8 (AVX2) or 16: rows that fill one vector of 8 but not of 16 (12 and 9 rows
+    # of G = 1), padding rows (5 queries x G = 2) under a window, 8-lane row vectors taken 3, 3, 3, 3, 3, 1
+    ([12, 9], [40, 9], 16, 4, 4, 32, 0),
+    ([5, 30], [5, 100], 3, 6, 3, 64, 10),
+    ([16], [150], 16, 8, 1, 64, 0),
 ]
 
 

@@ -19,17 +19,20 @@
 // use VDPBF16PS on pairs of bf16 (K pairs transposed along D, V pairs interleaved along tokens, the
 // probabilities rounded to bf16 as torch's own CPU flash attention does). exp is a branch-free
 // polynomial (~1 ulp).
-// Prompt items whose rows (QT queries x G heads) fill whole vectors take a third kernel with the
-// rows in vector lanes instead (attend_lanes_bf16: the softmax is vertical, Q is packed once per item,
-// K is broadcast from its cache rows; 1.3x the row-at-a-time kernel on a 2048-token prefill).
+// Prompt items whose rows (QT queries x G heads) fill whole vectors take a kernel with the rows in
+// vector lanes instead: the softmax is vertical, Q is packed once per item, K and V are broadcast
+// from their cache rows (attend_lanes_bf16: 1.3x the row-at-a-time kernel on a 2048-token bf16
+// prefill; attend_lanes_f32 in cpu_paged_attention_lanes.h for fp32, AVX2 and AVX-512).
 //
 // Registered as torch.ops.pdserve.paged_attention.
 
 #include "cpu_paged_attention.h"
+#include "cpu_paged_attention_lanes.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <memory>
 #include <string>
 #include <type_traits>
 
@@ -252,7 +255,20 @@ void run(const Problem& p, int64_t num_seqs, const at::Tensor& q, const at::Tens
   q_t* op = out.mutable_data_ptr<q_t>();
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch<V> sc(max_rows(p), p.head_dim);
-    for (int64_t i = begin; i < end; ++i) attend_fp32<V, cache_t, q_t>(p, items[i], qp, kc, vc, op, sc);
+    std::unique_ptr<LaneScratchF32> lanes;  // made by the first prompt item
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& item = items[i];
+      // Rows in lanes when they fill a vector (decodes, and a chunk's last few queries when G is
+      // small: row at a time).
+      if constexpr (V::W > 1) {
+        if (item.kv_heads == 1 && item.num_queries * p.group >= V::W) {
+          if (!lanes) lanes = std::make_unique<LaneScratchF32>(lane_rows_f32<V>(QT * p.group), p.head_dim);
+          attend_lanes_f32<V, cache_t, q_t>(p, item, qp, kc, vc, op, *lanes);
+          continue;
+        }
+      }
+      attend_fp32<V, cache_t, q_t>(p, item, qp, kc, vc, op, sc);
+    }
   });
 }
 

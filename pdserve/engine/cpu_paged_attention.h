@@ -89,6 +89,13 @@ struct Avx2 {
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), keep);
   }
+  // x where lo <= key <= hi (lane by lane), -inf elsewhere: a key outside a row's range.
+  static reg keep_in_range(reg x, reg key, reg lo, reg hi) {
+    const __m256 in = _mm256_and_ps(_mm256_cmp_ps(key, hi, _CMP_LE_OQ), _mm256_cmp_ps(key, lo, _CMP_GE_OQ));
+    return _mm256_blendv_ps(_mm256_set1_ps(NEG_INF), x, in);
+  }
+  // x, with -inf lanes replaced by 0 (a row that has no key yet keeps exp's arguments free of NaN).
+  static reg finite_or_zero(reg x) { return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(NEG_INF), _CMP_EQ_OQ), x); }
   static void transpose(reg r[8]) {  // 8 x 8, in place
     const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
     const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
@@ -163,6 +170,13 @@ struct Avx512 {
     const __m512 p = exp_reduced(x, n);
     const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(bits));
+  }
+  static reg keep_in_range(reg x, reg key, reg lo, reg hi) {
+    const __mmask16 in = _mm512_cmp_ps_mask(key, hi, _CMP_LE_OQ) & _mm512_cmp_ps_mask(key, lo, _CMP_GE_OQ);
+    return _mm512_mask_mov_ps(_mm512_set1_ps(NEG_INF), in, x);
+  }
+  static reg finite_or_zero(reg x) {
+    return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, _mm512_set1_ps(NEG_INF), _CMP_EQ_OQ), _mm512_setzero_ps());
   }
   static void transpose(reg r[16]) { transpose16(r); }
 };
