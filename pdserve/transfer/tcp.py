@@ -11,6 +11,11 @@ each layer's K or V plane. No pickle, no per-block Python copy.
 Decode side (`TcpImporter`): keeps a few idle connections per address, sends the request and
 `recvmsg_into`s the payload directly into its own destination block slices.
 
+A cache without a byte view here (on a GPU) is staged instead (pdserve.transfer.staging): the
+exporter gathers the leased blocks chunk by chunk into pinned host buffers and sends those, the
+importer receives into them and copies each chunk into its blocks; the bytes on the wire are the
+same, so a staged side and a direct one work together.
+
 The wire format (headers, block ids, the order of the block stream) and the socket I/O are in
 pdserve.transfer.tcp_wire.
 """
@@ -28,6 +33,7 @@ import torch
 
 from pdserve.transfer.base import FaultInjector, KVExporter, KVImporter, LeaseError, TransferError
 from pdserve.transfer.layout import block_views, cache_bytes, layout_of
+from pdserve.transfer.staging import StagedBlocks
 from pdserve.transfer.tcp_wire import (
     BAD_REQUEST,
     LAYOUT,
@@ -52,6 +58,15 @@ from pdserve.transfer.tcp_wire import (
 )
 
 
+def _storage(kv_cache: torch.Tensor, staged: bool | None) -> tuple[StagedBlocks | None, memoryview | None]:
+    """How a side reads and writes its blocks: through host buffers, or as bytes of the cache."""
+    if staged is None:
+        staged = kv_cache.device.type != "cpu"
+    if staged:
+        return StagedBlocks(kv_cache), None
+    return None, cache_bytes(kv_cache)
+
+
 class _Stale(Exception):
     """A pooled connection the peer had closed before this request: retry on a fresh one."""
 
@@ -71,10 +86,13 @@ class TcpExporter(KVExporter):
         idle_timeout: float = 300.0,
         max_connections: int = 64,
         max_handshakes: int = 128,
+        staged: bool | None = None,
     ) -> None:
+        """`staged`: send through host buffers (pdserve.transfer.staging) instead of straight out
+        of the cache's bytes; None: where the cache is not in this host's memory (a GPU)."""
         super().__init__(kv_cache)  # [L, 2, NB, BS, KVH, D]
         self._secret = secret  # the deployment's KV secret: every connection must prove it holds it
-        self._flat = cache_bytes(kv_cache)
+        self._staging, self._flat = _storage(kv_cache, staged)
         self._layout = layout_of(kv_cache)
         self.send_timeout = send_timeout  # one reply must be sent within this
         self.idle_timeout = idle_timeout  # an importer's pooled connection is dropped after this
@@ -223,8 +241,13 @@ class TcpExporter(KVExporter):
         ok = False
         try:
             header = REPLY.pack(MAGIC, VERSION, OK, 0, nbytes)
-            views = block_views(self._flat, num_blocks, pieces, piece, blocks)
-            send_views(conn, itertools.chain([memoryview(header)], views), deadline)
+            if self._staging is not None:
+                send_views(conn, [memoryview(header)], deadline)
+                self._staging.send(blocks, lambda view: send_views(conn, [view], deadline))
+            else:
+                assert self._flat is not None
+                views = block_views(self._flat, num_blocks, pieces, piece, blocks)
+                send_views(conn, itertools.chain([memoryview(header)], views), deadline)
             ok = True
         except OSError:
             pass  # the importer's side reports it (a short read or its own timeout)
@@ -276,10 +299,12 @@ class TcpImporter(KVImporter):
         max_idle_per_address: int = 4,
         *,
         secret: bytes,
+        staged: bool | None = None,
     ) -> None:
+        """`staged`: as TcpExporter's (receive into host buffers, then copy into the blocks)."""
         super().__init__(kv_cache, faults)  # [L, 2, NB, BS, KVH, D]
         self._secret = secret  # the deployment's KV secret: each new connection proves it
-        self._flat = cache_bytes(kv_cache)
+        self._staging, self._flat = _storage(kv_cache, staged)
         self._layout = layout_of(kv_cache)
         self.max_idle_per_address = max_idle_per_address
         self._idle: dict[str, list[socket.socket]] = {}
@@ -312,8 +337,14 @@ class TcpImporter(KVImporter):
             expected = len(src_blocks) * pieces * piece
             if payload != expected:
                 raise TransferError(f"{address} announced {payload} bytes, expected {expected}")
-            views = block_views(self._flat, num_blocks, pieces, piece, dst_blocks)
-            got = recv_views(sock, views, deadline)
+            if self._staging is not None:
+                conn = sock
+                got = self._staging.receive(dst_blocks, lambda view: recv_views(conn, [view], deadline))
+            else:
+                assert self._flat is not None
+                got = recv_views(
+                    sock, block_views(self._flat, num_blocks, pieces, piece, dst_blocks), deadline
+                )
             if got < expected:
                 raise TransferError(
                     f"short read from {address}: connection closed after {got} of {expected} bytes"
