@@ -120,6 +120,10 @@ class WorkerConfig:
     # The node it runs on, as its cluster backend names it (the host for `local`, the Ray node
     # id for `ray`): workers on one node share its /dev/shm.
     node_id: str = ""
+    # The GPU this worker computes on, as the serving process counts them (pdserve.devices): its
+    # cluster backend confines the worker process to it (CUDA_VISIBLE_DEVICES). None: the
+    # backend's choice (Ray's num_gpus) or torch's default.
+    gpu: int | None = None
     # With a tcp or nixl transport: keep the KV cache in a shared-memory segment too, so that a
     # worker on the same node copies it from there (`shm`) and only pairs on two nodes use the
     # network. The transport is chosen per pull, by the puller (worker/server.py).

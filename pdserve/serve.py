@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pdserve import serve_options
+from pdserve import devices, serve_options
 from pdserve.config import (
     DEFAULT_PREFILL_CHUNK_SIZE,
     KV_CHECKSUM_MODES,
@@ -51,8 +51,19 @@ add_arguments = serve_options.add_arguments
 def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
     """Defaults, then the config file, then the command line. Raises PdserveError on bad input."""
     options = serve_options.layered(args)
+    _resolve_devices(options)
     _check(options)
     return options
+
+
+def _resolve_devices(o: dict[str, Any]) -> None:
+    """Sets o["device_type"] (cpu or cuda), o["pool_gpus"] (each pool's GPU list) and the transport
+    (the one asked for, if it can serve the workers' caches; else the device's default)."""
+    pools = list(pool_replicas(o))
+    given = {pool: o[f"{pool}_gpus"] or o["pools"].get(pool, {}).get("gpus") for pool in pools}
+    ray_gpus = {p: ray_placements(o)[p].num_gpus for p in pools} if o["cluster"] == "ray" else None
+    o["device_type"], o["pool_gpus"] = devices.place(o["device"], given, ray_gpus, devices.cuda_gpu_count)
+    o["transport"] = devices.transport_for(o["device_type"], o["transport"], o["same_node_kv"])
 
 
 def _check(o: dict[str, Any]) -> None:
@@ -220,6 +231,7 @@ def worker_config(
     chunk = own.get("chunk_size", chunk)
     engine = EngineConfig(
         model=o["model"],
+        device=o["device_type"],
         dtype=o["dtype"],
         role=role,
         block_size=o["block_size"],
@@ -237,6 +249,7 @@ def worker_config(
         pool=pool,
         engine=engine,
         transport=o["transport"],
+        gpu=devices.worker_gpu(o["pool_gpus"].get(pool, ()), worker_id),
         same_node_shm=same_node_shm(o),
         lease_seconds=o["lease_seconds"],
         kv_pull_timeout=o["kv_pull_timeout"],
@@ -256,8 +269,8 @@ def same_node_shm(o: dict[str, Any]) -> bool:
     """Whether tcp / nixl workers also keep their KV in shared memory, for the workers on their
     own node (auto: with --cluster ray, where a node may hold several; on one host --transport
     already names what every pair uses)."""
-    if o["transport"] == "shm" or o["same_node_kv"] == "off":
-        return False
+    if o["transport"] == "shm" or o["same_node_kv"] == "off" or o["device_type"] == "cuda":
+        return False  # (a GPU's cache is not in host memory)
     return bool(o["same_node_kv"] == "shm" or o["cluster"] == "ray")
 
 

@@ -47,7 +47,19 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     "prefill": (int, 0, "prefill workers (disaggregated)"),
     "decode": (int, 0, "decode workers (disaggregated)"),
     "colocated": (int, 0, "mixed workers with chunked prefill, instead of --prefill/--decode"),
-    "transport": (str, _default(_W, "transport"), "KV transport between workers: shm, tcp or nixl"),
+    "transport": (
+        str,
+        None,
+        "KV transport between workers: shm, tcp or nixl (default: shm on CPUs, tcp on GPUs)",
+    ),
+    "device": (
+        str,
+        "auto",
+        "where the workers compute: auto (a CUDA GPU where torch can use one, else the CPU), cpu or cuda",
+    ),
+    "prefill_gpus": (str, None, "GPUs of the prefill pool, e.g. 0,1 or 0-3: one per worker, in turn"),
+    "decode_gpus": (str, None, "GPUs of the decode pool (a GPU may also be in another pool's list)"),
+    "colocated_gpus": (str, None, "GPUs of the colocated pool"),
     "same_node_kv": (
         str,
         "auto",
@@ -267,6 +279,7 @@ POOL_TABLE_KEYS: dict[str, type] = {
     "slo_ttft_ms": float,
     "slo_itl_ms": float,
     "ray": dict,  # [pools.NAME.ray]: that pool's Ray placement (--cluster ray)
+    "gpus": str,  # "0,1" or "0-3" (a list of indices is accepted too): as --POOL-gpus
 }
 # [pools.NAME.ray]: resources = {pdserve_prefill = 1}, num_cpus, num_gpus, strategy.
 POOL_RAY_KEYS: dict[str, type | tuple[type, ...]] = {
@@ -341,6 +354,12 @@ def _read_pool_tables(path: Path, tables: Any) -> dict[str, dict[str, Any]]:
                 )
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
+            if name == "gpus" and isinstance(value, list):
+                if not all(isinstance(g, int) and not isinstance(g, bool) for g in value):
+                    raise PdserveError(
+                        f"{path}: [pools.{pool_key}] gpus must list GPU indices, got {value!r}"
+                    )
+                value = ",".join(str(g) for g in value)
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise PdserveError(
                     f"{path}: [pools.{pool_key}] {key} must be a {kind.__name__}, got {value!r}"

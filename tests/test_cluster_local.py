@@ -5,6 +5,7 @@ clear error, and nothing outlives `close()`."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -156,3 +157,11 @@ def test_a_worker_gets_its_secrets_but_not_the_routers_http_keys(
         and SECRETS.router.secret not in env["PDSERVE_WORKER_SECRETS"]
     )
     assert not any("secret" in a.lower() or "key" in a.lower() for a in argv[1:] if a != "--worker-id")
+
+
+def test_a_worker_with_a_gpu_sees_only_that_gpu(monkeypatch: pytest.MonkeyPatch, tiny_llama: Path) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _, env = worker_command(dataclasses.replace(config(tiny_llama, "w0"), gpu=3), SECRETS.for_workers())
+    assert env["CUDA_VISIBLE_DEVICES"] == "3"
+    _, env = worker_command(config(tiny_llama, "w1"), SECRETS.for_workers())  # no GPU of its own
+    assert "CUDA_VISIBLE_DEVICES" not in env

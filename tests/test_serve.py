@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from serving import Server, alive, children, free_port
 
-from pdserve import serve
+from pdserve import devices, serve
 from pdserve.errors import PdserveError
 from pdserve.transfer.segments import leftover_segments
 
@@ -61,6 +61,51 @@ def test_the_command_line_wins_over_the_config_file_which_wins_over_defaults(tmp
         ("prefill", 0, 0, 2),
         ("decode", 1, 0, 1),
     ]
+
+
+def test_each_pools_workers_get_their_gpus_and_a_transport_that_serves_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(devices, "cuda_gpu_count", lambda: 2)  # a host with two GPUs
+    config = tmp_path / "pdserve.toml"
+    config.write_text('model = "m"\nprefill = 2\ndecode = 1\n[pools.decode]\ngpus = [1]\n')
+    o = options("--prefill-gpus", "0-1", config=config)
+    assert (o["device_type"], o["transport"]) == ("cuda", "tcp")  # shm cannot share a GPU's cache
+    workers = [serve.worker_config(o, "prefill", f"prefill-{n}") for n in range(3)]
+    workers.append(serve.worker_config(o, "decode", "decode-0"))
+    assert [(w.gpu, w.engine.device, w.transport, w.same_node_shm) for w in workers] == [
+        (0, "cuda", "tcp", False),
+        (1, "cuda", "tcp", False),
+        (0, "cuda", "tcp", False),  # a third prefill worker (the planner's) shares GPU 0
+        (1, "cuda", "tcp", False),
+    ]
+    cpu = tmp_path / "cpu.toml"
+    cpu.write_text('model = "m"\ncolocated = 1\ndevice = "cpu"\n')
+    o = options(config=cpu)
+    assert (o["device_type"], o["transport"], serve.worker_config(o, "colocated", "colocated-0").gpu) == (
+        "cpu",
+        "shm",
+        None,
+    )
+    with pytest.raises(PdserveError, match="--transport shm keeps each KV cache in host shared memory"):
+        options("--transport", "shm", config=config)
+    with pytest.raises(PdserveError, match="pool prefill: GPU 2 does not exist here"):
+        options("--prefill-gpus", "1,2", config=config)
+
+
+def test_gpus_asked_for_on_a_host_without_one_are_refused_before_any_worker_starts(tiny_llama: Path) -> None:
+    for flags, fragment in (
+        (["--device", "cuda"], "--device cuda, but no CUDA GPU can be used here"),
+        (["--colocated-gpus", "0"], "but no CUDA GPU can be used here"),
+    ):
+        done = subprocess.run(
+            [*SERVE, "--model", str(tiny_llama), "--colocated", "1", "--port", "0", *flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2 and fragment in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
 
 
 def test_pool_tables_set_each_pools_engine_bounds_and_slos(tmp_path: Path) -> None:
