@@ -7,8 +7,9 @@ it cannot be used.
 
 A one-sided read cannot be refused by its target, so the lease is enforced around it, over the
 `tcp` exporter's socket (the side channel, which is also what `KVHandle.address` names):
-1. META (once per exporter): the exporter's NIXL agent metadata and its cache's base address and
-   layout; the importer loads it (`add_remote_agent`) and prepares descriptors of every remote
+1. META (once per exporter): the exporter's NIXL agent metadata and its cache's base address,
+   layout and memory (DRAM, or VRAM and the device for a GPU's cache: UCX then uses CUDA IPC on one
+   host, GPUDirect RDMA across hosts where the hardware has it); the importer loads it (`add_remote_agent`) and prepares descriptors of every remote
    block piece (`prep_xfer_dlist`), as vLLM's NixlConnector does.
 2. HOLD request id + blocks: the exporter checks the lease and counts a read in flight, so ending
    the lease waits for it (`LeaseTable`); a read that outlives the grace period is revoked.
@@ -39,7 +40,19 @@ from pdserve.transfer.tcp_wire import BAD_REQUEST, NO_LEASE
 
 OP_META, OP_HOLD, OP_DONE = 2, 3, 4
 # base address, blocks, pieces per block, piece bytes, then the agent metadata
-_META = struct.Struct("<QIIQ")
+# base address, blocks, pieces per block, bytes per piece, memory kind (0 DRAM, 1 VRAM), device
+_META = struct.Struct("<QIIQBI")
+_MEMORY_KINDS = ("DRAM", "VRAM")
+
+
+def _memory(kv_cache: torch.Tensor) -> tuple[int, int]:
+    """(memory kind, device id) of a cache as NIXL names them: a GPU's cache is VRAM, so that UCX
+    moves it with CUDA IPC on one host and GPUDirect RDMA across hosts where the hardware has it."""
+    if kv_cache.device.type == "cuda":
+        return 1, kv_cache.device.index or 0
+    return 0, 0
+
+
 _POLL_SECONDS = 20e-6  # between check_xfer_state calls: short, transfers of a few MiB take ~1 ms
 _TARGET_POLL_SECONDS = 1e-3  # between the exporter's progress calls while a read is held
 
@@ -78,12 +91,13 @@ def _agent(name: str) -> Any:
     return agent
 
 
-def _piece_descs(base: int, num_blocks: int, pieces: int, piece: int) -> np.ndarray:
-    """[pieces * num_blocks, 3] (address, bytes, device 0): piece p of block b is row p*NB + b."""
+def _piece_descs(base: int, num_blocks: int, pieces: int, piece: int, device: int = 0) -> np.ndarray:
+    """[pieces * num_blocks, 3] (address, bytes, device): piece p of block b is row p*NB + b."""
     starts = base + np.arange(pieces * num_blocks, dtype=np.uint64) * np.uint64(piece)
     descs = np.zeros((pieces * num_blocks, 3), dtype=np.uint64)
     descs[:, 0] = starts
     descs[:, 1] = piece
+    descs[:, 2] = device
     return descs
 
 
@@ -109,13 +123,14 @@ class NixlExporter(TcpExporter):
         secret: bytes,
     ) -> None:
         self.agent = _agent(name)
-        self._registered = self.agent.register_memory(kv_cache)  # the whole cache, DRAM
+        self._registered = self.agent.register_memory(kv_cache)  # the whole cache (DRAM or VRAM)
         # (connection, request id) -> (lease, abort, when the hold began)
         self._holds: dict[tuple[Any, str], tuple[Any, Any, float]] = {}
         self._holds_lock = threading.Lock()
         num_blocks, pieces, piece, _ = layout_of(kv_cache)
         self._meta = (
-            _META.pack(kv_cache.data_ptr(), num_blocks, pieces, piece) + self.agent.get_agent_metadata()
+            _META.pack(kv_cache.data_ptr(), num_blocks, pieces, piece, *_memory(kv_cache))
+            + self.agent.get_agent_metadata()
         )
         self._reading = threading.Event()  # set while any hold is open: progress the agent
         self._progress = threading.Thread(target=self._progress_loop, name="kv-nixl-progress", daemon=True)
@@ -218,8 +233,11 @@ class NixlImporter(KVImporter):
         self.agent = _agent("pdserve-import")
         self._registered = self.agent.register_memory(kv_cache)
         num_blocks, pieces, piece, _ = self._layout
+        kind, device = _memory(kv_cache)
         self._local = self.agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", _piece_descs(kv_cache.data_ptr(), num_blocks, pieces, piece), "DRAM"
+            "NIXL_INIT_AGENT",
+            _piece_descs(kv_cache.data_ptr(), num_blocks, pieces, piece, device),
+            _MEMORY_KINDS[kind],
         )
         self._remotes: dict[str, _Remote] = {}
         self._lock = threading.Lock()
@@ -290,13 +308,15 @@ class NixlImporter(KVImporter):
             return remote
         body, sock = self._side.call(address, OP_META, "", [], timeout)
         self._side.put_back(address, sock)
-        base, num_blocks, pieces, piece = _META.unpack_from(body)
+        base, num_blocks, pieces, piece, kind, device = _META.unpack_from(body)
         if (pieces, piece) != self._layout[1:3]:  # the side channel checked it already: a bug guard
             raise TransferError(f"{address}: layout mismatch ({pieces} x {piece} bytes per block)")
         agent_name = self.agent.add_remote_agent(body[_META.size :])
         agent_name = agent_name.decode() if isinstance(agent_name, bytes) else agent_name
+        if kind >= len(_MEMORY_KINDS):
+            raise TransferError(f"{address}: unknown memory kind {kind}")
         prepped = self.agent.prep_xfer_dlist(
-            agent_name, _piece_descs(base, num_blocks, pieces, piece), "DRAM"
+            agent_name, _piece_descs(base, num_blocks, pieces, piece, device), _MEMORY_KINDS[kind]
         )
         remote = _Remote(agent_name, num_blocks, prepped)
         with self._lock:
