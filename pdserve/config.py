@@ -124,6 +124,9 @@ class WorkerConfig:
     # cluster backend confines the worker process to it (CUDA_VISIBLE_DEVICES). None: the
     # backend's choice (Ray's num_gpus) or torch's default.
     gpu: int | None = None
+    # Percent of that GPU's multiprocessors this worker may use (CUDA MPS's active thread
+    # percentage), so that pools sharing a GPU each keep their part; None: all of them.
+    sm_share: int | None = None
     # With a tcp or nixl transport: keep the KV cache in a shared-memory segment too, so that a
     # worker on the same node copies it from there (`shm`) and only pairs on two nodes use the
     # network. The transport is chosen per pull, by the puller (worker/server.py).

@@ -123,6 +123,24 @@ def worker_gpu(gpus: tuple[int, ...], worker_id: str) -> int | None:
     return gpus[int(number) % len(gpus)] if number.isdigit() else gpus[0]
 
 
+MPS_SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+
+
+def check_sm_share(share: int | None, what: str, device: str) -> None:
+    if share is None:
+        return
+    if not 1 <= share <= 100:
+        raise PdserveError(f"{what} must be a percentage in [1, 100], got {share}")
+    if device != "cuda":
+        raise PdserveError(f"{what} shares a GPU's multiprocessors: these workers run on the CPU")
+
+
+def sm_share_env(share: int | None) -> dict[str, str]:
+    """The environment that holds a worker to a share of its GPU's multiprocessors. It takes effect
+    where the CUDA MPS control daemon runs (`nvidia-cuda-mps-control -d`); elsewhere CUDA ignores it."""
+    return {} if share is None else {MPS_SHARE_ENV: str(share)}
+
+
 def visible_devices(gpu: int | None) -> dict[str, str]:
     """The environment that confines a worker process to its GPU (it then sees it as cuda:0).
     Indices count in this process's view: a CUDA_VISIBLE_DEVICES it was given is mapped through."""

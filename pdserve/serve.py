@@ -64,6 +64,14 @@ def _resolve_devices(o: dict[str, Any]) -> None:
     ray_gpus = {p: ray_placements(o)[p].num_gpus for p in pools} if o["cluster"] == "ray" else None
     o["device_type"], o["pool_gpus"] = devices.place(o["device"], given, ray_gpus, devices.cuda_gpu_count)
     o["transport"] = devices.transport_for(o["device_type"], o["transport"], o["same_node_kv"])
+    for pool in pools:
+        devices.check_sm_share(sm_share(o, pool), f"--{pool}-sm-share", o["device_type"])
+
+
+def sm_share(o: dict[str, Any], pool: str) -> int | None:
+    """A pool's share of its GPU's multiprocessors: the flag, else its table's."""
+    share: int | None = o[f"{pool}_sm_share"]
+    return share if share is not None else o["pools"].get(pool, {}).get("sm_share")
 
 
 def _check(o: dict[str, Any]) -> None:
@@ -250,6 +258,7 @@ def worker_config(
         engine=engine,
         transport=o["transport"],
         gpu=devices.worker_gpu(o["pool_gpus"].get(pool, ()), worker_id),
+        sm_share=sm_share(o, pool),
         same_node_shm=same_node_shm(o),
         lease_seconds=o["lease_seconds"],
         kv_pull_timeout=o["kv_pull_timeout"],

@@ -60,6 +60,13 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     "prefill_gpus": (str, None, "GPUs of the prefill pool, e.g. 0,1 or 0-3: one per worker, in turn"),
     "decode_gpus": (str, None, "GPUs of the decode pool (a GPU may also be in another pool's list)"),
     "colocated_gpus": (str, None, "GPUs of the colocated pool"),
+    "prefill_sm_share": (
+        int,
+        None,
+        "percent of its GPU's multiprocessors a prefill worker may use (CUDA MPS: start its daemon first)",
+    ),
+    "decode_sm_share": (int, None, "percent of its GPU's multiprocessors a decode worker may use (CUDA MPS)"),
+    "colocated_sm_share": (int, None, "percent of its GPU's multiprocessors a colocated worker may use"),
     "same_node_kv": (
         str,
         "auto",
@@ -280,6 +287,7 @@ POOL_TABLE_KEYS: dict[str, type] = {
     "slo_itl_ms": float,
     "ray": dict,  # [pools.NAME.ray]: that pool's Ray placement (--cluster ray)
     "gpus": str,  # "0,1" or "0-3" (a list of indices is accepted too): as --POOL-gpus
+    "sm_share": int,  # as --POOL-sm-share
 }
 # [pools.NAME.ray]: resources = {pdserve_prefill = 1}, num_cpus, num_gpus, strategy.
 POOL_RAY_KEYS: dict[str, type | tuple[type, ...]] = {

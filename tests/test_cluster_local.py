@@ -161,7 +161,9 @@ def test_a_worker_gets_its_secrets_but_not_the_routers_http_keys(
 
 def test_a_worker_with_a_gpu_sees_only_that_gpu(monkeypatch: pytest.MonkeyPatch, tiny_llama: Path) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    _, env = worker_command(dataclasses.replace(config(tiny_llama, "w0"), gpu=3), SECRETS.for_workers())
-    assert env["CUDA_VISIBLE_DEVICES"] == "3"
+    _, env = worker_command(
+        dataclasses.replace(config(tiny_llama, "w0"), gpu=3, sm_share=40), SECRETS.for_workers()
+    )
+    assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
     _, env = worker_command(config(tiny_llama, "w1"), SECRETS.for_workers())  # no GPU of its own
-    assert "CUDA_VISIBLE_DEVICES" not in env
+    assert "CUDA_VISIBLE_DEVICES" not in env and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env

@@ -106,3 +106,15 @@ def test_a_cpu_host_is_recognised_without_torch() -> None:
     if Path("/proc/driver/nvidia/gpus").is_dir() or list(Path("/dev").glob("nvidia[0-9]*")):
         pytest.skip("this host has the NVIDIA driver")
     assert devices.cuda_gpu_count() == 0
+
+
+def test_a_share_of_the_gpus_multiprocessors() -> None:
+    assert devices.sm_share_env(None) == {}
+    assert devices.sm_share_env(40) == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"}
+    devices.check_sm_share(None, "--decode-sm-share", "cpu")
+    devices.check_sm_share(100, "--decode-sm-share", "cuda")
+    for share in (0, 101, -5):
+        with pytest.raises(PdserveError, match=r"--decode-sm-share must be a percentage in \[1, 100\]"):
+            devices.check_sm_share(share, "--decode-sm-share", "cuda")
+    with pytest.raises(PdserveError, match="these workers run on the CPU"):
+        devices.check_sm_share(50, "--prefill-sm-share", "cpu")

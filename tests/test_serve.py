@@ -87,6 +87,17 @@ def test_each_pools_workers_get_their_gpus_and_a_transport_that_serves_them(
         "shm",
         None,
     )
+    # Both pools on one GPU, each held to its share of the multiprocessors (CUDA MPS).
+    config.write_text(config.read_text() + "sm_share = 60\n")  # in [pools.decode]
+    shared = options("--prefill-gpus", "1", "--prefill-sm-share", "40", config=config)
+    assert [
+        (w.gpu, w.sm_share) for w in (serve.worker_config(shared, p, f"{p}-0") for p in ("prefill", "decode"))
+    ] == [
+        (1, 40),
+        (1, 60),
+    ]
+    with pytest.raises(PdserveError, match="--colocated-sm-share shares a GPU's multiprocessors"):
+        options("--colocated-sm-share", "50", config=cpu)
     with pytest.raises(PdserveError, match="--transport shm keeps each KV cache in host shared memory"):
         options("--transport", "shm", config=config)
     with pytest.raises(PdserveError, match="pool prefill: GPU 2 does not exist here"):

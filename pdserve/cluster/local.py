@@ -34,7 +34,7 @@ import msgspec
 from pdserve import wire
 from pdserve.cluster.base import ClusterError, ExitCallback, WorkerExit, WorkerHandle, WorkerStartError
 from pdserve.config import WORKER_CONFIG_ENV, WORKER_PARENT_ENV, WORKER_READY_FD_ENV, WorkerConfig
-from pdserve.devices import visible_devices
+from pdserve.devices import sm_share_env, visible_devices
 from pdserve.security import WorkerSecrets, worker_env
 from pdserve.transfer.segments import sweep_dead_segments
 
@@ -54,6 +54,7 @@ def worker_command(
     env[WORKER_CONFIG_ENV] = msgspec.json.encode(config).decode()
     env[WORKER_PARENT_ENV] = str(os.getpid())
     env.update(visible_devices(config.gpu))  # confined to its GPU (where it has one)
+    env.update(sm_share_env(config.sm_share))  # and to its share of the GPU's multiprocessors
     return [python, "-m", "pdserve.worker", "--worker-id", config.worker_id], env
 
 
