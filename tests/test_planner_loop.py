@@ -15,9 +15,11 @@ messages directly, with a pool manager that only records what it is told.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -282,17 +284,25 @@ def test_the_planner_follows_a_prefill_step_a_decode_step_and_idle(smollm2: str,
     )  # fmt: skip
     rng = random.Random(0)
     try:
-        time.sleep(6)  # past the workers' cold start: their steps now enter the cost model
-        # 1. Prefill-heavy: long prompts (~800 tokens, 4 s each here) faster than one worker takes them.
-        long_prompts = [(text(800, rng), 2) for _ in range(8)]
-        statuses = asyncio.run(send(server.url, long_prompts, gap_s=2.0, concurrency=10))
-        assert statuses == [200] * len(long_prompts)
-        # A decision comes within an interval of the breach (a slow machine may see it as the last
-        # prompts finish): a few seconds' grace, not the idle phase (idle never adds a worker).
-        server.wait_for(
-            lambda: any(d["pool"] == "prefill" and d["direction"] == "up" for d in decisions(server)),
-            5, "a prefill worker added",
-        )  # fmt: skip
+        time.sleep(6)  # past the workers' cold start (a time the planner sets): steps now count
+        # How long one long prompt takes here alone (~4 s on a slow core, a tenth of that on a
+        # fast one): the load below is sized by it, so that it overloads one worker on any machine.
+        started = time.monotonic()
+        assert asyncio.run(send(server.url, [(text(800, rng), 2)], gap_s=0.0, concurrency=1)) == [200]
+        alone = time.monotonic() - started
+        # 1. Prefill-heavy: long prompts (~800 tokens), together 4x the TTFT budget of one worker's
+        # time, sent faster than it takes them; the decision is awaited while they queue.
+        count = max(8, math.ceil(4 * 2.0 / alone))
+        long_prompts = [(text(800, rng), 2) for _ in range(count)]
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(
+                asyncio.run, send(server.url, long_prompts, gap_s=alone / 4, concurrency=count)
+            )
+            server.wait_for(
+                lambda: any(d["pool"] == "prefill" and d["direction"] == "up" for d in decisions(server)),
+                300, "a prefill worker added",
+            )  # fmt: skip
+            assert sent.result(timeout=600) == [200] * len(long_prompts)
         ups = [d for d in decisions(server) if d["direction"] == "up"]
         assert not any(d["pool"] == "decode" for d in ups), decisions(server)
         assert targets(server)["prefill"] == 2 and targets(server)["decode"] == 1
@@ -302,15 +312,16 @@ def test_the_planner_follows_a_prefill_step_a_decode_step_and_idle(smollm2: str,
 
         # 2. Decode-heavy: many streams of short prompts. The budget is full: a worker moves (from
         # the prefill pool once its new worker is up: a pool with a worker still starting has none
-        # to spare).
+        # to spare). Awaited while the streams run.
         server.wait_pool("prefill", 90, up=2, starting=0)
         streams = [(text(10, rng), 48) for _ in range(24)]
-        statuses = asyncio.run(send(server.url, streams, gap_s=0.1, concurrency=24))
-        assert statuses == [200] * len(streams)
-        server.wait_for(
-            lambda: any(d["pool"] == "decode" and d["direction"] == "up" for d in decisions(server)),
-            5, "a decode worker added",
-        )  # fmt: skip
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(asyncio.run, send(server.url, streams, gap_s=0.1, concurrency=24))
+            server.wait_for(
+                lambda: any(d["pool"] == "decode" and d["direction"] == "up" for d in decisions(server)),
+                300, "a decode worker added",
+            )  # fmt: skip
+            assert sent.result(timeout=600) == [200] * len(streams)
         decode_ups = [d for d in decisions(server) if d["pool"] == "decode" and d["direction"] == "up"]
         assert decode_ups[-1]["reason"] in ("move", "predictive", "reactive")
         # By now the cost model has the workers' steps: it chose the paths.

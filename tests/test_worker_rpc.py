@@ -11,6 +11,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -54,8 +55,18 @@ class Peer:
     def send(self, message: wire.Message) -> None:
         self.sock.send(wire.encode(message))
 
+    def until(self, done: Callable[[list[wire.Message]], bool], bound: float = 60.0) -> list[wire.Message]:
+        """What arrives until `done(what arrived)` holds. `bound` only ends a wait for something that
+        never comes (then the caller's assertion says what was missing)."""
+        got: list[wire.Message] = []
+        deadline = time.monotonic() + bound
+        while not done(got) and (left := deadline - time.monotonic()) > 0:
+            if self.sock.poll(int(left * 1000)):
+                got.append(wire.decode(self.sock.recv()))
+        return got
+
     def drain(self, seconds: float) -> list[wire.Message]:
-        """Everything that arrives within `seconds`."""
+        """Everything that arrives within `seconds` (for what must *not* arrive)."""
         got: list[wire.Message] = []
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
@@ -64,16 +75,51 @@ class Peer:
         return got
 
 
+def greeted(got: list[wire.Message]) -> bool:
+    return any(isinstance(m, wire.Ready) for m in got)
+
+
+def has_load(got: list[wire.Message]) -> bool:
+    return any(isinstance(m, wire.Load) for m in got)
+
+
+def has_tokens(request_id: str) -> Callable[[list[wire.Message]], bool]:
+    return lambda got: any(isinstance(m, wire.Tokens) and m.request_id == request_id for m in got)
+
+
+def finished(request_id: str) -> Callable[[list[wire.Message]], bool]:
+    return lambda got: any(
+        isinstance(m, wire.Tokens) and m.request_id == request_id and m.finish_reason is not None for m in got
+    )
+
+
+def idle(got: list[wire.Message]) -> bool:
+    """A load report with nothing running and no KV block held."""
+    return any(isinstance(m, wire.Load) and m.num_running == 0 and m.kv_blocks_used == 0 for m in got)
+
+
+def idle_after(request_id: str) -> Callable[[list[wire.Message]], bool]:
+    """The request has finished, and a load report after that says nothing runs or holds KV."""
+
+    def done(got: list[wire.Message]) -> bool:
+        ends = [i for i, m in enumerate(got) if finished(request_id)([m])]
+        return bool(ends) and idle(got[ends[0] + 1 :])
+
+    return done
+
+
 def test_outputs_go_to_the_peer_that_added_the_request(tiny_llama: Path) -> None:
     process, ready = start(tiny_llama)
     owner, probe = Peer(ready), Peer(ready, keypair=SECOND_ROUTER)
     try:
         params = wire.WireSamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-        time.sleep(0.3)  # both peers greeted
+        owner_got, probe_got = owner.until(greeted), probe.until(greeted)  # both peers greeted
         owner.send(wire.AddRequest("a", [5, 6, 7, 8], params))
+        owner_got += owner.until(has_tokens("a"))  # the worker has it: the probe's id is now taken
         probe.send(wire.Abort("a"))  # not its request: ignored
         probe.send(wire.AddRequest("a", [1, 2], params))  # the id is taken: refused, to the probe
-        owner_got, probe_got = owner.drain(3.0), probe.drain(0.5)
+        probe_got += probe.until(lambda got: has_tokens("a")(got) and has_load(got))
+        owner_got += owner.until(lambda got: finished("a")(got) and has_load(got))
 
         tokens = [m for m in owner_got if isinstance(m, wire.Tokens)]
         assert sum(len(t.token_ids) for t in tokens) == 40 and tokens[-1].finish_reason == "length"
@@ -99,15 +145,15 @@ def test_a_peer_that_reconnects_with_its_identity_still_owns_its_requests(tiny_l
     first = Peer(ready, b"router-1/m0")
     try:
         params = wire.WireSamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
-        time.sleep(0.2)
+        first.until(greeted)
         first.send(wire.AddRequest("a", [5, 6, 7, 8], params))
-        assert any(isinstance(m, wire.Tokens) for m in first.drain(0.5))
+        assert has_tokens("a")(first.until(has_tokens("a")))
         first.sock.close()  # the connection drops ...
         again = Peer(ready, b"router-1/m0")  # ... and comes back
-        assert any(isinstance(m, wire.Tokens) and m.request_id == "a" for m in again.drain(0.5))
+        got = again.until(has_tokens("a"))
+        assert has_tokens("a")(got) and not finished("a")(got)  # the stream goes on, to it
         again.send(wire.Abort("a"))  # accepted: the same peer
-        loads = [m for m in again.drain(1.5) if isinstance(m, wire.Load)]
-        assert loads and loads[-1].num_running == 0 and loads[-1].kv_blocks_used == 0
+        assert idle(again.until(idle))
         again.send(wire.Shutdown())
         assert process.wait(timeout=30) == 0
         again.sock.close()
@@ -120,7 +166,8 @@ def test_a_peer_without_a_router_key_is_refused_and_cannot_stop_the_worker(tiny_
     process, ready = start(tiny_llama)
     router = Peer(ready)
     try:
-        assert isinstance(router.drain(0.5)[0], wire.Ready)
+        got = router.until(greeted)
+        assert isinstance(got[0], wire.Ready)
         params = wire.WireSamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         router.send(wire.AddRequest("r", [5, 6, 7, 8], params))
         # A stranger with a key of its own, one without CURVE, and one that knows the worker's
@@ -129,14 +176,19 @@ def test_a_peer_without_a_router_key_is_refused_and_cannot_stop_the_worker(tiny_
         for stranger in strangers:
             for message in (wire.Abort("r"), wire.Migrate(["r"]), wire.Shutdown()):
                 stranger.send(message)
-        time.sleep(1.0)
+        # Until the request has run to its length and the worker reports every stranger refused.
+        got += router.until(
+            lambda got: (
+                finished("r")(got)
+                and any(isinstance(m, wire.Load) and m.rpc_refused >= 2 and m.num_running == 0 for m in got)
+            )
+        )
         assert [m for s in strangers for m in s.drain(0.5)] == []  # no Ready, no tokens, no loads
-        got = router.drain(1.0)
         tokens = [m for m in got if isinstance(m, wire.Tokens) and m.request_id == "r"]
         # The strangers' Abort did nothing: the request ran to its length.
         assert sum(len(t.token_ids) for t in tokens) == 200 and tokens[-1].finish_reason == "length"
         loads = [m for m in got if isinstance(m, wire.Load)]
-        assert loads[-1].rpc_refused >= 2  # every stranger's attempt is counted
+        assert max(m.rpc_refused for m in loads) >= 2  # every stranger's attempt is counted
         assert process.poll() is None
         router.send(wire.Shutdown())
         assert process.wait(timeout=30) == 0
@@ -170,10 +222,10 @@ def test_frames_that_are_not_our_protocol_are_dropped_and_counted(tiny_llama: Pa
             router.sock.send(frame)
         router.sock.send_multipart([b"two", b"parts"])
         router.send(wire.AddRequest("after", [9, 10, 11], params))
-        got = router.drain(3.0)
-        finished = {m.request_id for m in got if isinstance(m, wire.Tokens) and m.finish_reason == "length"}
-        assert "after" in finished and process.poll() is None
-        loads = [m for m in got if isinstance(m, wire.Load)]
+        got = router.until(idle_after("after"))
+        ended = {m.request_id for m in got if isinstance(m, wire.Tokens) and m.finish_reason == "length"}
+        assert "after" in ended and process.poll() is None
+        loads = [m for m in got if isinstance(m, wire.Load) and m.num_running == 0]
         # Most mutations break the frame; a few still decode (a changed token id) and are served.
         assert loads[-1].rpc_dropped >= 100 and loads[-1].num_running == 0 and loads[-1].kv_blocks_used == 0
         router.send(wire.Shutdown())
