@@ -46,9 +46,12 @@ class EngineConfig:
     # over scattered 64-token blocks was 15-30% faster (benchmarks/kv_huge_pages.py --block-size,
     # docs/performance.md). vLLM's CPU backend picks 128 for the same reason.
     block_size: int = 64
-    # KV cache size: `num_kv_blocks` if given, else as many blocks as fit in `kv_cache_memory_gib`.
+    # KV cache size: `num_kv_blocks` if given, else as many blocks as fit in `kv_cache_memory_gib`,
+    # else 1 GiB on a CPU and, on a GPU, what is left of `gpu_memory_utilization` of the device
+    # (default 0.9) after the weights and a step's activations (engine/kv_sizing.py).
     num_kv_blocks: int | None = None
-    kv_cache_memory_gib: float = 1.0
+    kv_cache_memory_gib: float | None = None
+    gpu_memory_utilization: float | None = None
     max_model_len: int | None = None  # default: the model's context length
     max_num_seqs: int = 64
     # Tokens of one step, and prompt tokens of one request in a step (chunked prefill). None: the
@@ -68,8 +71,10 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_gib <= 0:
+        if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         for name in ("max_num_batched_tokens", "chunk_size"):

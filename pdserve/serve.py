@@ -245,6 +245,7 @@ def worker_config(
         block_size=o["block_size"],
         num_kv_blocks=o["num_kv_blocks"],
         kv_cache_memory_gib=o["kv_cache_memory_gib"],
+        gpu_memory_utilization=own.get("gpu_memory_utilization", o["gpu_memory_utilization"]),
         max_model_len=o["max_model_len"],
         max_num_seqs=own.get("max_num_seqs", o["max_num_seqs"]),
         max_num_batched_tokens=own.get("max_num_batched_tokens", o["max_num_batched_tokens"]),

@@ -93,7 +93,18 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     ),
     "max_model_len": (int, None, "context length (default: the model's, within the KV cache)"),
     "num_kv_blocks": (int, None, "KV cache blocks per worker (default: from --kv-cache-memory-gib)"),
-    "kv_cache_memory_gib": (float, _default(_E, "kv_cache_memory_gib"), "KV cache size per worker"),
+    "kv_cache_memory_gib": (
+        float,
+        None,
+        "KV cache size per worker (default: 1 on a CPU; on a GPU see --gpu-memory-utilization)",
+    ),
+    "gpu_memory_utilization": (
+        float,
+        None,
+        "on a GPU: the share of the device one worker may use, weights, activations and KV cache "
+        "together; the KV cache gets what is left (default 0.9; give each pool its own where pools "
+        "share a GPU)",
+    ),
     "block_size": (int, _default(_E, "block_size"), "tokens per KV block"),
     "max_num_seqs": (int, _default(_E, "max_num_seqs"), "requests running at once per worker"),
     "max_num_batched_tokens": (
@@ -288,6 +299,7 @@ POOL_TABLE_KEYS: dict[str, type] = {
     "ray": dict,  # [pools.NAME.ray]: that pool's Ray placement (--cluster ray)
     "gpus": str,  # "0,1" or "0-3" (a list of indices is accepted too): as --POOL-gpus
     "sm_share": int,  # as --POOL-sm-share
+    "gpu_memory_utilization": float,
 }
 # [pools.NAME.ray]: resources = {pdserve_prefill = 1}, num_cpus, num_gpus, strategy.
 POOL_RAY_KEYS: dict[str, type | tuple[type, ...]] = {

@@ -88,13 +88,14 @@ def test_each_pools_workers_get_their_gpus_and_a_transport_that_serves_them(
         None,
     )
     # Both pools on one GPU, each held to its share of the multiprocessors (CUDA MPS).
-    config.write_text(config.read_text() + "sm_share = 60\n")  # in [pools.decode]
-    shared = options("--prefill-gpus", "1", "--prefill-sm-share", "40", config=config)
-    assert [
-        (w.gpu, w.sm_share) for w in (serve.worker_config(shared, p, f"{p}-0") for p in ("prefill", "decode"))
-    ] == [
-        (1, 40),
-        (1, 60),
+    config.write_text(config.read_text() + "sm_share = 60\ngpu_memory_utilization = 0.55\n")  # [pools.decode]
+    shared = options(
+        "--prefill-gpus", "1", "--prefill-sm-share", "40", "--gpu-memory-utilization", "0.3", config=config
+    )  # fmt: skip
+    pair = [serve.worker_config(shared, p, f"{p}-0") for p in ("prefill", "decode")]
+    assert [(w.gpu, w.sm_share, w.engine.gpu_memory_utilization) for w in pair] == [
+        (1, 40, 0.3),
+        (1, 60, 0.55),
     ]
     with pytest.raises(PdserveError, match="--colocated-sm-share shares a GPU's multiprocessors"):
         options("--colocated-sm-share", "50", config=cpu)

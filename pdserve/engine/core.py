@@ -16,7 +16,7 @@ import torch
 
 from pdserve.config import EngineConfig, Role
 from pdserve.costmodel import Step, chunk_attention
-from pdserve.engine import huge_pages
+from pdserve.engine import huge_pages, kv_sizing
 from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import KVAllocator, ModelRunner, RunnerOutput
@@ -105,13 +105,23 @@ class EngineCore:
         self.device = device
         self.dtype = dtype
         block_bytes = ModelRunner.kv_bytes_per_block(model_config, config.block_size, dtype)
-        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gib * 2**30) // block_bytes)
+        # The step budget as configured, else the device's (a GPU's steps are far larger).
+        self.max_num_batched_tokens, self.chunk_size = config.step_budget(device.type)
+        activations = kv_sizing.activation_bytes(
+            model_config, self.max_num_batched_tokens, config.max_num_seqs, dtype
+        )
+        num_blocks = kv_sizing.kv_blocks(
+            config.num_kv_blocks,
+            config.kv_cache_memory_gib,
+            config.gpu_memory_utilization,
+            block_bytes,
+            device,
+            activations,
+        )
         context = config.max_model_len or model_config.max_position_embeddings
         # A request can never need more than the whole cache, or it would preempt itself forever.
         self.max_model_len = min(context, num_blocks * config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size)
-        # The step budget as configured, else the device's (a GPU's steps are far larger).
-        self.max_num_batched_tokens, self.chunk_size = config.step_budget(device.type)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=self.max_model_len,
