@@ -68,3 +68,21 @@ def test_a_batch_gives_the_same_greedy_tokens_as_each_prompt_alone(llm: LLM) -> 
     alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in PROMPTS]
     assert batched == alone
     assert all(len(t) == 8 for t in batched)
+
+
+def test_the_text_is_transformers_decode_of_the_tokens(llm: LLM) -> None:
+    """The offline text comes from the Rust tokenizer under transformers' (faster); it must read
+    exactly as transformers' own decode of the same tokens, accents, CJK and emoji included."""
+    assert llm._decoder is llm.tokenizer.backend_tokenizer
+    prompts = [
+        "Translate to Japanese: good morning",
+        "Write 'café' and an emoji:",
+        "Ça va? Réponds en français.",
+    ]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    for out in llm.generate(prompts, params):
+        completion = out.outputs[0]
+        decoded = llm.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        # A character cut by max_tokens (its first bytes only) is not shown, as in vLLM; transformers
+        # shows U+FFFD for it.
+        assert completion.text == decoded.removesuffix("\ufffd")
