@@ -125,11 +125,11 @@ def synchronize(device: str) -> None:
 
 # -- workers: each runs in its own process and prints one JSON line -------------------------------
 def worker_pdserve(
-    args: argparse.Namespace, cuda_graphs: bool = True
+    args: argparse.Namespace, cuda_graphs: bool = True, attention_backend: str = "auto"
 ) -> Callable[[list[list[int]], int], float]:
     from pdserve import LLM, SamplingParams
 
-    options: dict[str, Any] = {"cuda_graphs": cuda_graphs}
+    options: dict[str, Any] = {"cuda_graphs": cuda_graphs, "attention_backend": attention_backend}
     if args.chunk_size:
         options["chunk_size"] = args.chunk_size
     if args.max_num_batched_tokens:
@@ -187,7 +187,17 @@ def worker_pdserve_eager(args: argparse.Namespace) -> Callable[[list[list[int]],
     return worker_pdserve(args, cuda_graphs=False)
 
 
-WORKERS = {"pdserve": worker_pdserve, "pdserve-eager": worker_pdserve_eager, "hf": worker_hf}
+def worker_pdserve_triton(args: argparse.Namespace) -> Callable[[list[list[int]], int], float]:
+    """pdserve with the step's attention in the Triton paged kernel (engine/cuda/; steps eager)."""
+    return worker_pdserve(args, cuda_graphs=False, attention_backend="triton")
+
+
+WORKERS = {
+    "pdserve": worker_pdserve,
+    "pdserve-eager": worker_pdserve_eager,
+    "pdserve-triton": worker_pdserve_triton,
+    "hf": worker_hf,
+}
 
 
 def run_worker_here(args: argparse.Namespace) -> dict[str, Any]:
@@ -289,6 +299,7 @@ def print_tables(
     names = {
         "pdserve": "pdserve",
         "pdserve-eager": "pdserve, no CUDA graphs",
+        "pdserve-triton": "pdserve, Triton attention (eager)",
         "hf": "transformers `generate`",
     }
     print("\nDecode tokens/s (medians):\n")
@@ -313,7 +324,7 @@ def main() -> int:
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--engines", default="pdserve,pdserve-eager,hf")
+    parser.add_argument("--engines", default="pdserve,pdserve-eager,pdserve-triton,hf")
     parser.add_argument("--batches", default="1,8,32,128")
     parser.add_argument("--prefill-len", type=int, default=2048)
     parser.add_argument("--prompt-len", type=int, default=512)

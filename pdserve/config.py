@@ -15,6 +15,7 @@ class Role(enum.StrEnum):
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "portable", "triton")
 
 # Step budgets by device, where the configuration leaves them unset (EngineConfig.step_budget).
 # CPU: a 512-token chunk of SmolLM2 is ~0.8 s on one core, so a decode sharing the step waits that
@@ -63,6 +64,11 @@ class EngineConfig:
     # On a CUDA GPU: replay decode-only steps from CUDA graphs captured at start-up
     # (engine/decode_graphs.py), one launch a step instead of ~15 per layer. No effect on CPU.
     cuda_graphs: bool = True
+    # On a CUDA GPU: the step's attention in the portable torch path (gathered blocks, SDPA; decode
+    # steps captured in CUDA graphs) or in the Triton paged kernel (engine/cuda/, blocks read in
+    # place; its steps run eagerly for now). "auto" is the portable path until the kernel has been
+    # measured on a GPU.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -75,6 +81,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         for name in ("max_num_batched_tokens", "chunk_size"):

@@ -252,6 +252,7 @@ def worker_config(
         chunk_size=chunk,
         threads=o["threads"],
         cuda_graphs=o["cuda_graphs"],
+        attention_backend=o["attention_backend"],
     )
     return WorkerConfig(
         worker_id=worker_id,

@@ -126,6 +126,12 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
         f"GPU; with --chunk-size set, the smaller of it and {DEFAULT_PREFILL_CHUNK_SIZE}); smaller lets a "
         "short prompt overtake a long one sooner",
     ),
+    "attention_backend": (
+        str,
+        _default(_E, "attention_backend"),
+        "on a GPU: portable (torch, decode steps in CUDA graphs), triton (the paged kernel, steps run "
+        "eagerly) or auto (portable until the kernel is measured)",
+    ),
     "cuda_graphs": (
         bool,
         _default(_E, "cuda_graphs"),

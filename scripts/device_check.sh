@@ -8,9 +8,11 @@
 #
 # Parts (all of them when none is named; results under $OUT, the device tool's, else /tmp):
 #   tests         tests/test_cuda.py (greedy against transformers on the GPU, CUDA graphs against
-#                 eager steps, the GPU's step budget) and tests/test_decode_graphs.py
+#                 eager steps, the GPU's step budget), tests/test_decode_graphs.py and
+#                 tests/test_triton_attention.py (the Triton paged kernel compiled, bf16 included)
 #   SHAPE         benchmarks/engine_gpu.py --shape SHAPE (smollm2-135m, llama-1b): pdserve with CUDA
-#                 graphs, without them (pdserve-eager) and transformers, in one run
+#                 graphs, without them (pdserve-eager), with the Triton attention (pdserve-triton)
+#                 and transformers, in one run
 #   serve         the KV paths of a GPU cache (tests/test_transfer_staging.py, test_transfer_checksum.py)
 #                 and `pdserve serve` on the GPU (tests/test_serve_gpu.py: both pools on GPU 0 over
 #                 tcp staged through pinned memory, colocated, a drain that moves GPU streams). The
@@ -68,7 +70,8 @@ for part in "${parts[@]}"; do
             tests/test_serve_gpu.py 2>&1 | tee "$out/serve.log"
         echo "serve: exit ${PIPESTATUS[0]}" | tee -a "$out/serve.log"
     elif [ "$part" = tests ]; then
-        timeout 300 python3 -m pytest -q tests/test_cuda.py tests/test_decode_graphs.py 2>&1 | tee "$out/tests.log"
+        timeout 300 python3 -m pytest -q tests/test_cuda.py tests/test_decode_graphs.py tests/test_triton_attention.py \
+            2>&1 | tee "$out/tests.log"
         echo "tests: exit ${PIPESTATUS[0]}" | tee -a "$out/tests.log"
     else
         timeout 270 python3 benchmarks/engine_gpu.py --shape "$part" --repeats 3 \

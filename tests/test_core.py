@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve import LLM
 from pdserve.config import EngineConfig, Role
 from pdserve.engine.core import EngineCore, pick_dtype
 from pdserve.engine.factory import build_engine
@@ -297,3 +298,10 @@ def test_a_short_prompt_runs_between_two_layers_of_a_long_prefill_step(tiny_llam
     assert ran == ([] if 16 * (layers - 1) / layers <= 12 else ["short"])
     with pytest.raises(RuntimeError):
         late.step_between_layers()  # only from inside a step
+
+
+def test_the_triton_attention_is_refused_where_it_cannot_run(tiny_llama: Path) -> None:
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineConfig(model="m", attention_backend="flash")
+    with pytest.raises(ValueError, match="runs on CUDA GPUs only"):
+        LLM(str(tiny_llama), dtype="float32", device="cpu", attention_backend="triton", num_kv_blocks=8)

@@ -47,6 +47,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor | None = None  # [S] int64: its tokens in the cache after this step
     query_start_loc: torch.Tensor | None = None  # [S + 1] int64: its rows in the flat batch
     block_tables: torch.Tensor | None = None  # [S, max_blocks] int64, padded with 0
+    max_query_len: int = 0  # the most rows of any sequence (sizes a GPU kernel's grid)
 
 
 def paged_attention(

@@ -135,7 +135,11 @@ class EngineCore:
         self.runner = ModelRunner(
             model, model_config, num_blocks, config.block_size, dtype, device, config.seed, kv_allocator
         )
-        if device.type == "cuda" and config.cuda_graphs and config.role is not Role.PREFILL:
+        if device.type == "cuda" and model.ops.varlen and config.cuda_graphs:
+            logger.info(
+                "CUDA graphs off: the %s attention runs every step eagerly (not captured yet)", model.ops.name
+            )
+        elif device.type == "cuda" and config.cuda_graphs and config.role is not Role.PREFILL:
             # A prefill engine samples one token per prompt, in steps with its chunk: no decode steps.
             self.runner.use_static_decode(config.max_num_seqs, self.max_model_len, capture=True)
         self.last_step: StepStats | None = None

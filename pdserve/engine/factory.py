@@ -54,6 +54,10 @@ def build_engine(
         eos_ids = generation_eos_ids(source, model_config, tokenizer)
     else:
         eos_ids = tuple(eos_token_ids)
+    if config.attention_backend == "triton":
+        model.ops = triton_ops(device)
+    if device.type == "cuda":
+        logger.info("attention on %s: %s", device, model.ops.name)
     if device.type == "cpu":
         # Build (first time on this machine, ~20 s) or load the CPU kernels now, at start-up,
         # rather than stalling the first step of the first request.
@@ -74,3 +78,14 @@ def build_engine(
     engine = EngineCore(config, model_config, model, eos_ids, device, dtype, kv_allocator)
     logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - started)
     return engine, tokenizer
+
+
+def triton_ops(device: torch.device) -> Any:
+    """The Triton attention's layer ops, or a clear error where it cannot run."""
+    if device.type != "cuda":
+        raise ValueError("attention_backend 'triton' runs on CUDA GPUs only (this engine runs on the CPU)")
+    try:
+        from pdserve.engine.cuda.triton_attention import TritonLayerOps
+    except ImportError as exc:
+        raise ValueError(f"attention_backend 'triton' needs the triton package ({exc})") from None
+    return TritonLayerOps()

@@ -8,6 +8,7 @@ decode tokens first, then prompt chunks, with their positions and cache slots.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -250,6 +251,7 @@ class ModelRunner:
                 meta.block_tables = padded.to(device)  # [S, MB]
                 meta.seq_lens = lengths.to(device)  # [S]
                 meta.query_start_loc = torch.tensor(starts, dtype=torch.long, device=device)  # [S + 1]
+                meta.max_query_len = max(b - a for a, b in itertools.pairwise(starts))
             elif num_decodes:
                 mb = max(len(t) for t in tables[:num_decodes])
                 meta.decode_block_tables = padded[:num_decodes, :mb].contiguous().to(device)  # [B, MB]

@@ -1,0 +1,84 @@
+"""The Triton paged-attention kernel (pdserve.engine.cuda.triton_attention) against dense attention
+on the cases the CPU kernel is held to (decodes and prompt chunks over scattered blocks, GQA,
+windows, odd head sizes), in fp32 and bf16, and an engine whose attention runs in it giving the
+portable engine's greedy tokens. Compiled on a CUDA GPU; on a CPU under Triton's interpreter.
+Skipped where triton is not installed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+INTERPRETED = not torch.cuda.is_available()
+_before = os.environ.get("TRITON_INTERPRET")
+if INTERPRETED:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel is defined, at its import below
+pytest.importorskip("triton")
+
+from test_layer_ops import CASES, batch, dense_reference  # noqa: E402
+
+from pdserve import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.cuda import triton_attention  # noqa: E402
+from pdserve.engine.cuda.triton_attention import TritonLayerOps, paged_attention  # noqa: E402
+from pdserve.engine.layer_ops import TorchLayerOps  # noqa: E402
+
+if _before is None:  # the processes other tests start need not inherit it
+    os.environ.pop("TRITON_INTERPRET", None)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton reads the setting again while it runs a kernel: set for this module's tests only."""
+    if INTERPRETED:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_the_kernel_matches_dense_attention(case: tuple, dtype: torch.dtype) -> None:  # type: ignore[type-arg]
+    if dtype == torch.bfloat16 and INTERPRETED:
+        # Seen with triton 3.9: a bf16 tensor loaded, doubled and stored comes back wrong by
+        # units, and a bf16 tl.dot by 1e10. The GPU runs these cases (scripts/device_check.sh).
+        pytest.skip("Triton's interpreter mishandles bf16")
+    q_lens, seq_lens, block_size, heads, kv_heads, head_dim, window = case
+    qkv, k_cache, v_cache, tables, lens, starts = (
+        t.to(DEVICE) for t in batch(q_lens, seq_lens, block_size, heads, kv_heads, head_dim, dtype)
+    )
+    q = qkv[:, : heads * head_dim].view(-1, heads, head_dim)  # strided rows, as in the model
+    out = paged_attention(q, k_cache, v_cache, tables, lens, starts, head_dim**-0.5, window, max(q_lens))
+    for s, (q_len, length) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        blocks = tables[s, : -(-length // block_size)]
+        k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:length]
+        v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:length]
+        rows = slice(int(starts[s]), int(starts[s + 1]))
+        want = dense_reference(q[rows], k, v, list(range(length - q_len, length)), window)
+        # bf16: products accumulate in fp32, the probabilities are rounded to bf16 before the V
+        # product (as the flash kernels do) and so is the output.
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[rows].float(), want, rtol=tolerance, atol=tolerance)
+
+
+def test_an_engine_on_the_kernel_gives_the_portable_engines_tokens(
+    tiny_llama: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunked prefill beside decodes, with the step's attention in the kernel."""
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 17)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    options = {"dtype": "float32", "device": DEVICE, "num_kv_blocks": 64, "block_size": 16, "chunk_size": 16}
+    portable = LLM(str(tiny_llama), **options)
+    portable.engine.runner.model.ops = TorchLayerOps()
+    expected = [o.outputs[0].token_ids for o in portable.generate(prompts, params)]
+    calls: list[int] = []
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(int(args[0].shape[0]))  # type: ignore[attr-defined]
+        return paged_attention(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_attention, "paged_attention", counted)
+    llm = LLM(str(tiny_llama), **options, cuda_graphs=False)
+    llm.engine.runner.model.ops = TritonLayerOps()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert calls and max(calls) > len(prompts)  # prompt chunks and decodes went through it
