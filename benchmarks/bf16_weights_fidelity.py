@@ -1,4 +1,4 @@
-"""How often storing an fp32 model's matrices in bf16 (the AVX2 stream GEMV, cpu_linear.py) changes
+"""How often storing an fp32 model's matrices in bf16 (the AVX2 stream GEMV, cpu/linear.py) changes
 the greedy answer: SmolLM2 in fp32 with the full weights (PDSERVE_STREAM_GEMV=0) against the same
 engine with bf16-rounded weights (the stream for steps of up to 256 rows, F.linear over the rounded
 copy above), over a fixed set of chat questions (greedy, up to --tokens, stopping at EOS). Prints how many answers differ and where each
@@ -48,7 +48,7 @@ def main() -> None:
 
     from pdserve import LLM, SamplingParams
     from pdserve.engine import factory
-    from pdserve.engine.cpu_choice import cpu_plan
+    from pdserve.engine.cpu.plan import cpu_plan
 
     params = SamplingParams(max_tokens=args.tokens, temperature=0)
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]

@@ -126,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
 def _info(args: argparse.Namespace) -> int:
     import torch
 
-    from pdserve.engine import cpu_choice, cpu_isa, huge_pages
-    from pdserve.engine.cpu_kernels import unavailable_reason
+    from pdserve.engine.cpu import huge_pages
+    from pdserve.engine.cpu import isa as cpu_isa
+    from pdserve.engine.cpu import plan as cpu_choice
+    from pdserve.engine.cpu.kernels import unavailable_reason
 
     isa_now = cpu_isa.probe()  # raises CpuIsaError (a PdserveError) for a bad PDSERVE_CPU_ISA
     plan = cpu_choice.cpu_plan(refresh=args.refresh)

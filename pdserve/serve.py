@@ -32,7 +32,7 @@ from pdserve.config import (
     EngineConfig,
     WorkerConfig,
 )
-from pdserve.engine import cpu_isa
+from pdserve.engine.cpu import isa as cpu_isa
 from pdserve.errors import PdserveError
 from pdserve.planner.law import LawSettings
 from pdserve.planner.loop import MODES, PlannerSettings

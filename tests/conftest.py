@@ -112,7 +112,7 @@ def tiny_llama_4k(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def load_hf_reference(path: Path, weights_in_bf16: bool):  # type: ignore[no-untyped-def]
     """transformers' model of `path` in fp32, as the engine computes it: where the engine stores an
-    fp32 model's matrices in bf16 (the AVX2 stream GEMV, cpu_linear.py), every matrix (2-D weight:
+    fp32 model's matrices in bf16 (the AVX2 stream GEMV, cpu/linear.py), every matrix (2-D weight:
     projections, embedding, lm_head) rounded to bf16 the same way; norms and biases kept."""
     import torch
     from transformers import AutoModelForCausalLM

@@ -1,4 +1,4 @@
-"""The ISA level in force and the PDSERVE_CPU_ISA cap (cpu_isa.py): what a cap takes away from a
+"""The ISA level in force and the PDSERVE_CPU_ISA cap (cpu/isa.py): what a cap takes away from a
 better CPU (its flags, the compiler target, torch's knobs), that a cap at or above the CPU changes
 nothing, that a bad value is a clear error (in `pdserve serve` before any worker starts), and that
 importing pdserve caps torch's own dispatch in a fresh process."""
@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from pdserve.engine import cpu_isa
-from pdserve.engine.cpu_isa import CpuIsa, CpuIsaError
+from pdserve.engine.cpu import isa as cpu_isa
+from pdserve.engine.cpu.isa import CpuIsa, CpuIsaError
 
 AMX_FLAGS = cpu_isa.TRACKED_FLAGS  # a Sapphire Rapids: every tracked flag
 AVX2_FLAGS = ("avx2", "fma")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdserve.config import EngineConfig, Role
-from pdserve.engine import huge_pages
+from pdserve.engine.cpu import huge_pages
 from pdserve.engine.factory import build_engine
 from pdserve.sampling_params import SamplingParams
 

@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.config import EngineConfig, Role
-from pdserve.engine import cpu_kernels
 from pdserve.engine.attention import AttentionMetadata, PrefillChunkMeta
 from pdserve.engine.core import EngineCore
+from pdserve.engine.cpu import kernels as cpu_kernels
+from pdserve.engine.cpu.ops import CpuKernelOps
 from pdserve.engine.factory import build_engine
-from pdserve.engine.layer_ops import CpuKernelOps, TorchLayerOps
+from pdserve.engine.layer_ops import TorchLayerOps
 from pdserve.models.llama import RMSNorm
 from pdserve.outputs import TokenLogprob
 from pdserve.sampling_params import SamplingParams

@@ -16,7 +16,8 @@ import torch
 
 from pdserve.config import EngineConfig, Role
 from pdserve.costmodel import Step, chunk_attention
-from pdserve.engine import huge_pages, kv_sizing
+from pdserve.engine import kv_sizing
+from pdserve.engine.cpu import huge_pages
 from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import KVAllocator, ModelRunner, RunnerOutput
@@ -82,7 +83,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        from pdserve.engine.cpu_choice import cpu_plan  # measured once per machine, cached
+        from pdserve.engine.cpu.plan import cpu_plan  # measured once per machine, cached
 
         return torch.bfloat16 if cpu_plan().auto_dtype == "bfloat16" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

@@ -12,10 +12,10 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore, pick_device, pick_dtype
-from pdserve.engine.cpu_choice import cpu_plan
-from pdserve.engine.cpu_kernels import decode_attention_kernel
-from pdserve.engine.cpu_linear import onednn_available, stream_linear_available, stream_linear_f32_available
-from pdserve.engine.layer_ops import CpuKernelOps
+from pdserve.engine.cpu.kernels import decode_attention_kernel
+from pdserve.engine.cpu.linear import onednn_available, stream_linear_available, stream_linear_f32_available
+from pdserve.engine.cpu.ops import CpuKernelOps
+from pdserve.engine.cpu.plan import cpu_plan
 from pdserve.engine.runner import KVAllocator
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.loader import generation_eos_ids, iter_weights, load_config, load_tokenizer, resolve_model

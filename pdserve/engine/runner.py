@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine import huge_pages
 from pdserve.engine.attention import AttentionMetadata, PrefillChunkMeta
+from pdserve.engine.cpu import huge_pages
 from pdserve.engine.decode_graphs import DecodeGraphs, StaticDecode
 from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request

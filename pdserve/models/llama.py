@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention import AttentionMetadata
-from pdserve.engine.cpu_linear import PackedLinear, pack_linears
+from pdserve.engine.cpu.linear import PackedLinear, pack_linears
 from pdserve.engine.layer_ops import TorchLayerOps
 from pdserve.errors import ModelLoadError
 from pdserve.models.config import ModelConfig
@@ -185,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_for_cpu(self, onednn: bool = True, stream_rows: int = 0) -> int:
         """Repack every projection's weight, the logits' too, for oneDNN and/or the stream GEMV of
-        steps up to `stream_rows` rows (cpu_linear.py): after the weights are loaded and cast, on
+        steps up to `stream_rows` rows (cpu/linear.py): after the weights are loaded and cast, on
         CPU. Returns how many layers were packed.
 
         In float32 a stream stores the weights in bf16: then every matrix of the model is rounded

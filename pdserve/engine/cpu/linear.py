@@ -4,7 +4,7 @@
 the few rows of a decode step the library spends a good part of the call on that layout: measured
 on a 2-vCPU EPYC with AVX512-BF16, one thread, bf16, SmolLM2's shapes, a prepacked weight made the
 M = 1 projections 1.2-2.4x faster and the 49152-row lm_head 1.8x (docs/performance.md). So, where
-the machine's measurement says it pays (cpu_choice.py), each projection's weight is reordered once,
+the machine's measurement says it pays (cpu/plan.py), each projection's weight is reordered once,
 at load, into oneDNN's blocked layout, and called through `torch.ops.mkldnn._linear_pointwise` (the
 op torch's own compiler uses for frozen CPU models). bf16 results are bit-identical to `F.linear`
 (both are oneDNN); fp32 ones differ in the last bits (oneDNN's summation order, not MKL's).
@@ -55,7 +55,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 def stream_linear_available() -> bool:
     """Whether the C++ kernels are loaded and were built with the stream GEMV (AVX512-BF16)."""
-    from pdserve.engine.cpu_kernels import decode_attention_kernel  # loads (or builds) the library
+    from pdserve.engine.cpu.kernels import decode_attention_kernel  # loads (or builds) the library
 
     if decode_attention_kernel() is None:
         return False
@@ -65,7 +65,7 @@ def stream_linear_available() -> bool:
 
 def stream_linear_f32_available() -> bool:
     """Whether the C++ kernels are loaded and were built with the fp32 stream GEMV (AVX2 + FMA)."""
-    from pdserve.engine.cpu_kernels import decode_attention_kernel
+    from pdserve.engine.cpu.kernels import decode_attention_kernel
 
     if decode_attention_kernel() is None:
         return False

@@ -8,7 +8,7 @@ torch path, which stays the reference.
 The first use on a machine compiles (10-20 s on 2 cores); later processes load the cached library
 in milliseconds. The build folder is keyed by everything the binary depends on (sources, flags, torch
 and Python versions, the CPU's instruction set since we compile with -march=native or the level
-PDSERVE_CPU_ISA caps it at, see cpu_isa.py), so a changed
+PDSERVE_CPU_ISA caps it at, see cpu/isa.py), so a changed
 source, an upgraded torch or a home directory shared between different machines never loads a
 stale or illegal binary. It lives under `$PDSERVE_CACHE_DIR/torch_extensions` (default
 `~/.cache/pdserve/torch_extensions`).
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine import cpu_isa
+from pdserve.engine.cpu import isa as cpu_isa
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ _HEADERS = ("cpu_paged_attention.h", "cpu_paged_attention_lanes.h", "cpu_vec.h")
 # -fno-trapping-math lets gcc vectorize loops with float -> int conversions and min/max (exp's
 # polynomial), which it otherwise keeps scalar in case they raise FP exceptions (nothing here
 # reads those). No -ffast-math: the kernels must stay close to the portable path.
-# The target (-march) comes from cpu_isa.py: `native`, or the level PDSERVE_CPU_ISA caps it at.
+# The target (-march) comes from cpu/isa.py: `native`, or the level PDSERVE_CPU_ISA caps it at.
 _CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast", "-fno-trapping-math", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
 _unavailable_reason: str | None = None

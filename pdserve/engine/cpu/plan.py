@@ -5,14 +5,14 @@ fast on one is slow on another: bf16 matmuls are emulated, ~8x slower than fp32,
 instructions, and twice as fast as fp32 with them; oneDNN's prepacked weights pay off on some and
 not others. So on first use a machine measures, in about a second:
 - the dtype `auto` means: bfloat16 when its matmul beats float32's, else float32;
-- for each dtype, whether prepacked oneDNN weights (cpu_linear.py) beat plain `F.linear` for the
+- for each dtype, whether prepacked oneDNN weights (cpu/linear.py) beat plain `F.linear` for the
   few rows of a decode step and the hundreds of a prompt chunk;
 - in bf16, with the C++ kernels built for AVX512-BF16, up to how many rows the stream GEMV
   (cpu_gemv.cpp) beats that choice: a step of at most that many rows uses it;
 - in fp32, with the C++ kernels built for AVX2 and FMA, up to how many rows the fp32 stream GEMV
   over weights stored in bf16 (cpu_gemv_f32.cpp) beats that choice;
 and keeps the answer in `$PDSERVE_CACHE_DIR` (default `~/.cache/pdserve`) under a key made of the
-CPU's model, the flags in force, the `PDSERVE_CPU_ISA` cap (cpu_isa.py) and torch's version, so later
+CPU's model, the flags in force, the `PDSERVE_CPU_ISA` cap (cpu/isa.py) and torch's version, so later
 processes read it in microseconds. A cached file that is unreadable, or whose CPU, cap, torch or
 plan version differs from this process's, is measured again.
 
@@ -41,8 +41,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine import cpu_isa
-from pdserve.engine.cpu_linear import (
+from pdserve.engine.cpu import isa as cpu_isa
+from pdserve.engine.cpu.linear import (
     STREAM_F32_COLS,
     onednn_available,
     pack_weight,
@@ -87,7 +87,7 @@ class CpuPlan:
     stream_speedup: dict[str, dict[str, float]] = field(default_factory=dict)
     # what cannot run on this CPU (or under its cap) -> why, e.g. "bfloat16 prepack" -> _ONEDNN_BF16
     unavailable: dict[str, str] = field(default_factory=dict)
-    isa: str = ""  # the level in force (cpu_isa.py), "" below AVX2
+    isa: str = ""  # the level in force (cpu/isa.py), "" below AVX2
     isa_cap: str = ""  # PDSERVE_CPU_ISA as asked ("" unset)
     isa_capped: bool = False  # whether that cap took something away from this CPU
     plan_version: int = 0
@@ -283,7 +283,7 @@ def _check_packed(packed: list[torch.Tensor], weights: list[torch.Tensor]) -> li
 
 
 def _no_stream_reason(dtype: torch.dtype) -> str:
-    from pdserve.engine.cpu_kernels import unavailable_reason
+    from pdserve.engine.cpu.kernels import unavailable_reason
 
     isa = kernel_isa()
     if isa is None:
@@ -417,7 +417,7 @@ def cache_path() -> Path:
 
 def kernel_isa() -> str | None:
     """The instruction set the C++ kernels were built for, or None if they are unavailable."""
-    from pdserve.engine.cpu_kernels import decode_attention_kernel
+    from pdserve.engine.cpu.kernels import decode_attention_kernel
 
     if decode_attention_kernel() is None:
         return None

@@ -11,7 +11,7 @@
 // between them (a bf16 product is rounded to bf16 before it is added, as torch does), so greedy
 // outputs stay those of the portable path. No FMA contraction where torch rounds in between.
 //
-// Built with cpu_attention.cpp into one library by cpu_kernels.py; torch.ops.pdserve.*.
+// Built with cpu_attention.cpp into one library by cpu/kernels.py; torch.ops.pdserve.*.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

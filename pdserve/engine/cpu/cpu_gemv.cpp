@@ -12,7 +12,7 @@
 // than none (it competes with the hardware prefetcher, which sees one stream). Measured on
 // SmolLM2's projections, one thread (docs/performance.md): 1.6-1.9x oneDNN's speed at 1-8 rows,
 // 1.2x at 32, about even from 64 rows on; 48-output tiles ran 3-8% faster than 32-output ones.
-// Callers use it up to a row count measured per machine (cpu_choice.py).
+// Callers use it up to a row count measured per machine (cpu/plan.py).
 //
 //   stream_linear(x [M, K] bf16, packed [ceil(N/48), ceil(K/2), 48, 2] bf16, N, bias [N] or None)
 //     -> [M, N] bf16: x @ W.T + bias, summed in fp32, rounded once to bf16 (round to nearest even)
@@ -21,7 +21,7 @@
 // Numerics: fp32 products of bf16 inputs (exact), summed in fp32 in another order than oneDNN's, so
 // results differ from F.linear's in the last bit of some outputs (tests/test_cpu_gemv.py bounds it).
 //
-// Built with the other kernels into one library by cpu_kernels.py; torch.ops.pdserve.*.
+// Built with the other kernels into one library by cpu/kernels.py; torch.ops.pdserve.*.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -15,7 +15,7 @@
 //   2. scores scaled, masked where a key is outside a query's range, softmax-updated per row;
 //   3. the W V rows (as they are: [W][D]) accumulated, weighted, into each row's output.
 // Vector code for AVX-512 (W = 16) and AVX2 (W = 8), chosen at compile time (-march=native, see
-// cpu_kernels.py); a scalar version elsewhere. With AVX512-BF16 and a bf16 cache, the two products
+// cpu/kernels.py); a scalar version elsewhere. With AVX512-BF16 and a bf16 cache, the two products
 // use VDPBF16PS on pairs of bf16 (K pairs transposed along D, V pairs interleaved along tokens, the
 // probabilities rounded to bf16 as torch's own CPU flash attention does). exp is a branch-free
 // polynomial (~1 ulp).

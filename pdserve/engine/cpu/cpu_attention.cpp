@@ -14,7 +14,7 @@
 // without -ffast-math. exp is a vectorizable polynomial (glibc's expf does not vectorize without
 // -ffast-math).
 //
-// Built and loaded at run time by cpu_kernels.py; registered as torch.ops.pdserve.paged_decode_attention.
+// Built and loaded at run time by cpu/kernels.py; registered as torch.ops.pdserve.paged_decode_attention.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -7,9 +7,9 @@ testable on a better one. So a process may cap the level it uses, with one setti
     PDSERVE_CPU_ISA=avx2 | avx512 | avx512_bf16 | amx     (unset: what the CPU has)
 
 Under a cap below the CPU's own level:
-- the per-machine plan (cpu_choice.py) sees only the flags of the capped level, and its cache key
+- the per-machine plan (cpu/plan.py) sees only the flags of the capped level, and its cache key
   names the cap (a plan measured under a cap is never read without it, nor the reverse);
-- the C++ kernels (cpu_kernels.py) are compiled for that level (`-march=x86-64-v3` for avx2,
+- the C++ kernels (cpu/kernels.py) are compiled for that level (`-march=x86-64-v3` for avx2,
   `x86-64-v4` for avx512, plus `-mavx512bf16`, ...) instead of `-march=native`;
 - torch's own dispatch is capped where it has a knob: `ATEN_CPU_CAPABILITY` (ATen's vectorized
   kernels), `ONEDNN_MAX_CPU_ISA` (oneDNN) and `MKL_ENABLE_INSTRUCTIONS` (MKL's fp32 GEMM). These are

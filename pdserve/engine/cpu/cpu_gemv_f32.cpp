@@ -23,7 +23,7 @@
 // order (two input streams, even and odd, per accumulator), so results differ from it in the last
 // bits (tests/test_cpu_gemv_f32.py bounds it).
 //
-// Built with the other kernels into one library by cpu_kernels.py; torch.ops.pdserve.*.
+// Built with the other kernels into one library by cpu/kernels.py; torch.ops.pdserve.*.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
