@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 from serving import Server, alive
-from test_pools_drain import PROMPTS, offline, poll, run_streams
+from test_pools_drain import LONG_STREAM, PROMPTS, offline, poll, run_streams
 
 from pdserve.transfer.segments import leftover_segments
 
@@ -195,7 +195,9 @@ def test_a_worker_that_dies_is_replaced_or_the_pool_shrinks(tiny_llama: Path) ->
 
 
 def test_rebalance_moves_streams_onto_a_worker_that_started(tiny_llama_4k: Path) -> None:
-    max_tokens = 1500
+    # Streams as long as the context allows: they must outlast a worker's start on a fast machine
+    # (1500 tokens ended before it on an AMX Xeon).
+    max_tokens = LONG_STREAM
     expected = offline(tiny_llama_4k, PROMPTS, max_tokens)
     server = Server(
         tiny_llama_4k, "--prefill", "1", "--decode", "1", "--decode-max", "2", "--no-rebalance-on-start",
@@ -208,6 +210,10 @@ def test_rebalance_moves_streams_onto_a_worker_that_started(tiny_llama_4k: Path)
             assert server.scale("decode", 2).status_code == 200
             await poll(lambda: len(server.workers("decode", "up")) == 2, 60, "two decode workers up")
             assert server.metric("pdserve_request_migrations_total") == 0  # not asked to
+            # Said apart from a rebalance that moves too little: every stream still runs.
+            assert server.metric("pdserve_requests_in_flight") == len(PROMPTS), (
+                "streams ended before decode-1 was up"
+            )
             answer = server.http.post("/pools/decode/rebalance")
             assert answer.status_code == 200
             moved.update(answer.json()["moved"])
