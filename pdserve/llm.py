@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.config import EngineConfig
-from pdserve.engine.detok import IncrementalDetokenizer
 from pdserve.engine.factory import build_engine
 from pdserve.errors import InvalidRequestError
 from pdserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pdserve.sampling_params import SamplingParams
+from pdserve.text.detok import IncrementalDetokenizer
 
 Prompt = str | list[int]
 Message = dict[str, Any]

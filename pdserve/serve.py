@@ -377,12 +377,12 @@ def pool_specs(o: dict[str, Any], eos_token_ids: tuple[int, ...] | None = None) 
 def run(o: dict[str, Any]) -> int:
     import uvicorn
 
-    from pdserve.models.config import ModelConfig
-    from pdserve.models.source import generation_eos_ids, resolve_model
+    from pdserve.modelfiles.config import ModelConfig
+    from pdserve.modelfiles.source import generation_eos_ids, resolve_model
     from pdserve.planner.loop import Planner
     from pdserve.pools.manager import PoolManager
     from pdserve.router.app import Router
-    from pdserve.router.tokenizer import load_router_tokenizer
+    from pdserve.text.tokenizer import load_router_tokenizer
 
     logging.basicConfig(level=o["log_level"], format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Everything that can fail on bad input fails here, before a worker starts. The HTTP port

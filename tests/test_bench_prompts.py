@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pdserve.bench.prompts import PromptBuilder, corpus_text
-from pdserve.router.tokenizer import RouterTokenizer
+from pdserve.text.tokenizer import RouterTokenizer
 
 
 def test_token_id_prompts_have_the_asked_length_and_differ(tiny_llama: Path) -> None:

@@ -10,7 +10,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine import kv_sizing
 from pdserve.engine.kv_sizing import GpuMemory, KVSizingError
-from pdserve.models.config import ModelConfig
+from pdserve.modelfiles.config import ModelConfig
 
 GIB = 2**30
 CPU = torch.device("cpu")

@@ -206,7 +206,7 @@ def test_a_mixed_step_matches_the_portable_path(dtype: torch.dtype, explicit_mas
     included, through both ops (the fp32 one sends its decodes to the older decode kernel). The
     portable path takes a chunk's causal mask as a tensor, or as the lower-right causal bias that
     the runner gives it (no mask: attention.py)."""
-    from pdserve.models.config import ModelConfig
+    from pdserve.modelfiles.config import ModelConfig
     from pdserve.models.llama import RotaryEmbedding
 
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16

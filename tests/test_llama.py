@@ -15,7 +15,7 @@ from conftest import load_hf_reference, make_tiny_model
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine.factory import build_engine
-from pdserve.models.config import ModelConfig
+from pdserve.modelfiles.config import ModelConfig
 from pdserve.models.llama import rope_inv_freq
 
 # fp32 on both sides: differences come from summation order only (fused projections, paged

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
 from pdserve.errors import ModelLoadError, UnsupportedModelError
-from pdserve.models.gguf_file import find_builtin_gguf
+from pdserve.modelfiles.gguf_file import find_builtin_gguf
 from pdserve.models.loader import (
     generation_eos_ids,
     load_config,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.errors import ModelLoadError
+from pdserve.modelfiles.gguf_file import find_builtin_gguf
 from pdserve.models.gguf_convert import convert_gguf_to_hf
-from pdserve.models.gguf_file import find_builtin_gguf
 
 
 def test_convert_refuses_non_empty_dir(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.errors import InvalidRequestError
 from pdserve.router.logprobs import LogprobsFormatter, TokenLogprobs, engine_logprobs
-from pdserve.router.tokenizer import RouterTokenizer, load_router_tokenizer
+from pdserve.text.tokenizer import RouterTokenizer, load_router_tokenizer
 
 
 @pytest.fixture(scope="module")

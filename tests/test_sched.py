@@ -46,7 +46,7 @@ def assert_no_leak(s: Scheduler) -> None:
 
 
 def test_scheduler_and_kv_manager_never_import_torch() -> None:
-    code = "import sys, pdserve.engine.sched, pdserve.engine.kv, pdserve.engine.detok; assert 'torch' not in sys.modules"
+    code = "import sys, pdserve.engine.sched, pdserve.engine.kv, pdserve.text.detok; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

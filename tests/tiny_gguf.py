@@ -9,7 +9,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from pdserve.models import gguf_file as gf
+from pdserve.modelfiles import gguf_file as gf
 
 
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -108,7 +108,7 @@ def prepare(
     workload: Workload, tokenizer_name: str, endpoint: str, prompt_format: str, seed: int
 ) -> list[PreparedRequest]:
     from pdserve.bench.prompts import PromptBuilder
-    from pdserve.router.tokenizer import load_router_tokenizer
+    from pdserve.text.tokenizer import load_router_tokenizer
 
     builder = PromptBuilder(load_router_tokenizer(tokenizer_name), seed)
     prepared = []

@@ -23,7 +23,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import KVAllocator, ModelRunner, RunnerOutput
 from pdserve.engine.sched import Handover, Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
 from pdserve.errors import InvalidRequestError
-from pdserve.models.config import ModelConfig
+from pdserve.modelfiles.config import ModelConfig
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.outputs import TokenLogprob
 from pdserve.sampling_params import SamplingParams

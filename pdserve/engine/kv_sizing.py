@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.models.config import ModelConfig
+from pdserve.modelfiles.config import ModelConfig
 
 CPU_DEFAULT_GIB = 1.0
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9

@@ -22,7 +22,7 @@ from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SamplingRow, sample
 from pdserve.engine.sched import SchedulerOutput
-from pdserve.models.config import ModelConfig
+from pdserve.modelfiles.config import ModelConfig
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.outputs import TokenLogprob
 

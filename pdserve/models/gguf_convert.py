@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.models.gguf_file import checked_config, iter_tensors, open_gguf
-from pdserve.models.gguf_tokenizer import load_gguf_tokenizer
+from pdserve.modelfiles.gguf_file import checked_config, iter_tensors, open_gguf
+from pdserve.modelfiles.gguf_tokenizer import load_gguf_tokenizer
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _DEFAULT_MAX_SHARD_BYTES = 4 << 30

@@ -18,7 +18,7 @@ from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.cpu.linear import PackedLinear, pack_linears
 from pdserve.engine.layer_ops import TorchLayerOps
 from pdserve.errors import ModelLoadError
-from pdserve.models.config import ModelConfig
+from pdserve.modelfiles.config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:  # [head_dim // 2] float32

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from pdserve.errors import ModelLoadError
-from pdserve.models.config import ModelConfig
-from pdserve.models.source import BUILTIN_MODELS, ModelSource, generation_eos_ids, resolve_model
+from pdserve.modelfiles.config import ModelConfig
+from pdserve.modelfiles.source import BUILTIN_MODELS, ModelSource, generation_eos_ids, resolve_model
 
 __all__ = ["BUILTIN_MODELS", "ModelSource", "generation_eos_ids", "resolve_model"]
 
@@ -28,7 +28,7 @@ def load_config(source: ModelSource) -> ModelConfig:
 def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) for every weight of the checkpoint."""
     if source.kind == "gguf":
-        from pdserve.models.gguf_file import iter_gguf_tensors
+        from pdserve.modelfiles.gguf_file import iter_gguf_tensors
 
         for name, array in iter_gguf_tensors(source.path):
             yield name, torch.from_numpy(array)
@@ -50,7 +50,7 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
 def load_tokenizer(source: ModelSource) -> Any:
     """A transformers fast tokenizer with the model's chat template."""
     if source.kind == "gguf":
-        from pdserve.models.gguf_tokenizer import load_gguf_tokenizer
+        from pdserve.modelfiles.gguf_tokenizer import load_gguf_tokenizer
 
         return load_gguf_tokenizer(source.path)
     from transformers import AutoTokenizer

@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve import wire
-from pdserve.engine.detok import IncrementalDetokenizer
 from pdserve.router import openai_types as oa
 from pdserve.router.dispatch import RequestFailed, RequestState, TokenEvent
 from pdserve.router.logprobs import LogprobsFormatter, TokenLogprobs
 from pdserve.router.metrics import RouterMetrics
 from pdserve.signals import Signals
+from pdserve.text.detok import IncrementalDetokenizer
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,6 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from pdserve import wire
-from pdserve.engine.detok import IncrementalDetokenizer
 from pdserve.errors import InvalidRequestError
 from pdserve.router import openai_types as oa
 from pdserve.router.admin import PoolControl, admin_routes
@@ -49,10 +48,11 @@ from pdserve.router.logprobs import LogprobsFormatter, TokenLogprobs
 from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdserve.router.openapi import build_openapi
 from pdserve.router.placement import Unavailable
-from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.workers import WorkerLink, WorkerSet, WorkerState
 from pdserve.security import CurveKeypair
 from pdserve.signals import Signals
+from pdserve.text.detok import IncrementalDetokenizer
+from pdserve.text.tokenizer import RouterTokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Tests of pdserve.models.gguf_file: the config and the weights read from a GGUF file.
+"""Tests of pdserve.modelfiles.gguf_file: the config and the weights read from a GGUF file.
 
 Fast tests build tiny GGUF files with gguf-py's writer, so the name mapping, the q/k
 un-permutation and the config translation are checked exactly, with no model download. Tests
@@ -18,7 +18,7 @@ import pytest
 from tiny_gguf import llamacpp_permute, write_tiny_gguf
 
 from pdserve.errors import ModelLoadError, UnsupportedModelError
-from pdserve.models import gguf_file as gf
+from pdserve.modelfiles import gguf_file as gf
 
 # ----------------------------------------------------------------------------------------------
 # Tiny synthetic GGUFs

@@ -1,4 +1,4 @@
-"""Tests of pdserve.models.gguf_tokenizer: a missing or damaged GGUF file is a clear error.
+"""Tests of pdserve.modelfiles.gguf_tokenizer: a missing or damaged GGUF file is a clear error.
 
 The real tokenizer is checked against transformers by test_models_gguf_convert (the converted
 folder's tokenizer files are load_gguf_tokenizer's output), test_router_tokenizer and test_detok."""
@@ -11,7 +11,7 @@ import pytest
 from tiny_gguf import write_tiny_gguf
 
 from pdserve.errors import ModelLoadError
-from pdserve.models.gguf_tokenizer import load_gguf_tokenizer
+from pdserve.modelfiles.gguf_tokenizer import load_gguf_tokenizer
 
 
 def test_missing_file(tmp_path: Path) -> None:

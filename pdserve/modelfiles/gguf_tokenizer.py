@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.errors import ModelLoadError
-from pdserve.models.gguf_file import get_value, open_gguf
+from pdserve.modelfiles.gguf_file import get_value, open_gguf
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

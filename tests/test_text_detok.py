@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from conftest import make_tokenizer
 
-from pdserve.engine.detok import IncrementalDetokenizer
+from pdserve.text.detok import IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -25,8 +25,8 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer() -> Any:
-    from pdserve.models.gguf_file import find_builtin_gguf
-    from pdserve.models.gguf_tokenizer import load_gguf_tokenizer
+    from pdserve.modelfiles.gguf_file import find_builtin_gguf
+    from pdserve.modelfiles.gguf_tokenizer import load_gguf_tokenizer
 
     return load_gguf_tokenizer(find_builtin_gguf())
 

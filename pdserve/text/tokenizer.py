@@ -8,7 +8,7 @@ loopcontrols, `raise_exception`, `strftime_now`, a `tojson` without ASCII escapi
 tokenizes here to exactly the ids the offline engine would see (a test checks).
 
 A GGUF model's tokenizer is built once by transformers (in a child process, so torch stays out of
-this one) and cached; see `pdserve.models.gguf_tokenizer.tokenizer_cache_dir`.
+this one) and cached; see `pdserve.modelfiles.gguf_tokenizer.tokenizer_cache_dir`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer
 
 from pdserve.errors import InvalidRequestError, ModelLoadError
-from pdserve.models.source import ModelSource, resolve_model
+from pdserve.modelfiles.source import ModelSource, resolve_model
 
 # Building a GGUF tokenizer parses every token and merge in Python: ~15 s for SmolLM2, once.
 TOKENIZER_BUILD_TIMEOUT_S = 600.0
@@ -149,7 +149,7 @@ def load_router_tokenizer(model: str | ModelSource) -> RouterTokenizer:
 def tokenizer_folder(source: ModelSource) -> Path:
     if source.kind == "hf":
         return source.path
-    from pdserve.models.gguf_tokenizer import tokenizer_cache_dir
+    from pdserve.modelfiles.gguf_tokenizer import tokenizer_cache_dir
 
     folder = tokenizer_cache_dir(source.path)
     if folder is None:
@@ -162,7 +162,7 @@ def tokenizer_folder(source: ModelSource) -> Path:
 
 
 def _build_gguf_tokenizer_in_child(path: Path) -> None:
-    code = "import sys; from pdserve.models.gguf_tokenizer import load_gguf_tokenizer; load_gguf_tokenizer(sys.argv[1])"
+    code = "import sys; from pdserve.modelfiles.gguf_tokenizer import load_gguf_tokenizer; load_gguf_tokenizer(sys.argv[1])"
     try:
         done = subprocess.run(
             [sys.executable, "-c", code, str(path)],

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pdserve.errors import ModelLoadError, UnsupportedModelError
-from pdserve.models.config import ModelConfig
+from pdserve.modelfiles.config import ModelConfig
 
 
 def llama(**overrides: Any) -> dict[str, Any]:
