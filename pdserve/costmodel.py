@@ -28,6 +28,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pdserve import slo
+
 # Features are scaled to about 1 for typical steps, so that the normal equations are well
 # conditioned: per 1k prompt tokens, per 1M attended positions, per 10 streams, per 10k context.
 _SCALE = (1.0, 1e-3, 1e-6, 0.1, 1e-4)
@@ -102,9 +104,7 @@ class StepCostModel:
         of them were seen)."""
         if len(self._mixed_ratios) < MIXED_MIN_SAMPLES:
             return 1.0
-        ordered = sorted(self._mixed_ratios)
-        rank = max(1, math.ceil(quantile * len(ordered)))  # nearest rank
-        return max(1.0, ordered[rank - 1])
+        return max(1.0, slo.quantile(self._mixed_ratios, quantile) or 1.0)
 
     @property
     def num_samples(self) -> int:

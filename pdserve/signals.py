@@ -13,13 +13,13 @@ thread-pool warm-up make them slow and they say nothing about capacity).
 
 from __future__ import annotations
 
-import math
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.costmodel import Step, StepCostModel
+from pdserve.slo import quantile
 
 
 class Window:
@@ -66,15 +66,6 @@ class Window:
 
     def quantile(self, p: float, now: float, span: float | None = None) -> float | None:
         return quantile(self.values(now, span), p)
-
-
-def quantile(values: Iterable[float], p: float) -> float | None:
-    """The p-quantile (nearest rank, as benchmark tools report percentiles); None if empty."""
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    rank = max(1, math.ceil(p * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Service-level objectives: what `--slo ttft=MS,itl=MS` and `--slo-percentile` mean. Pure Python.
+"""Service-level objectives: what `--slo ttft=MS,itl=MS` and `--slo-percentile` mean, and the one
+definition of a percentile that the server, the planner and the bench all use. Pure Python.
 
 An SLO holds at percentile p (0.9 by default) when p of the requests meet it: TTFT (arrival to the
 first token) at or below `ttft_s`, every inter-token gap of their stream at or below `itl_s`
@@ -8,6 +9,8 @@ about the ones given.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from pdserve.errors import PdserveError
@@ -45,8 +48,9 @@ class SLO:
         return {"ttft_s": self.ttft_s, "itl_s": self.itl_s, "percentile": self.percentile}
 
 
-def parse_slo(text: str | None, percentile: float = DEFAULT_PERCENTILE) -> SLO:
-    """`ttft=500,itl=50` (milliseconds; either may be left out). Raises PdserveError."""
+def parse_limits(text: str | None, names: tuple[str, ...] = ("ttft", "itl")) -> dict[str, float]:
+    """`ttft=500,itl=50` (milliseconds, each of `names` at most once) -> {"ttft": 0.5, "itl": 0.05}
+    in seconds. Raises PdserveError. The server takes ttft and itl; the bench also tpot and e2e."""
     values: dict[str, float] = {}
     for item in (text or "").split(","):
         item = item.strip()
@@ -54,19 +58,37 @@ def parse_slo(text: str | None, percentile: float = DEFAULT_PERCENTILE) -> SLO:
             continue
         name, sep, number = item.partition("=")
         name = name.strip().lower()
-        if not sep or name not in ("ttft", "itl"):
-            raise PdserveError(f"--slo: expected ttft=MS and/or itl=MS separated by commas, got {item!r}")
+        if not sep or name not in names:
+            wanted = " and/or ".join(f"{n}=MS" for n in names)
+            raise PdserveError(f"--slo: expected {wanted} separated by commas, got {item!r}")
         if name in values:
             raise PdserveError(f"--slo: {name} is given twice")
         try:
-            values[name] = float(number.strip().removesuffix("ms"))
+            values[name] = float(number.strip().removesuffix("ms")) / 1000
         except ValueError:
             raise PdserveError(f"--slo: {name} must be a number of milliseconds, got {number!r}") from None
-    return SLO(
-        ttft_s=values["ttft"] / 1000 if "ttft" in values else None,
-        itl_s=values["itl"] / 1000 if "itl" in values else None,
-        percentile=percentile,
-    )
+        if not values[name] > 0:
+            raise PdserveError(f"--slo: {name} must be > 0 ms, got {number.strip()!r}")
+    return values
+
+
+def parse_slo(text: str | None, percentile: float = DEFAULT_PERCENTILE) -> SLO:
+    """`ttft=500,itl=50` (milliseconds; either may be left out). Raises PdserveError."""
+    values = parse_limits(text)
+    return SLO(ttft_s=values.get("ttft"), itl_s=values.get("itl"), percentile=percentile)
+
+
+def quantile(values: Iterable[float], p: float) -> float | None:
+    """The p-quantile (0 <= p <= 1) by linear interpolation between the closest ranks, numpy's
+    default and what vLLM's and our own benchmarks report; None if there are no values. The one
+    definition: the server's windows, the planner, admission and the bench all use it."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    rank = (len(ordered) - 1) * p
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def ms_text(seconds: float | None) -> str:

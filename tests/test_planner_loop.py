@@ -202,10 +202,11 @@ def test_a_queue_that_builds_is_a_breach_before_any_prompt_is_done() -> None:
         pools = RecordingPools(prefill=1, decode=1)
         planner = planner_for(pools, workers, signals)
         now = time.monotonic()
-        for i in range(5):  # long prompts 1 s apart, no first token yet: the oldest waits 5 s
+        for i in range(5):  # long prompts 1 s apart, no first token yet: waits of 1 to 5 s
             signals.awaiting_first_token(f"r{i}", "prefill", now - 5 + i, None)
         planner.step(now)
-        assert planner.views["prefill"].observed_ttft == pytest.approx(5.0, abs=0.01)
+        # Their p90, interpolated between ranks (slo.quantile): 4.6 s, far past the 1 s TTFT SLO.
+        assert planner.views["prefill"].observed_ttft == pytest.approx(4.6, abs=0.01)
         assert pools.calls == [("prefill", 2)]
 
     with_workers(body)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.errors import PdserveError
+from pdserve.slo import parse_limits, quantile
 
 SLO_KEYS = ("ttft", "itl", "tpot", "e2e")
 
@@ -69,33 +69,15 @@ class RequestRecord:
 
 
 def parse_slos(text: str | None) -> dict[str, float]:
-    """`ttft=500,itl=100` (milliseconds) -> {"ttft": 0.5, "itl": 0.1} in seconds."""
-    if not text:
-        return {}
-    slos: dict[str, float] = {}
-    for part in text.split(","):
-        key, sep, value = part.partition("=")
-        key = key.strip()
-        if not sep or key not in SLO_KEYS:
-            raise PdserveError(
-                f"bad SLO {part!r}: expected key=milliseconds with key in {', '.join(SLO_KEYS)}"
-            )
-        try:
-            slos[key] = float(value) / 1000
-        except ValueError:
-            raise PdserveError(f"bad SLO {part!r}: {value!r} is not a number of milliseconds") from None
-    return slos
+    """`ttft=500,itl=100` (milliseconds) -> {"ttft": 0.5, "itl": 0.1} in seconds (slo.py's parser,
+    with the bench's tpot and e2e besides)."""
+    return parse_limits(text, SLO_KEYS)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default), without numpy."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    """The q-th percentile (0-100) by slo.quantile's one definition; NaN if there are none."""
+    value = quantile(values, q / 100)
+    return math.nan if value is None else value
 
 
 def distribution(values: Sequence[float]) -> dict[str, float]:

@@ -23,8 +23,8 @@ from pdserve.planner.law import DECODE_PHASE, Decision, LawMemory, LawSettings, 
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import context_per_stream
 from pdserve.router.workers import WorkerLink, WorkerSet, WorkerState
-from pdserve.signals import Signals, quantile
-from pdserve.slo import SLO, ms_text
+from pdserve.signals import Signals
+from pdserve.slo import SLO, ms_text, quantile
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,8 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import NEVER_READY, STREAM_POOLS, Placement, Unavailable
 from pdserve.router.workers import WorkerSet
-from pdserve.signals import Signals, quantile
+from pdserve.signals import Signals
+from pdserve.slo import quantile
 
 RESERVATION_TTL_S = 30.0
 # Observed / predicted TTFT samples needed before they scale the prediction.
