@@ -264,7 +264,7 @@ class Router:
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         answer = Answer(
-            state=RequestState(request_id),
+            state=RequestState(request_id, created_at=arrived),  # one TTFT clock (docs/metrics.md)
             prompt_ids=prompt_ids,
             params=wire.WireSamplingParams.from_params(params),
             detok=IncrementalDetokenizer(

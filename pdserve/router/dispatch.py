@@ -87,6 +87,8 @@ class RequestState:
     legs: list[Leg] = field(default_factory=list)
     last_token_at: float | None = None  # monotonic time of the last token streamed
     reservation: int | None = None  # its place, from admission until it starts (Admission.admit)
+    # Its arrival at the router, before its body was read: the one clock every TTFT counts from
+    # (the metric, the planner's signals, the check of the path choice's prediction).
     created_at: float = field(default_factory=time.monotonic)
     _next_leg: int = 0
 
