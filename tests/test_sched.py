@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -16,9 +17,15 @@ from pdserve.sampling_params import SamplingParams
 EOS = 0
 
 
-def make(role: Role = Role.MIXED, blocks: int = 64, block_size: int = 4, **kw: int) -> Scheduler:
+def make(
+    role: Role = Role.MIXED,
+    blocks: int = 64,
+    block_size: int = 4,
+    clock: Callable[[], float] = time.monotonic,
+    **kw: int,
+) -> Scheduler:
     config = SchedulerConfig(max_model_len=kw.pop("max_model_len", 1024), role=role, **kw)
-    return Scheduler(config, KVCacheManager(blocks, block_size))
+    return Scheduler(config, KVCacheManager(blocks, block_size), clock)
 
 
 def req(rid: str, prompt_len: int, max_tokens: int = 4, **kw: object) -> Request:
@@ -441,18 +448,13 @@ def test_a_queued_request_is_handed_back_with_nothing_to_move() -> None:
 
 
 # -- a local prefill's chunks sized to its step budget (decode role) --------------------------------
-@pytest.fixture
-def still_clock(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The scheduler's clock stands still: a stream has waited exactly what a test says, however
-    slow the machine (a request made later keeps its real, later time: it has waited nothing)."""
-    now = time.monotonic()
-    monkeypatch.setattr(time, "monotonic", lambda: now)
-
-
 def trained(steps: int = 40) -> Scheduler:
     """A decode scheduler whose step model knows steps cost 10 ms + 1 ms a prompt token + 10 ms a
-    stream (exactly: its under-prediction margin stays 1)."""
-    s = make(role=Role.DECODE, blocks=256, chunk_size=512, max_num_batched_tokens=2048)
+    stream (exactly: its under-prediction margin stays 1), on a clock that stands still: a stream
+    has waited exactly what a test says, however slow the machine (a request made later keeps its
+    real, later time: it has waited nothing)."""
+    now = time.monotonic()
+    s = make(role=Role.DECODE, blocks=256, chunk_size=512, max_num_batched_tokens=2048, clock=lambda: now)
     for i in range(steps):
         tokens, streams, context = (i % 4) * 20, i % 3, (i % 5) * 40
         s.observe_step(
@@ -476,7 +478,6 @@ def prompt_tokens(out: SchedulerOutput) -> int:
     return sum(c.num_tokens for c in out.chunks if not c.is_decode)
 
 
-@pytest.mark.usefixtures("still_clock")
 def test_a_local_prefill_s_chunk_is_what_its_streams_leave_of_the_step_budget() -> None:
     s = trained()
     running = streams(s, 2)
@@ -495,7 +496,6 @@ def test_a_local_prefill_s_chunk_is_what_its_streams_leave_of_the_step_budget() 
     assert_no_leak(s)
 
 
-@pytest.mark.usefixtures("still_clock")
 def test_a_stream_that_already_waited_gets_a_step_of_decodes_alone() -> None:
     s = trained()
     [stream] = streams(s, 1)
@@ -513,7 +513,6 @@ def test_a_stream_that_already_waited_gets_a_step_of_decodes_alone() -> None:
     assert_no_leak(s)
 
 
-@pytest.mark.usefixtures("still_clock")
 def test_a_local_prefill_always_gets_on_and_without_a_model_takes_the_router_s_chunk() -> None:
     s = trained()
     streams(s, 9)  # 10 + 90 ms of decoding: no token fits a 100 ms budget
@@ -528,3 +527,20 @@ def test_a_local_prefill_always_gets_on_and_without_a_model_takes_the_router_s_c
     for sched in (s, cold):
         drain(sched)
         assert_no_leak(sched)
+
+
+def test_the_scheduler_keeps_the_time_of_the_clock_it_is_given() -> None:
+    """A simulation steps the real scheduler on a virtual clock: every time it records is that
+    clock's."""
+    now = [100.0]
+    s = make(clock=lambda: now[0])
+    r = req("a", 6, max_tokens=3)
+    s.add_request(r)
+    now[0] = 102.5
+    run_step(s)
+    assert r.first_scheduled_time == 102.5
+    now[0] = 103.0
+    run_step(s)
+    assert r.last_token_time == 103.0
+    drain(s)
+    assert_no_leak(s)

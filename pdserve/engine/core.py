@@ -99,7 +99,10 @@ class EngineCore:
         device: torch.device,
         dtype: torch.dtype,
         kv_allocator: KVAllocator | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock`: the scheduler's (arrival and token times, the ITL budget's wait), monotonic
+        seconds; a simulation gives a virtual one."""
         self.config = config
         self.model_config = model_config
         self.eos_token_ids = eos_token_ids
@@ -132,6 +135,7 @@ class EngineCore:
                 chunk_size=self.chunk_size,
             ),
             self.kv,
+            clock,
         )
         self.runner = ModelRunner(
             model, model_config, num_blocks, config.block_size, dtype, device, config.seed, kv_allocator
@@ -252,8 +256,8 @@ class EngineCore:
         request.max_chunk_tokens = max_chunk_tokens
         request.max_step_seconds = float(max_step_seconds)
         request.step_percentile = float(step_percentile)
-        if arrived_at is not None:
-            request.arrival_time = request.last_token_time = min(arrived_at, request.arrival_time)
+        now = self.scheduler.clock()
+        request.arrival_time = request.last_token_time = now if arrived_at is None else min(arrived_at, now)
         if output_token_ids:
             self._validate_outputs(list(output_token_ids), params, len(prompt_token_ids))
             request.output_token_ids.extend(output_token_ids)

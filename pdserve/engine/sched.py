@@ -34,6 +34,7 @@ import enum
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.config import Role
@@ -121,9 +122,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """`clock`: seconds, monotonic; the engine's wall clock, or a simulation's virtual one."""
         self.config = config
         self.kv = kv
+        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.receiving: dict[str, Request] = {}  # decode role: blocks allocated, KV in flight
@@ -249,7 +254,7 @@ class Scheduler:
         if self.kv.allocate(request.request_id, request.num_tokens - 1) is None:
             return False
         self.waiting.popleft()
-        request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
+        request.first_scheduled_time = request.first_scheduled_time or self.clock()
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.receiving[request.request_id] = request
         kv_to_receive.append((request.request_id, self.kv.block_table(request.request_id)))
@@ -302,7 +307,7 @@ class Scheduler:
             if self.kv.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
                 break  # no room: wait for blocks to free up rather than preempt running work
             self.waiting.popleft()
-            request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
+            request.first_scheduled_time = request.first_scheduled_time or self.clock()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chunk = self._chunk(request, num_new)
@@ -316,7 +321,7 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance the scheduled requests. Returns those that got a token (finished ones included)."""
         updated: list[Request] = []
-        now = time.monotonic()
+        now = self.clock()
         for chunk in out.chunks:
             request = chunk.request
             if request.status is not RequestStatus.RUNNING:
@@ -386,7 +391,7 @@ class Scheduler:
             if self.kv.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
                 break  # no room: wait for blocks to free up rather than preempt running work
             self.waiting.remove(request)
-            request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
+            request.first_scheduled_time = request.first_scheduled_time or self.clock()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(self._chunk(request, num_new))
@@ -415,7 +420,7 @@ class Scheduler:
             return limit
         if not decodes or cost is None or not cost.ready:
             return limit  # no stream to stall now, or no model yet: the router's chunk
-        now = time.monotonic()
+        now = self.clock()
         waited = max(0.0, max(now - c.request.last_token_time for c in decodes))
         step_s = request.max_step_seconds / cost.mixed_step_margin(request.step_percentile) - waited
         base = Step(
