@@ -11,6 +11,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Without a GPU, Triton kernels run in its interpreter (tests/test_triton_attention.py). Triton reads
+# this when it is first imported, which any test may cause (torch imports it lazily): set it first.
+# No NVIDIA driver files: no GPU, known without importing torch.
+if not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/proc/driver/nvidia/gpus").is_dir():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

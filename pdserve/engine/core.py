@@ -11,20 +11,18 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 from pdserve.config import EngineConfig, Role
 from pdserve.costmodel import Step, chunk_attention
-from pdserve.engine import kv_sizing
-from pdserve.engine.cpu import huge_pages
 from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.runner import KVAllocator, ModelRunner, RunnerOutput
+from pdserve.engine.runner import RunnerOutput
 from pdserve.engine.sched import Handover, Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
 from pdserve.errors import InvalidRequestError
 from pdserve.modelfiles.config import ModelConfig
-from pdserve.models.llama import LlamaForCausalLM
 from pdserve.outputs import TokenLogprob
 from pdserve.sampling_params import SamplingParams
 
@@ -89,39 +87,44 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-class EngineCore:
+class Runner(Protocol):
+    """What the engine core asks of the part that runs its steps: the model on a device
+    (runner.ModelRunner), or a modelled one in a simulation."""
+
+    def execute(
+        self, out: SchedulerOutput, kv: KVCacheManager, between_layers: Callable[[int], None] | None = None
+    ) -> RunnerOutput: ...
+
+    def release(self, request_id: str) -> None: ...
+
+    def generator_state(self, request_id: str) -> bytes | None: ...
+
+
+AnyRunner = TypeVar("AnyRunner", bound=Runner)
+
+
+class EngineCore(Generic[AnyRunner]):
     def __init__(
         self,
         config: EngineConfig,
         model_config: ModelConfig,
-        model: LlamaForCausalLM,
+        runner: AnyRunner,
         eos_token_ids: tuple[int, ...],
+        num_blocks: int,
         device: torch.device,
         dtype: torch.dtype,
-        kv_allocator: KVAllocator | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`clock`: the scheduler's (arrival and token times, the ITL budget's wait), monotonic
-        seconds; a simulation gives a virtual one."""
+        """The scheduler and the KV cache's bookkeeping (`num_blocks` blocks) around a `runner`
+        the factory built and sized (engine/factory.py). `clock`: the scheduler's (arrival and
+        token times, the ITL budget's wait), monotonic seconds; a simulation gives a virtual one."""
         self.config = config
         self.model_config = model_config
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.dtype = dtype
-        block_bytes = ModelRunner.kv_bytes_per_block(model_config, config.block_size, dtype)
         # The step budget as configured, else the device's (a GPU's steps are far larger).
         self.max_num_batched_tokens, self.chunk_size = config.step_budget(device.type)
-        activations = kv_sizing.activation_bytes(
-            model_config, self.max_num_batched_tokens, config.max_num_seqs, dtype
-        )
-        num_blocks = kv_sizing.kv_blocks(
-            config.num_kv_blocks,
-            config.kv_cache_memory_gib,
-            config.gpu_memory_utilization,
-            block_bytes,
-            device,
-            activations,
-        )
         context = config.max_model_len or model_config.max_position_embeddings
         # A request can never need more than the whole cache, or it would preempt itself forever.
         self.max_model_len = min(context, num_blocks * config.block_size)
@@ -137,16 +140,7 @@ class EngineCore:
             self.kv,
             clock,
         )
-        self.runner = ModelRunner(
-            model, model_config, num_blocks, config.block_size, dtype, device, config.seed, kv_allocator
-        )
-        if device.type == "cuda" and model.ops.varlen and config.cuda_graphs:
-            logger.info(
-                "CUDA graphs off: the %s attention runs every step eagerly (not captured yet)", model.ops.name
-            )
-        elif device.type == "cuda" and config.cuda_graphs and config.role is not Role.PREFILL:
-            # A prefill engine samples one token per prompt, in steps with its chunk: no decode steps.
-            self.runner.use_static_decode(config.max_num_seqs, self.max_model_len, capture=True)
+        self.runner = runner
         self.last_step: StepStats | None = None
         # Prefill role: the step whose layers are running and the share of them done (while
         # `step` calls its `between_layers`), the time spent in steps run between them, and how
@@ -155,43 +149,6 @@ class EngineCore:
         self._nested_seconds = 0.0
         self.steps_between_layers = 0
         self._kv_to_receive: list[tuple[str, list[int]]] = []
-        logger.info(
-            "engine ready: %s on %s, %s, %d KV blocks of %d tokens (%.0f MiB%s), max_model_len %d, "
-            "role %s, steps of up to %d tokens in chunks of %d%s",
-            config.model,
-            device,
-            dtype,
-            num_blocks,
-            config.block_size,
-            num_blocks * block_bytes / 2**20,
-            self._kv_pages_note(device, kv_allocator is not None),
-            self.max_model_len,
-            config.role.value,
-            self.max_num_batched_tokens,
-            self.chunk_size,
-            self._graphs_note(device),
-        )
-
-    def _graphs_note(self, device: torch.device) -> str:
-        if device.type != "cuda" or self.config.role is Role.PREFILL:
-            return ""
-        if self.runner.decode_graphs is None:
-            return ", CUDA graphs off"
-        return f", {len(self.runner.decode_graphs.graphs)} CUDA graphs of decode steps"
-
-    def _kv_pages_note(self, device: torch.device, custom_allocator: bool) -> str:
-        """What the startup line says of the cache's pages (huge_pages.py), on CPU."""
-        if device.type != "cpu" or custom_allocator:
-            return ""
-        if self.runner.kv_huge_pages:
-            huge = huge_pages.anon_huge_bytes(self.runner.kv_cache)
-            if huge is None:
-                return ", asked for 2 MiB pages"
-            total = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
-            return f", {huge / 2**20:.0f} of {total / 2**20:.0f} MiB on 2 MiB pages"
-        if not huge_pages.wanted():
-            return ", 4 KiB pages: PDSERVE_KV_HUGE_PAGES=0"
-        return f", 4 KiB pages: transparent_hugepage is {huge_pages.thp_setting()}"
 
     # -- requests -------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -10,13 +10,16 @@ from typing import Any
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, Role
+from pdserve.engine import kv_sizing
 from pdserve.engine.core import EngineCore, pick_device, pick_dtype
+from pdserve.engine.cpu import huge_pages
 from pdserve.engine.cpu.kernels import decode_attention_kernel
 from pdserve.engine.cpu.linear import onednn_available, stream_linear_available, stream_linear_f32_available
 from pdserve.engine.cpu.ops import CpuKernelOps
 from pdserve.engine.cpu.plan import cpu_plan
-from pdserve.engine.runner import KVAllocator
+from pdserve.engine.runner import KVAllocator, ModelRunner
+from pdserve.modelfiles.config import ModelConfig
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.loader import generation_eos_ids, iter_weights, load_config, load_tokenizer, resolve_model
 
@@ -28,7 +31,7 @@ def build_engine(
     config: EngineConfig,
     kv_allocator: KVAllocator | None = None,
     eos_token_ids: Sequence[int] | None = None,
-) -> tuple[EngineCore, Any]:
+) -> tuple[EngineCore[ModelRunner], Any]:
     """Returns the engine core and the model's tokenizer (with its chat template).
 
     `kv_allocator` places the KV cache (in shared memory for the `shm` transport). With
@@ -75,9 +78,84 @@ def build_engine(
         if onednn or stream_rows:
             model.pack_for_cpu(onednn, stream_rows)
         logger.info("CPU plan: %s; layer ops: %s", plan.summary(dtype, stream_rows), model.ops.name)
-    engine = EngineCore(config, model_config, model, eos_ids, device, dtype, kv_allocator)
+    engine = _engine_core(config, model_config, model, eos_ids, device, dtype, kv_allocator)
     logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - started)
     return engine, tokenizer
+
+
+def _engine_core(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    model: LlamaForCausalLM,
+    eos_ids: tuple[int, ...],
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_allocator: KVAllocator | None,
+) -> EngineCore[ModelRunner]:
+    """Sizes the KV cache (engine/kv_sizing.py), builds the runner around the model and the
+    engine core around the runner, and on a GPU captures the decode steps' CUDA graphs."""
+    block_bytes = ModelRunner.kv_bytes_per_block(model_config, config.block_size, dtype)
+    step_tokens, _ = config.step_budget(device.type)
+    activations = kv_sizing.activation_bytes(model_config, step_tokens, config.max_num_seqs, dtype)
+    num_blocks = kv_sizing.kv_blocks(
+        config.num_kv_blocks,
+        config.kv_cache_memory_gib,
+        config.gpu_memory_utilization,
+        block_bytes,
+        device,
+        activations,
+    )
+    runner = ModelRunner(
+        model, model_config, num_blocks, config.block_size, dtype, device, config.seed, kv_allocator
+    )
+    engine = EngineCore(config, model_config, runner, eos_ids, num_blocks, device, dtype)
+    if device.type == "cuda" and model.ops.varlen and config.cuda_graphs:
+        logger.info(
+            "CUDA graphs off: the %s attention runs every step eagerly (not captured yet)", model.ops.name
+        )
+    elif device.type == "cuda" and config.cuda_graphs and config.role is not Role.PREFILL:
+        # A prefill engine samples one token per prompt, in steps with its chunk: no decode steps.
+        runner.use_static_decode(config.max_num_seqs, engine.max_model_len, capture=True)
+    logger.info(
+        "engine ready: %s on %s, %s, %d KV blocks of %d tokens (%.0f MiB%s), max_model_len %d, "
+        "role %s, steps of up to %d tokens in chunks of %d%s",
+        config.model,
+        device,
+        dtype,
+        num_blocks,
+        config.block_size,
+        num_blocks * block_bytes / 2**20,
+        _kv_pages_note(runner, device, kv_allocator is not None),
+        engine.max_model_len,
+        config.role.value,
+        engine.max_num_batched_tokens,
+        engine.chunk_size,
+        _graphs_note(runner, config, device),
+    )
+    return engine
+
+
+def _graphs_note(runner: ModelRunner, config: EngineConfig, device: torch.device) -> str:
+    if device.type != "cuda" or config.role is Role.PREFILL:
+        return ""
+    if runner.decode_graphs is None:
+        return ", CUDA graphs off"
+    return f", {len(runner.decode_graphs.graphs)} CUDA graphs of decode steps"
+
+
+def _kv_pages_note(runner: ModelRunner, device: torch.device, custom_allocator: bool) -> str:
+    """What the startup line says of the cache's pages (cpu/huge_pages.py), on CPU."""
+    if device.type != "cpu" or custom_allocator:
+        return ""
+    if runner.kv_huge_pages:
+        huge = huge_pages.anon_huge_bytes(runner.kv_cache)
+        if huge is None:
+            return ", asked for 2 MiB pages"
+        total = runner.kv_cache.numel() * runner.kv_cache.element_size()
+        return f", {huge / 2**20:.0f} of {total / 2**20:.0f} MiB on 2 MiB pages"
+    if not huge_pages.wanted():
+        return ", 4 KiB pages: PDSERVE_KV_HUGE_PAGES=0"
+    return f", 4 KiB pages: transparent_hugepage is {huge_pages.thp_setting()}"
 
 
 def triton_ops(device: torch.device) -> Any:

@@ -28,6 +28,7 @@ import zmq
 from pdserve import wire
 from pdserve.config import WorkerConfig
 from pdserve.engine.core import EngineCore, EngineOutput
+from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sched import Handover
 from pdserve.errors import InvalidRequestError
 from pdserve.security import WorkerSecrets
@@ -52,7 +53,7 @@ class _KVDone:
 class WorkerServer:
     def __init__(
         self,
-        engine: EngineCore,
+        engine: EngineCore[ModelRunner],
         config: WorkerConfig,
         kv_address: str,
         importer: KVImporter | None = None,
