@@ -52,9 +52,9 @@ def paged_attention_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         first_pos = seq_len - q_len + first_q
         last_pos = seq_len - q_len + tl.minimum(first_q + BLOCK_Q, q_len) - 1
-        lo = 0
-        if window > 0:
-            lo = tl.maximum(first_pos - window + 1, 0)
+        # The first key any row needs (a window's start), down to a tile edge. Branch-free: a
+        # variable given different types in two branches does not compile.
+        lo = tl.where(window > 0, tl.maximum(first_pos - window + 1, 0), 0)
         lo = (lo // BLOCK_N) * BLOCK_N
         for key0 in range(lo, last_pos + 1, BLOCK_N):
             keys = key0 + tl.arange(0, BLOCK_N)
@@ -70,8 +70,7 @@ def paged_attention_kernel(
                 scores = tl.dot(q, tl.trans(k))
             scores = scores * scale  # [M, N] fp32
             allowed = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
-            if window > 0:
-                allowed = allowed & (keys[None, :] > pos[:, None] - window)
+            allowed = allowed & ((window <= 0) | (keys[None, :] > pos[:, None] - window))
             scores = tl.where(allowed, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no NaN
