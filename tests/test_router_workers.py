@@ -11,7 +11,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve import wire
-from pdserve.router.workers import WorkerDown, WorkerSet, WorkerState
+from pdserve.router.workers import DownCause, WorkerDown, WorkerSet, WorkerState
 from pdserve.security import CurveKeypair, curve_server
 
 ROUTER_KEYS, WORKER_KEYS = CurveKeypair.generate(), CurveKeypair.generate()
@@ -71,6 +71,7 @@ def test_a_worker_that_stops_reporting_is_taken_out_and_its_legs_aborted_when_it
             event = await asyncio.wait_for(leg.events.get(), 5)
             assert isinstance(event, WorkerDown) and "stalled" in event.reason
             assert link.state is WorkerState.DOWN and link.abandoned == {"r.0"}
+            assert link.down_cause is DownCause.STALLED  # not dropped: it may only have been slow
 
             # It reports again: back in service, and told to drop what the router gave up on.
             await worker.send_multipart([identity, wire.encode(load())])

@@ -49,6 +49,14 @@ class WorkerState(enum.StrEnum):
     STOPPED = "stopped"
 
 
+class DownCause(enum.StrEnum):
+    """Why a worker is down: its connection dropped, or it stopped reporting (a stall; it may
+    only have been slow, and comes back at its next report)."""
+
+    DROPPED = "dropped"
+    STALLED = "stalled"
+
+
 @dataclass(frozen=True)
 class WorkerDown:
     worker_id: str
@@ -106,6 +114,7 @@ class WorkerLink:
         # tokens (an average weighted toward the recent, from its load reports' steps).
         self.prefill_tokens_per_s: float | None = None
         self.detail = "starting"  # why it is in its state, for people (GET /pools, /health, logs)
+        self.down_cause: DownCause | None = None  # why it went down last (while DOWN: why it is)
         self.draining = False  # asked to drain: it stays out of service even if it reconnects
         self.legs: dict[str, Leg] = {}
         self.queued_prompt_tokens = 0  # prompt tokens sent here that have not produced a token yet
@@ -276,7 +285,7 @@ class WorkerLink:
             if (
                 self.state is WorkerState.DOWN
                 and self.ready is not None
-                and self.detail.startswith("stalled")
+                and self.down_cause is DownCause.STALLED
             ):
                 self._come_back(self.ready.role)  # it was only slow: it reports again
             self.load = message
@@ -331,7 +340,9 @@ class WorkerLink:
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.send_hello()
             elif event["event"] == zmq.EVENT_DISCONNECTED:
-                self._mark_down("its connection dropped (process gone or not answering heartbeats)")
+                self._mark_down(
+                    DownCause.DROPPED, "its connection dropped (process gone or not answering heartbeats)"
+                )
 
     def send_hello(self) -> None:
         # An empty frame: the worker answers with Ready (also after a reconnect to a new process).
@@ -345,11 +356,12 @@ class WorkerLink:
         means a hung process (ZeroMQ's own heartbeats are answered by its I/O thread even then)."""
         silent = time.monotonic() - self.last_message_at
         if self.connected and silent > stall_timeout:
-            self._mark_down(f"stalled: no report for {silent:.0f} s")
+            self._mark_down(DownCause.STALLED, f"stalled: no report for {silent:.0f} s")
 
-    def _mark_down(self, reason: str) -> None:
+    def _mark_down(self, cause: DownCause, reason: str) -> None:
         if not self.connected:
             return
+        self.down_cause = cause
         self.load = None
         logger.error("worker %s is down: %s", self.worker_id, reason)
         self._end_legs(reason)
