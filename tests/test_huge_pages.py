@@ -65,7 +65,7 @@ def test_an_engine_says_what_pages_its_cache_got_and_decodes_the_same_either_way
     tiny_llama: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prompts = [[5 + i, 9, 31, 7 * i + 3] * (3 + i) for i in range(4)]
-    with caplog.at_level(logging.INFO, logger="pdserve.engine.core"):
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.factory"):
         advised_tokens, advised = run(prompts, tiny_llama)
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
     assert ready
@@ -76,7 +76,7 @@ def test_an_engine_says_what_pages_its_cache_got_and_decodes_the_same_either_way
 
     caplog.clear()
     monkeypatch.setenv("PDSERVE_KV_HUGE_PAGES", "0")
-    with caplog.at_level(logging.INFO, logger="pdserve.engine.core"):
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.factory"):
         plain_tokens, plain = run(prompts, tiny_llama)
     assert not plain
     assert any("PDSERVE_KV_HUGE_PAGES=0" in r.getMessage() for r in caplog.records)
