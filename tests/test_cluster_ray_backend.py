@@ -17,14 +17,15 @@ from typing import Any
 
 import pytest
 from serving import Server
-from test_pools_drain import PROMPTS as DRAIN_PROMPTS
 from test_pools_drain import (
+    LONG_STREAM,
     check_moves_lost_nothing,
     offline,
     poll,
     run_streams,
     scale_up_then_drain_the_first,
 )
+from test_pools_drain import PROMPTS as DRAIN_PROMPTS
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.base import ClusterError
@@ -179,10 +180,11 @@ def test_streams_move_between_ray_actors_when_decode_scales_up_and_a_worker_drai
     # The elastic pools unchanged on Ray: a second decode actor takes half the streams, then the
     # first drains (its streams move, then its actor goes). Both decode actors are on the decode
     # node, so the streams move over shm; the prompts come from the prefill node over tcp.
-    # A Ray actor takes several seconds to start while six streams decode on two cores; 1500 tokens
-    # left under a second of margin (a CI run saw the streams end first), so they run twice as long.
-    max_tokens = 3000
-    prompts = DRAIN_PROMPTS[:6]
+    # A Ray actor takes several seconds to start, however fast the streams decode: they must
+    # outlast it. 1500 tokens, then 3000 of six streams, ended first on fast machines (an AMX Xeon);
+    # twelve streams as long as the context allows make each step longer and the streams too.
+    max_tokens = LONG_STREAM
+    prompts = DRAIN_PROMPTS[:12]
     expected = offline(tiny_llama_4k, prompts, max_tokens)
     server = ray_server(
         tiny_llama_4k,
@@ -218,8 +220,9 @@ def test_a_lost_decode_node_is_a_dead_worker_whose_streams_go_on_on_another_node
     # Two decode workers spread over two nodes that offer the decode resource: the module's and
     # one of this test's own (so the module's nodes stay for any test after this one). That node
     # is lost mid-stream: its worker is a dead worker, and its streams go on on the other node
-    # (prefilled again from what their clients have seen), every one whole.
-    max_tokens = 2000
+    # (prefilled again from what their clients have seen), every one whole. Streams as long as
+    # the context allows: they must outlast the node's removal however fast they decode.
+    max_tokens = LONG_STREAM
     prompts = DRAIN_PROMPTS[:4]
     expected = offline(tiny_llama_4k, prompts, max_tokens)
     doomed = nodes.add("pdserve_decode", amount=1)
