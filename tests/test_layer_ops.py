@@ -168,6 +168,20 @@ def test_paged_attention_matches_dense_attention(case: tuple, dtype: torch.dtype
     )
     q = qkv[:, : heads * head_dim].view(-1, heads, head_dim)  # strided rows, as in the model
     out = torch.ops.pdserve.paged_attention(q, k_cache, v_cache, tables, lens, starts, head_dim**-0.5, window)
+    assert_dense(out, q, k_cache, v_cache, tables, starts, case)
+
+
+def assert_dense(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    starts: torch.Tensor,
+    case: tuple,  # type: ignore[type-arg]
+) -> None:
+    """Each sequence's rows of a paged kernel's `out` against dense attention over its blocks."""
+    q_lens, seq_lens, block_size, _, kv_heads, head_dim, window = case
     for s, (q_len, length) in enumerate(zip(q_lens, seq_lens, strict=True)):
         blocks = tables[s, : -(-length // block_size)]
         k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:length]
@@ -176,8 +190,8 @@ def test_paged_attention_matches_dense_attention(case: tuple, dtype: torch.dtype
         want = dense_reference(q[rows], k, v, list(range(length - q_len, length)), window)
         # bf16: K, V and q are exact, products accumulate in fp32, the probabilities are rounded to
         # bf16 before the V product (as torch's CPU flash attention does) and the output too.
-        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(out[rows].float(), want, rtol=tolerance, atol=tolerance)
+        tolerance = 1e-5 if q.dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[rows].float(), want.to(out.device), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

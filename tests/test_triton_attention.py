@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 if not INTERPRETED and not torch.cuda.is_available():
     pytest.skip("the NVIDIA driver is here but torch cannot use a GPU", allow_module_level=True)
 
-from test_layer_ops import CASES, batch, dense_reference  # noqa: E402
+from test_layer_ops import CASES, assert_dense, batch  # noqa: E402
 
 from pdserve import LLM, SamplingParams  # noqa: E402
 from pdserve.engine.cuda import triton_attention  # noqa: E402
@@ -40,16 +40,7 @@ def test_the_kernel_matches_dense_attention(case: tuple, dtype: torch.dtype) -> 
     )
     q = qkv[:, : heads * head_dim].view(-1, heads, head_dim)  # strided rows, as in the model
     out = paged_attention(q, k_cache, v_cache, tables, lens, starts, head_dim**-0.5, window, max(q_lens))
-    for s, (q_len, length) in enumerate(zip(q_lens, seq_lens, strict=True)):
-        blocks = tables[s, : -(-length // block_size)]
-        k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:length]
-        v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:length]
-        rows = slice(int(starts[s]), int(starts[s + 1]))
-        want = dense_reference(q[rows], k, v, list(range(length - q_len, length)), window)
-        # bf16: products accumulate in fp32, the probabilities are rounded to bf16 before the V
-        # product (as the flash kernels do) and so is the output.
-        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(out[rows].float(), want, rtol=tolerance, atol=tolerance)
+    assert_dense(out, q, k_cache, v_cache, tables, starts, case)
 
 
 def test_an_engine_on_the_kernel_gives_the_portable_engines_tokens(

@@ -52,10 +52,22 @@ class TorchLayerOps:
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)  # type: ignore[no-untyped-call]
         q, k = rope(positions, q.view(tokens, num_heads, head_dim), k.view(tokens, num_kv_heads, head_dim))
-        attn = paged_attention(
-            q, k, v.view(tokens, num_kv_heads, head_dim), k_cache, v_cache, meta, scale
-        )  # [T, H, D]
+        attn = self.attend(q, k, v.view(tokens, num_kv_heads, head_dim), k_cache, v_cache, meta, scale)
         return attn.view(tokens, q_size)
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [T, H, D], rotated
+        k: torch.Tensor,  # [T, KVH, D], rotated
+        v: torch.Tensor,  # [T, KVH, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        """This step's K/V written to their slots, then the attention: what a subclass with its own
+        attention kernel replaces."""
+        return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
         gate, up = gate_up.chunk(2, dim=-1)

@@ -26,7 +26,7 @@ from pdserve.engine.cuda.triton_kernels import paged_attention_kernel
 from pdserve.engine.layer_ops import TorchLayerOps
 
 if TYPE_CHECKING:
-    from pdserve.models.llama import RotaryEmbedding
+    pass
 
 BLOCK_N = 32  # keys per tile
 MAX_BLOCK_Q = 16  # queries per program
@@ -82,36 +82,29 @@ def paged_attention(
 
 
 class TritonLayerOps(TorchLayerOps):
-    """The portable ops with the step's attention in the Triton kernel above (RoPE and the cache
-    write stay torch's)."""
+    """The portable ops with the step's attention (`attend`) in the Triton kernel above; RoPE and
+    the cache write stay torch's."""
 
     name = "triton-attention"
     varlen = True  # the runner builds the kernel's metadata (lengths, starts, one table per sequence)
 
-    def attention(
+    def attend(
         self,
-        qkv: torch.Tensor,  # [T, (H + 2 KVH) * D]
-        positions: torch.Tensor,  # [T]
-        rope: RotaryEmbedding,
+        q: torch.Tensor,  # [T, H, D], rotated
+        k: torch.Tensor,  # [T, KVH, D], rotated
+        v: torch.Tensor,  # [T, KVH, D]
         k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        num_heads: int,
-        num_kv_heads: int,
         scale: float,
-    ) -> torch.Tensor:  # [T, H * D]
-        tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)  # type: ignore[no-untyped-call]
-        q, k = rope(positions, q.view(tokens, num_heads, head_dim), k.view(tokens, num_kv_heads, head_dim))
+    ) -> torch.Tensor:  # [T, H, D]
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-            0, meta.slot_mapping, v.view(tokens, num_kv_heads, head_dim)
-        )
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         assert (
             meta.block_tables is not None and meta.seq_lens is not None and meta.query_start_loc is not None
         )
-        attn = paged_attention(
+        return paged_attention(
             q.contiguous(),
             k_cache,
             v_cache,
@@ -122,4 +115,3 @@ class TritonLayerOps(TorchLayerOps):
             meta.sliding_window or 0,
             meta.max_query_len,
         )
-        return attn.view(tokens, q_size)
