@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import devices, serve_options
+from pdserve.cluster.base import ClusterBackend
 from pdserve.config import (
     DEFAULT_PREFILL_CHUNK_SIZE,
     KV_CHECKSUM_MODES,
@@ -351,7 +352,7 @@ def ray_placements(o: dict[str, Any]) -> dict[str, Any]:
     return placements
 
 
-def cluster_backend(o: dict[str, Any], secrets: DeploymentSecrets) -> Any:
+def cluster_backend(o: dict[str, Any], secrets: DeploymentSecrets) -> ClusterBackend:
     """The ClusterBackend that --cluster names."""
     if o["cluster"] == "ray":
         from pdserve.cluster.ray_backend import RayCluster
@@ -381,7 +382,12 @@ def run(o: dict[str, Any]) -> int:
     from pdserve.modelfiles.source import generation_eos_ids, resolve_model
     from pdserve.planner.loop import Planner
     from pdserve.pools.manager import PoolManager
-    from pdserve.router.app import Router
+    from pdserve.router.app import Router, RouterParts
+    from pdserve.router.channel import ZmqConnector
+    from pdserve.router.dispatch import Dispatcher
+    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.workers import WorkerSet
+    from pdserve.signals import Signals
     from pdserve.text.tokenizer import load_router_tokenizer
 
     logging.basicConfig(level=o["log_level"], format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -413,18 +419,22 @@ def run(o: dict[str, Any]) -> int:
             reject_on_slo_miss=o["reject_on_slo_miss"],
             slo_reject_factor=o["slo_reject_factor"],
         ),
-        heartbeat_timeout=o["heartbeat_timeout"],
-        stall_timeout=o["stall_timeout"],
         keys=keys,
         max_body_bytes=o["max_body_bytes"],
         body_timeout=o["body_timeout"],
     )
     secrets = DeploymentSecrets.generate()  # in memory only: a restart makes new ones
-    router = Router(settings, tokenizer, eos, secrets.router)
+    # The router's parts, each given what it works on (nothing reaches into another afterwards).
+    metrics = RouterMetrics()
+    workers = WorkerSet(
+        ZmqConnector(secrets.router, heartbeat_timeout=o["heartbeat_timeout"]),
+        stall_timeout=o["stall_timeout"],
+    )
+    signals = Signals()
     pools = PoolManager(
         cluster_backend(o, secrets),
-        router.workers,
-        router.metrics,
+        workers,
+        metrics,
         specs,
         PoolSettings(
             start_timeout=o["ready_timeout"],
@@ -433,9 +443,9 @@ def run(o: dict[str, Any]) -> int:
             replace_failed=o["replace_failed"],
         ),
     )
-    router.attach_pools(pools)
-    planner = Planner(planner_settings(o), router.signals, router.workers, pools, router.metrics)
-    router.dispatcher.admission.at_bounds = planner.at_bounds
+    planner = Planner(planner_settings(o), signals, workers, pools, metrics)
+    dispatcher = Dispatcher(workers, settings.config, metrics, signals, at_bounds=planner.at_bounds)
+    router = Router(settings, tokenizer, eos, RouterParts(workers, dispatcher, signals, metrics, pools))
     pools.describers["planner"] = planner.describe
     pools.describers["signals"] = router.describe_signals
     from pdserve.router.http_limits import BoundedHttpToolsProtocol

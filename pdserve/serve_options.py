@@ -28,7 +28,9 @@ from pdserve.planner.law import LawSettings
 from pdserve.planner.loop import PlannerSettings
 from pdserve.pools.manager import PoolSettings
 from pdserve.router.app import RouterSettings
+from pdserve.router.channel import HEARTBEAT_TIMEOUT_S
 from pdserve.router.config import RouterConfig
+from pdserve.router.workers import STALL_TIMEOUT_S
 from pdserve.slo import DEFAULT_PERCENTILE
 
 # name -> (type, default, help). One table: it makes the flags, checks the config file, and
@@ -211,12 +213,12 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     ),
     "heartbeat_timeout": (
         float,
-        _default(RouterSettings, "heartbeat_timeout"),
+        HEARTBEAT_TIMEOUT_S,
         "a worker whose connection is silent this long is taken out of service",
     ),
     "stall_timeout": (
         float,
-        _default(RouterSettings, "stall_timeout"),
+        STALL_TIMEOUT_S,
         "a worker that sends no load report this long (a hung engine) is taken out",
     ),
     "log_level": (str, _default(_W, "log_level"), "DEBUG, INFO, WARNING, ERROR"),

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fakes import ScriptedConnector
 from serving import Server
 
 from pdserve import wire
@@ -33,7 +34,6 @@ from pdserve.planner.law import LawSettings
 from pdserve.planner.loop import Planner, PlannerSettings
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import WorkerLink, WorkerSet
-from pdserve.security import CurveKeypair
 from pdserve.signals import Signals
 from pdserve.slo import SLO
 
@@ -113,7 +113,7 @@ class RecordingPools:
 
 
 def up_worker(workers: WorkerSet, worker_id: str, role: str) -> WorkerLink:
-    link = workers.add_worker(worker_id, role)
+    link = workers.link(workers.add_worker(worker_id, role).worker_id)
     ready = wire.Ready(worker_id, role, "m", 8192, 49152, "tcp", "", "", 512, 512, 64)
     link._handle(ready)  # as if it had arrived on its socket
     link.up_at = time.monotonic() - 60.0  # up for a while: what the pool observed counts
@@ -137,7 +137,7 @@ def with_workers(body: Callable[[WorkerSet, Signals], Awaitable[None]]) -> None:
     """Run `body` on a fresh worker set (links fed by hand, never connected) inside an event loop."""
 
     async def run() -> None:
-        workers = WorkerSet(keypair=CurveKeypair.generate())
+        workers = WorkerSet(ScriptedConnector())
         try:
             await body(workers, Signals())
         finally:

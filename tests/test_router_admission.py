@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fakes import ScriptedConnector
 from serving import Server
 
 from pdserve import LLM, SamplingParams, wire
@@ -24,7 +25,6 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import WorkerLink, WorkerSet
-from pdserve.security import CurveKeypair
 from pdserve.slo import SLO
 
 PROMPTS = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * (2 + i) for i in range(8)]
@@ -36,12 +36,12 @@ def run(scenario: Scenario, config: RouterConfig, pools: tuple[str, ...] = ("pre
     """`scenario(dispatcher, links)` against workers that said Ready (one per entry of `pools`)."""
 
     async def main() -> None:
-        workers = WorkerSet(keypair=CurveKeypair.generate())
+        workers = WorkerSet(ScriptedConnector())
         try:
             links = []
             for i, role in enumerate(pools):
                 worker_id = f"{role}-{i}"
-                link = workers.add_worker(worker_id, role)
+                link = workers.link(workers.add_worker(worker_id, role).worker_id)
                 link._handle(wire.Ready(worker_id, role, "m", 8192, 49152, "shm", "", "", 512, 2048, 64))
                 links.append(link)
             result = scenario(Dispatcher(workers, config, RouterMetrics()), links)
@@ -73,7 +73,7 @@ def test_a_prompt_that_would_overfill_its_pools_queue_is_refused_with_the_time_i
     def scenario(dispatcher: Dispatcher, links: list[WorkerLink]) -> None:
         admission = dispatcher.admission
         admission.check_queue(5000)  # an empty pool takes any one prompt, however long
-        links[0].queued_prompt_tokens, links[1].queued_prompt_tokens = 900, 600
+        links[0].open_leg("a", 900), links[1].open_leg("b", 600)  # sent, not prefilled yet
         links[0].prefill_tokens_per_s, links[1].prefill_tokens_per_s = 300.0, 200.0
         admission.check_queue(500)  # 1500 + 500 <= 2 workers x 1000
         with pytest.raises(Overloaded, match="1500 prompt tokens queued") as refused:

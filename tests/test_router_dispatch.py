@@ -19,6 +19,7 @@ from pdserve import LLM, SamplingParams, wire
 from pdserve.cluster.local import LocalCluster
 from pdserve.config import EngineConfig, Role, WorkerConfig
 from pdserve.router.app import _error_kind
+from pdserve.router.channel import ZmqConnector
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher, RequestInvalid, RequestState
 from pdserve.router.metrics import RouterMetrics
@@ -316,7 +317,7 @@ def test_a_request_a_worker_refuses_as_invalid_fails_at_once_without_retries(tin
 
     async def scenario() -> None:
         cluster = LocalCluster(secrets.for_workers(), pin_cpus=False)
-        workers = WorkerSet(keypair=secrets.router)
+        workers = WorkerSet(ZmqConnector(secrets.router))
         dispatcher = Dispatcher(workers, RouterConfig(max_retries=5), RouterMetrics())
         try:
             for pool, role in (("prefill", Role.PREFILL), ("decode", Role.DECODE)):

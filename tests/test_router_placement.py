@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
+from fakes import ScriptedConnector
 
 from pdserve import wire
 from pdserve.costmodel import MIXED_MIN_SAMPLES, Step
@@ -15,7 +16,6 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import WorkerLink, WorkerSet
-from pdserve.security import CurveKeypair
 from pdserve.slo import SLO
 
 
@@ -23,10 +23,10 @@ def run(scenario: Callable[[WorkerSet], None]) -> None:
     """`scenario(workers)` with a prefill worker 4000 prompt tokens behind and an idle decode worker."""
 
     async def main() -> None:
-        workers = WorkerSet(keypair=CurveKeypair.generate())
+        workers = WorkerSet(ScriptedConnector())
         try:
             for worker_id, role, queued in (("prefill-0", "prefill", 4000), ("decode-0", "decode", 0)):
-                link: WorkerLink = workers.add_worker(worker_id, role)
+                link: WorkerLink = workers.link(workers.add_worker(worker_id, role).worker_id)
                 link._handle(wire.Ready(worker_id, role, "m", 8192, 49152, "shm", "", "", 512, 2048, 64))
                 link._handle(
                     wire.Load(worker_id, 0, 0, queued, 0, 768, 0, 10.0, kv_blocks_total=768, block_size=64)
@@ -59,7 +59,7 @@ def test_the_path_choice_takes_the_server_s_slo_percentile_and_itl_budget() -> N
             dispatcher = Dispatcher(workers, config, RouterMetrics())
             warm(dispatcher)
             choice, prefill, local = dispatcher.placement.choose_path(100)
-            assert (choice.path, prefill, local) == ("local", None, workers.links["decode-0"])
+            assert (choice.path, prefill, local) == ("local", None, workers.view("decode-0"))
             choices[percentile] = choice
         # The ITL budget a local prefill's steps must fit, divided by the model's under-prediction
         # of such steps at the SLO's percentile: a stricter percentile, a bigger margin.

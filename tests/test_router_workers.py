@@ -11,6 +11,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve import wire
+from pdserve.router.channel import ZmqConnector
 from pdserve.router.workers import DownCause, WorkerDown, WorkerSet, WorkerState
 from pdserve.security import CurveKeypair, curve_server
 
@@ -55,9 +56,10 @@ def test_a_worker_that_stops_reporting_is_taken_out_and_its_legs_aborted_when_it
         context = zmq.asyncio.Context()
         worker = scripted_worker(context)
         port = worker.bind_to_random_port("tcp://127.0.0.1")
-        workers = WorkerSet(stall_timeout=0.6, keypair=ROUTER_KEYS)
+        workers = WorkerSet(ZmqConnector(ROUTER_KEYS), stall_timeout=0.6)
         try:
-            link = workers.add_worker("w0", "decode", f"tcp://127.0.0.1:{port}", WORKER_KEYS.public)
+            workers.add_worker("w0", "decode", f"tcp://127.0.0.1:{port}", WORKER_KEYS.public)
+            link = workers.link("w0")
             assert link.state is WorkerState.STARTING
             identity, hello = await recv(worker)
             assert hello == b""
@@ -88,11 +90,12 @@ def test_a_worker_that_stops_reporting_is_taken_out_and_its_legs_aborted_when_it
 def test_a_worker_that_restarts_at_the_same_address_is_greeted_and_used_again() -> None:
     async def scenario() -> None:
         context = zmq.asyncio.Context()
-        workers = WorkerSet(keypair=ROUTER_KEYS)
+        workers = WorkerSet(ZmqConnector(ROUTER_KEYS))
         first = scripted_worker(context)
         port = first.bind_to_random_port("tcp://127.0.0.1")
         try:
-            link = workers.add_worker("w0", "decode", f"tcp://127.0.0.1:{port}", WORKER_KEYS.public)
+            workers.add_worker("w0", "decode", f"tcp://127.0.0.1:{port}", WORKER_KEYS.public)
+            link = workers.link("w0")
             identity, _ = await recv(first)
             await first.send_multipart([identity, wire.encode(READY)])
             await wait_until(lambda: link.state is WorkerState.UP)
@@ -119,20 +122,21 @@ def test_a_draining_worker_takes_nothing_new_but_answers_and_a_removed_one_is_st
         context = zmq.asyncio.Context()
         worker = scripted_worker(context)
         port = worker.bind_to_random_port("tcp://127.0.0.1")
-        workers = WorkerSet(keypair=ROUTER_KEYS)
+        workers = WorkerSet(ZmqConnector(ROUTER_KEYS))
         states: list[tuple[str, WorkerState]] = []
         workers.on_state = lambda link: states.append((link.worker_id, link.state))
         try:
-            link = workers.add_worker("w0", "decode")  # starting: the backend has not reported yet
+            workers.add_worker("w0", "decode")  # starting: the backend has not reported yet
+            link = workers.link("w0")
             assert workers.up("decode") == [] and link.state is WorkerState.STARTING
             link.connect(f"tcp://127.0.0.1:{port}", WORKER_KEYS.public)
             identity, _ = await recv(worker)
             await worker.send_multipart([identity, wire.encode(READY)])
             await wait_until(lambda: link.state is WorkerState.UP)
-            assert workers.up("decode") == [link] and workers.up("prefill") == []
+            assert [w.worker_id for w in workers.up("decode")] == ["w0"] and workers.up("prefill") == []
             leg = link.open_leg("r.0")
 
-            workers.drain_worker("w0")
+            workers.drain("w0")
             assert link.state is WorkerState.DRAINING and workers.up("decode") == []
             await worker.send_multipart([identity, wire.encode(wire.Tokens("r.0", [7]))])
             assert (await asyncio.wait_for(leg.events.get(), 5)) == wire.Tokens("r.0", [7])

@@ -21,15 +21,13 @@ from typing import Any, Protocol
 from pdserve.costmodel import Step, chunk_attention
 from pdserve.planner.law import DECODE_PHASE, Decision, LawMemory, LawSettings, PoolPlan, PoolView, decide
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.placement import context_per_stream
-from pdserve.router.workers import WorkerLink, WorkerSet, WorkerState
+from pdserve.router.workers import WorkerSet, WorkerState, WorkerView
 from pdserve.signals import Signals
 from pdserve.slo import SLO, ms_text, quantile
 
 logger = logging.getLogger(__name__)
 
 MODES = ("off", "slo")
-_DEFAULT_MAX_SEQS = 64
 
 
 class PoolTargets(Protocol):
@@ -179,10 +177,10 @@ class Planner:
 
     def _view(self, name: str, bounds: tuple[int, int, int], now: float) -> PoolView:
         target, low, high = bounds
-        links = [w for w in self.workers.in_pool(name) if w.state is not WorkerState.STOPPED]
-        up = [w for w in links if w.up]
-        starting = [w for w in links if w.state is WorkerState.STARTING and not w.draining]
-        draining = [w for w in links if w.draining and w.state is not WorkerState.STARTING]
+        views = [w for w in self.workers.views(name) if w.state is not WorkerState.STOPPED]
+        up = [w for w in views if w.up]
+        starting = [w for w in views if w.state is WorkerState.STARTING]
+        draining = [w for w in views if w.state is WorkerState.DRAINING]
         # Supply not up yet: starting, or to be started (a failed start waits out its pause).
         pending = max(len(starting), target - len(up))
         fresh = self._fresh(up, now)
@@ -198,14 +196,12 @@ class Planner:
         react = max(self.settings.interval_s, min(react, now - changed))
         sig = self.signals.pool(name)
         cost = self.signals.cost
-        contexts = [context_per_stream(w) for w in up if w.load is not None and w.load.num_running]
+        contexts = [w.context_per_stream() for w in up if w.load is not None and w.load.num_running]
         context = sum(contexts) / len(contexts) if contexts else 256.0
         capacity: int | None = None
         predicted_itl: float | None = None
         if DECODE_PHASE[name] and up:
-            limit = min(
-                (w.ready.max_num_seqs if w.ready and w.ready.max_num_seqs else _DEFAULT_MAX_SEQS) for w in up
-            )
+            limit = min(w.max_num_seqs for w in up)
             kv_tokens = [
                 w.load.kv_blocks_total * w.load.block_size for w in up if w.load and w.load.block_size
             ]
@@ -243,7 +239,7 @@ class Planner:
             model_ready=cost.ready,
         )
 
-    def _fresh(self, up: list[WorkerLink], now: float) -> bool:
+    def _fresh(self, up: list[WorkerView], now: float) -> bool:
         """Every worker that is up reported recently; a change either way is logged (a pool held
         for late reports is otherwise silent)."""
         fresh = True
@@ -262,18 +258,18 @@ class Planner:
                 self._late.discard(link.worker_id)
         return fresh
 
-    def _stale_after(self, link: WorkerLink) -> float:
+    def _stale_after(self, link: WorkerView) -> float:
         """A worker reports between steps: one in a long step is busy, not stale. How long its
         step may take: its longest recent step, or (with prompts queued on it) the cost model's
         time for a full chunk of them with its streams, whichever is longer."""
-        step = link.longest_recent_step_s()
+        step = link.longest_recent_step_s
         cost = self.signals.cost
         queued = max(link.queued_prompt_tokens, link.load.queued_prompt_tokens if link.load else 0)
         if queued and cost.ready and link.ready is not None:
             budget = link.ready.max_num_batched_tokens or link.ready.chunk_size or queued
             tokens = min(queued, budget)
             streams = link.load.num_running if link.load else 0
-            context = round(streams * context_per_stream(link))
+            context = round(streams * link.context_per_stream())
             chunk = Step(tokens, chunk_attention(0, tokens), streams, context)
             step = max(step, cost.step_seconds(chunk))
         return max(self.settings.stale_after_s, 2 * step + 1.0)

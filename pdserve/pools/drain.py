@@ -13,56 +13,42 @@ holds no request and no block.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
-from pdserve import wire
-from pdserve.router.workers import Leg, WorkerLink, WorkerSet
+from pdserve.router.workers import WorkerSet
 
 logger = logging.getLogger(__name__)
 
-POLL_SECONDS = 0.05
+# The longest wait between two looks at a draining worker when nothing changes (a worker reports
+# its load every 0.1 s, and every report wakes the drain).
+WAKE_SECONDS = 1.0
 
 
-def ask_to_move(link: WorkerLink, legs: list[Leg], reason: str) -> int:
-    """Ask the worker to hand these streams over (each answers with Migrated). Returns how many."""
-    legs = [leg for leg in legs if not leg.done and leg.move_reason is None]
-    if not legs:
-        return 0
-    for leg in legs:
-        leg.move_reason = reason
-    if not link.send(wire.Migrate([leg.leg_id for leg in legs])):
-        for leg in legs:  # not connected: nothing was asked
-            leg.move_reason = None
-        return 0
-    return len(legs)
-
-
-async def drain(link: WorkerLink, workers: WorkerSet, timeout: float, *, moves_streams: bool) -> str:
+async def drain(workers: WorkerSet, worker_id: str, timeout: float, *, moves_streams: bool) -> str:
     """Wait until the draining worker holds nothing. Returns the outcome: `ok`, `timeout` (it
     still held something after `timeout` seconds) or `lost` (it went down or ended meanwhile)."""
     deadline = time.monotonic() + timeout
     empty_since: float | None = None
     while True:
-        if not link.connected:
+        view = workers.view(worker_id)
+        if view is None or not view.connected:
             return "lost"
-        if moves_streams:
-            others = [w for w in workers.up(link.pool) if w is not link]
-            if others:
-                ask_to_move(link, link.streams(), "drain")
-        if link.legs:
+        if moves_streams and any(w.worker_id != worker_id for w in workers.up(view.pool)):
+            workers.move_streams(worker_id, "drain")
+        if view.streams:
             empty_since = None
         elif empty_since is None:
-            empty_since = time.monotonic()
-        elif link.idle_since(empty_since):
+            empty_since = time.monotonic()  # a report after this moment decides
+        elif view.idle_since(empty_since):
             return "ok"
-        if time.monotonic() > deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
             logger.warning(
                 "worker %s: drain timed out after %g s with %d requests still on it",
-                link.worker_id,
+                worker_id,
                 timeout,
-                len(link.legs),
+                view.streams,
             )
             return "timeout"
-        await asyncio.sleep(POLL_SECONDS)
+        await workers.wait_for_change(min(left, WAKE_SECONDS))

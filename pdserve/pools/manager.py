@@ -30,7 +30,7 @@ from pdserve.pools import drain
 from pdserve.router import policy
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import STREAM_POOLS
-from pdserve.router.workers import WorkerLink, WorkerSet, WorkerState
+from pdserve.router.workers import WorkerSet, WorkerState, WorkerView
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,6 @@ class PoolManager:
         self.rebalance_on_start = settings.rebalance_on_start
         self.replace_failed = settings.replace_failed
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._up_at: dict[str, float] = {}  # worker id -> when it came up
         self._killing: set[str] = set()
         self._serving = False  # the initial workers are up: from now on the pools are kept
         self._closing = False
@@ -135,12 +134,14 @@ class PoolManager:
             reason = abort() if abort is not None else None
             if reason:
                 raise PdserveError(f"start-up stopped: {reason}")
-            waiting = [w.worker_id for w in self.workers.links.values() if w.state is WorkerState.STARTING]
+            waiting = [w.worker_id for w in self.workers.views() if w.state is WorkerState.STARTING]
             if not waiting:
                 break
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise PdserveError(f"workers not ready after {self.start_timeout:g} s: {', '.join(waiting)}")
-            await asyncio.sleep(0.05)
+            # A start's failure or an abort is no worker's change: look again at least this often.
+            await self.workers.wait_for_change(min(left, 0.25))
         self._serving = True
         self._keeper = self._spawn(self._keep(), "pool-keeper")
 
@@ -155,8 +156,8 @@ class PoolManager:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         # The links first: a worker that stops is then not reported as one that went down.
-        for worker_id in list(self.workers.links):
-            await self.workers.remove_worker(worker_id, "the server is shutting down", forget=False)
+        for view in self.workers.views():
+            await self.workers.remove_worker(view.worker_id, "the server is shutting down", forget=False)
         await self.backend.close()
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
@@ -171,34 +172,36 @@ class PoolManager:
             logger.error("pool task %s failed", task.get_name(), exc_info=task.exception())
 
     async def _keep(self) -> None:
-        """Every half second: each pool back to its target (after a failed start, not before its
-        pause is over); a worker down for too long is killed (then replaced); a pool whose
-        workers have run for a while forgets its failed starts."""
         while True:
-            now = time.monotonic()
-            for pool in self.pools.values():
-                self._kill_hung(pool, now)
-                up = [now - self._up_at.get(w.worker_id, now) for w in self.workers.up(pool.name)]
-                if pool.failures and up and min(up) > self.settings.settle_seconds:
-                    pool.failures = 0
-                self._reconcile(pool)
+            self.keep_once(time.monotonic())
             await asyncio.sleep(0.5)
+
+    def keep_once(self, now: float) -> None:
+        """One round of the keeper (every half second): each pool back to its target (after a
+        failed start, not before its pause is over); a worker down for too long is killed (then
+        replaced); a pool whose workers have run for a while forgets its failed starts."""
+        for pool in self.pools.values():
+            self._kill_hung(pool, now)
+            up = [now - (w.up_at or now) for w in self.workers.up(pool.name)]
+            if pool.failures and up and min(up) > self.settings.settle_seconds:
+                pool.failures = 0
+            self._reconcile(pool)
 
     def _kill_hung(self, pool: Pool, now: float) -> None:
         """A worker whose process lives but has been down (silent) for `down_grace` is killed: its
         exit then takes it out and the pool replaces it."""
-        for link in self.workers.in_pool(pool.name):
-            hung = link.state is WorkerState.DOWN and now - link.state_since > self.settings.down_grace
-            if hung and link.worker_id not in self._killing:
-                self._killing.add(link.worker_id)
+        for worker in self.workers.views(pool.name):
+            hung = worker.state is WorkerState.DOWN and now - worker.state_since > self.settings.down_grace
+            if hung and worker.worker_id not in self._killing:
+                self._killing.add(worker.worker_id)
                 logger.error(
                     "worker %s: down for %.0f s (%s): killing it",
-                    link.worker_id,
-                    now - link.state_since,
-                    link.detail,
+                    worker.worker_id,
+                    now - worker.state_since,
+                    worker.detail,
                 )
                 self._spawn(
-                    self.backend.stop_worker(link.worker_id, graceful=False), f"kill-{link.worker_id}"
+                    self.backend.stop_worker(worker.worker_id, graceful=False), f"kill-{worker.worker_id}"
                 )
 
     # -- the admin API --------------------------------------------------------------------------------
@@ -235,48 +238,53 @@ class PoolManager:
     def drain(self, worker_id: str, *, force: bool = False, replace: bool = False) -> dict[str, Any]:
         """POST /workers/{id}/drain: drain that worker, then stop it. The pool's target goes down by
         one, or stays (`replace`: a new worker takes its place)."""
-        link = self.workers.links.get(worker_id)
-        if link is None:
+        worker = self.workers.view(worker_id)
+        if worker is None:
             raise PoolError(f"unknown worker {worker_id!r}")
-        pool = self._pool(link.pool)
-        if link.draining or worker_id in pool.replacing:
-            return self._describe_worker(link, pool.handles.get(worker_id))
-        if replace and link.state is WorkerState.UP:
+        pool = self._pool(worker.pool)
+        if worker.state is WorkerState.DRAINING or worker_id in pool.replacing:
+            return self._describe_worker(worker, pool.handles.get(worker_id))
+        if replace and worker.state is WorkerState.UP:
             # It serves on until its replacement is up (the pool never has fewer workers up than
             # its target), then drains: its streams then have somewhere to go.
             pool.replacing.add(worker_id)
-            link.detail = "to be drained once its replacement is up"
+            self.workers.set_detail(worker_id, "to be drained once its replacement is up")
             self._reconcile(pool)
-            self._spawn(self._replace_then_drain(pool, link), f"replace-{worker_id}")
-            return self._describe_worker(link, pool.handles.get(worker_id))
+            self._spawn(self._replace_then_drain(pool, worker_id), f"replace-{worker_id}")
+            return self._describe_worker(self._now(worker), pool.handles.get(worker_id))
         if not replace:
             if pool.target - 1 < pool.spec.min:
                 raise PoolError(
                     f"pool {pool.name}: draining {worker_id} would take it below its min {pool.spec.min} "
                     "(ask for replace, or lower the pool's min)"
                 )
-            others = [w for w in self.workers.up(pool.name) if w is not link]
+            others = [w for w in self.workers.up(pool.name) if w.worker_id != worker_id]
             if not others and not force:
                 raise PoolError(
                     f"{worker_id} is the last worker of pool {pool.name} that is up: draining it leaves "
                     "the pool empty (ask for force to do it anyway)"
                 )
             self._set_target(pool, pool.target - 1)
-        self._begin_drain(pool, link)
+        self._begin_drain(pool, worker)
         if replace:
             self._reconcile(pool)
-        return self._describe_worker(link, pool.handles.get(worker_id))
+        return self._describe_worker(self._now(worker), pool.handles.get(worker_id))
 
-    async def _replace_then_drain(self, pool: Pool, link: WorkerLink) -> None:
+    def _now(self, view: WorkerView) -> WorkerView:
+        """The worker's view as it is now (after a command), or as it was if it is gone."""
+        return self.workers.view(view.worker_id) or view
+
+    async def _replace_then_drain(self, pool: Pool, worker_id: str) -> None:
         def replaced() -> bool:  # the pool is at its target without the workers being replaced
             others = [w for w in self.workers.up(pool.name) if w.worker_id not in pool.replacing]
             return len(others) >= max(pool.target, 1)
 
-        while not replaced() and link.worker_id in self.workers.links:
-            await asyncio.sleep(drain.POLL_SECONDS)
-        pool.replacing.discard(link.worker_id)
-        if link.worker_id in self.workers.links and not link.draining:
-            self._begin_drain(pool, link)
+        while not replaced() and self.workers.view(worker_id) is not None:
+            await self.workers.wait_for_change(drain.WAKE_SECONDS)
+        pool.replacing.discard(worker_id)
+        view = self.workers.view(worker_id)
+        if view is not None and view.state is not WorkerState.DRAINING:
+            self._begin_drain(pool, view)
 
     def rebalance(self, pool_name: str) -> dict[str, Any]:
         """POST /pools/{pool}/rebalance: move streams from the busiest workers to the idlest."""
@@ -285,16 +293,10 @@ class PoolManager:
             raise PoolError(
                 f"pool {pool.name} holds no streams to move (only {' and '.join(STREAM_POOLS)} do)"
             )
-        links = {w.worker_id: w for w in self.workers.up(pool.name)}
-        plan = policy.plan_rebalance({w: len(link.streams()) for w, link in links.items()})
+        plan = policy.plan_rebalance({w.worker_id: w.staying for w in self.workers.up(pool.name)})
         moved: dict[str, int] = {}
         for worker_id, count in plan.items():
-            link = links[worker_id]
-            # The newest requests have the most tokens still to come and the least KV to move;
-            # one whose KV is still arriving (it just came here) is left where it is.
-            settled = [leg for leg in link.streams() if not leg.receiving]
-            newest = sorted(settled, key=lambda leg: leg.request_started, reverse=True)[:count]
-            moved[worker_id] = drain.ask_to_move(link, newest, "rebalance")
+            moved[worker_id] = self.workers.move_newest(worker_id, count, "rebalance")
         if moved:
             logger.info("pool %s: rebalance moves %s", pool.name, moved)
         return {"pool": pool.name, "moved": moved}
@@ -315,8 +317,9 @@ class PoolManager:
             return
         supply = [
             w
-            for w in self.workers.in_pool(pool.name)
-            if not w.draining and w.state is not WorkerState.STOPPED and w.worker_id not in pool.replacing
+            for w in self.workers.views(pool.name)
+            if w.state not in (WorkerState.DRAINING, WorkerState.STOPPED)
+            and w.worker_id not in pool.replacing
         ]
         if len(supply) < pool.target:
             if time.monotonic() < pool.retry_at:
@@ -330,36 +333,35 @@ class PoolManager:
             supply.sort(
                 key=lambda w: (
                     order.get(w.state, 3),
-                    len(w.legs),
+                    w.streams,
                     w.load.kv_blocks_used if w.load else 0,
                     -w.opened_at,
                 )
             )
-            for link in supply[: len(supply) - pool.target]:
-                self._begin_drain(pool, link)
+            for worker in supply[: len(supply) - pool.target]:
+                self._begin_drain(pool, worker)
 
-    def _begin_drain(self, pool: Pool, link: WorkerLink) -> None:
-        was_starting = link.state is WorkerState.STARTING
-        self.workers.drain_worker(link.worker_id)
-        starting = pool.starting.pop(link.worker_id, None)
+    def _begin_drain(self, pool: Pool, worker: WorkerView) -> None:
+        worker_id = worker.worker_id
+        self.workers.drain(worker_id)
+        starting = pool.starting.pop(worker_id, None)
         if starting is not None:
             starting.cancel()  # the backend stops what it had started
-        if was_starting:  # not up yet: nothing to drain, just stop it
-            self._spawn(self._stop(pool, link, "cancelled"), f"stop-{link.worker_id}")
+        if worker.state is WorkerState.STARTING:  # not up yet: nothing to drain, just stop it
+            self._spawn(self._stop(pool, worker_id, "cancelled"), f"stop-{worker_id}")
             return
-        logger.info("worker %s: draining (%d streams)", link.worker_id, len(link.legs))
-        pool.drains[link.worker_id] = self._spawn(self._drain(pool, link), f"drain-{link.worker_id}")
+        logger.info("worker %s: draining (%d streams)", worker_id, worker.streams)
+        pool.drains[worker_id] = self._spawn(self._drain(pool, worker_id), f"drain-{worker_id}")
 
-    async def _drain(self, pool: Pool, link: WorkerLink) -> None:
+    async def _drain(self, pool: Pool, worker_id: str) -> None:
         outcome = await drain.drain(
-            link, self.workers, self.drain_timeout, moves_streams=pool.name in STREAM_POOLS
+            self.workers, worker_id, self.drain_timeout, moves_streams=pool.name in STREAM_POOLS
         )
-        await self._stop(pool, link, outcome)
+        await self._stop(pool, worker_id, outcome)
 
-    async def _stop(self, pool: Pool, link: WorkerLink, outcome: str) -> None:
+    async def _stop(self, pool: Pool, worker_id: str, outcome: str) -> None:
         """After a drain: stop the worker and forget it. Past the drain timeout, what it still
         holds ends here (its streams with an error event, its prompts prefilled again)."""
-        worker_id = link.worker_id
         try:
             reason = {"ok": "drained", "cancelled": "stopped before it started"}.get(
                 outcome, f"drain ended: {outcome}"
@@ -367,7 +369,8 @@ class PoolManager:
             if outcome == "timeout":
                 reason = f"--drain-timeout ({self.drain_timeout:g} s) passed while draining"
             self.metrics.worker_drains.labels(pool.name, outcome).inc()
-            ready = link.ready
+            view = self.workers.view(worker_id)
+            ready = view.ready if view is not None else None
             await self.workers.remove_worker(worker_id, reason, forget=False)
             await self.backend.stop_worker(worker_id, graceful=True, timeout=self.stop_timeout)
             # Only now: until it stopped, a late pull could have mapped its segment again.
@@ -393,19 +396,21 @@ class PoolManager:
             return
         finally:
             pool.starting.pop(worker_id, None)
-        link = self.workers.links.get(worker_id)
-        if link is None or link.draining:  # drained or removed while it started
+        worker = self.workers.view(worker_id)
+        if worker is None or worker.state is WorkerState.DRAINING:  # drained or removed while it started
             await self.backend.stop_worker(worker_id, graceful=True, timeout=self.stop_timeout)
             return
         pool.handles[worker_id] = handle
-        link.connect(handle.rpc_address, handle.rpc_public_key)
+        self.workers.connect(worker_id, handle.rpc_address, handle.rpc_public_key)
         deadline = time.monotonic() + self.start_timeout
-        while link.state is WorkerState.STARTING and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        if link.state is not WorkerState.UP:
+        while (worker := self.workers.view(worker_id)) is not None and worker.state is WorkerState.STARTING:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            await self.workers.wait_for_change(left)
+        if worker is None or worker.state is not WorkerState.UP:
             return  # it ended, or never said Ready over its connection: its exit (or reconcile) follows
         pool.last_error = None
-        self._up_at[worker_id] = time.monotonic()
         if self._serving and self.rebalance_on_start and pool.name in STREAM_POOLS:
             self.rebalance(pool.name)
 
@@ -417,25 +422,26 @@ class PoolManager:
         logger.error("pool %s: %s (next try in %g s)", pool.name, error, pause if self._serving else 0)
 
     def _on_exit(self, exit: WorkerExit) -> None:
-        """A worker ended (asked to or not): its link goes, and with it its metric series. The pool
+        """A worker ended (asked to or not): its worker goes, and with it its metric series. The pool
         is brought back to its target by the keeper."""
         for pool in self.pools.values():
             pool.handles.pop(exit.worker_id, None)
-        up_at = self._up_at.pop(exit.worker_id, None)
         self._killing.discard(exit.worker_id)
         if self._closing:
             return
-        link = self.workers.links.get(exit.worker_id)
-        if not exit.expected and link is not None:
-            pool = self.pools[link.pool]
+        worker = self.workers.view(exit.worker_id)
+        if not exit.expected and worker is not None:
+            draining = worker.state is WorkerState.DRAINING
+            pool = self.pools[worker.pool]
+            up_at = worker.up_at  # when it first said Ready
             if up_at is not None and time.monotonic() - up_at < self.settings.settle_seconds:
                 self._start_failed(
                     pool,
                     f"worker {exit.worker_id} {exit.reason} {time.monotonic() - up_at:.0f} s after it started",
                 )
-            if self.replace_failed and not link.draining:
+            if self.replace_failed and not draining:
                 logger.error("worker %s %s: a new one takes its place", exit.worker_id, exit.reason)
-            elif not link.draining:
+            elif not draining:
                 logger.error("worker %s %s: pool %s shrinks by one", exit.worker_id, exit.reason, pool.name)
                 self._set_target(pool, max(0, pool.target - 1))
         self._spawn(self.workers.remove_worker(exit.worker_id, exit.reason), f"remove-{exit.worker_id}")
@@ -450,32 +456,34 @@ class PoolManager:
         return view
 
     def _describe_pool(self, pool: Pool) -> dict[str, Any]:
-        links = self.workers.in_pool(pool.name)
+        views = self.workers.views(pool.name)
         return {
             "pool": pool.name,
             "target": pool.target,
             "min": pool.spec.min,
             "max": pool.spec.max,
             "last_error": pool.last_error,
-            "workers": [self._describe_worker(link, pool.handles.get(link.worker_id)) for link in links],
+            "workers": [
+                self._describe_worker(worker, pool.handles.get(worker.worker_id)) for worker in views
+            ],
         }
 
     @staticmethod
-    def _describe_worker(link: WorkerLink, handle: WorkerHandle | None) -> dict[str, Any]:
-        load = link.load
+    def _describe_worker(worker: WorkerView, handle: WorkerHandle | None) -> dict[str, Any]:
+        load = worker.load
         view: dict[str, Any] = {
-            "id": link.worker_id,
-            "pool": link.pool,
-            "state": link.state.value,
-            "detail": link.detail,
-            "streams": len(link.legs),
+            "id": worker.worker_id,
+            "pool": worker.pool,
+            "state": worker.state.value,
+            "detail": worker.detail,
+            "streams": worker.streams,
             "running": load.num_running if load else None,
             "waiting": load.num_waiting if load else None,
             "kv_blocks_used": load.kv_blocks_used if load else None,
             "kv_blocks_free": load.kv_blocks_free if load else None,
             "queued_prompt_tokens": load.queued_prompt_tokens if load else None,
             "held_leases": load.num_held if load else None,
-            "prefill_tokens_per_s": link.prefill_tokens_per_s,
+            "prefill_tokens_per_s": worker.prefill_tokens_per_s,
             "last_step_s": load.last_step_ms / 1000 if load else None,
         }
         if handle is not None:

@@ -59,6 +59,7 @@ class Admission:
         metrics: RouterMetrics,
         signals: Signals,
         placement: Placement,
+        at_bounds: Callable[[], bool] | None = None,
     ) -> None:
         self.workers = workers
         self.config = config
@@ -70,9 +71,9 @@ class Admission:
         # tokenized on the router's thread pool): they count against max_in_flight, or a burst
         # would pass the check while it waits for the tokenizer and pile up beyond the limit.
         self.admitting = 0
-        # Whether every pool is at its bound (or its budget): set by whoever manages the pools.
+        # Whether every pool is at its bound (or its budget), from whoever manages the pools.
         # Without one, the pools are as they are: always at their bounds.
-        self.at_bounds: Callable[[], bool] = lambda: True
+        self.at_bounds: Callable[[], bool] = at_bounds or (lambda: True)
         self._reserved: dict[int, _Reservation] = {}
         self._ids = itertools.count()
 

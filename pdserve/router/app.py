@@ -49,7 +49,6 @@ from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdserve.router.openapi import build_openapi
 from pdserve.router.placement import Unavailable
 from pdserve.router.workers import WorkerLink, WorkerSet, WorkerState
-from pdserve.security import CurveKeypair
 from pdserve.signals import Signals
 from pdserve.text.detok import IncrementalDetokenizer
 from pdserve.text.tokenizer import RouterTokenizer
@@ -61,10 +60,6 @@ logger = logging.getLogger(__name__)
 class RouterSettings:
     model_name: str
     config: RouterConfig = field(default_factory=RouterConfig)
-    heartbeat_timeout: float = 3.0
-    stall_timeout: float = 60.0  # no load report from a worker this long: taken out of service
-    signals_window: float = 30.0  # seconds of latency and demand the planner and /pools look at
-    cold_start_seconds: float = 5.0  # a worker's first steps are left out of the cost model
     keys: AccessKeys = field(default_factory=AccessKeys)  # none: every route open (pdserve.router.auth)
     # A completion or chat body above this is refused (413) before it is read whole. 8 MiB holds
     # a 128k-token prompt as text or as token ids several times over.
@@ -81,32 +76,42 @@ def _sse(body: Any) -> bytes:
     return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
 
+@dataclass(frozen=True)
+class RouterParts:
+    """What the router serves through, built by whoever runs it (pdserve.serve): the worker set,
+    the dispatcher over it (placement and admission inside), the signals the planner reads, the
+    metrics, and the pools behind the admin API (none: the admin API answers 503)."""
+
+    workers: WorkerSet
+    dispatcher: Dispatcher
+    signals: Signals
+    metrics: RouterMetrics
+    pools: PoolControl | None = None
+
+
 class Router:
     def __init__(
         self,
         settings: RouterSettings,
         tokenizer: RouterTokenizer,
         eos_token_ids: Sequence[int],
-        rpc_keypair: CurveKeypair,
+        parts: RouterParts,
     ) -> None:
-        """`rpc_keypair`: the router's CURVE keypair, which its workers accept (pdserve.security)."""
+        """The router owns its parts from here: it closes the pools (which stop their workers),
+        then the worker set, when it stops serving."""
         self.settings = settings
-        self.pools: PoolControl | None = None
+        self.pools = parts.pools
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self._openapi = build_openapi(settings.model_name, settings.keys)
         _ = tokenizer.max_token_chars  # a scan of the vocabulary: at start, not in the first request
         self._tokenize_pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="tokenize")
-        self.metrics = RouterMetrics()
-        self.workers = WorkerSet(
-            heartbeat_timeout=settings.heartbeat_timeout,
-            stall_timeout=settings.stall_timeout,
-            keypair=rpc_keypair,
-        )
+        self.metrics = parts.metrics
+        self.workers = parts.workers
         self.workers.on_load = self._record_load
         self.workers.on_state = self._record_state
-        self.signals = Signals(settings.signals_window, settings.cold_start_seconds)
-        self.dispatcher = Dispatcher(self.workers, settings.config, self.metrics, self.signals)
+        self.signals = parts.signals
+        self.dispatcher = parts.dispatcher
         slo = settings.config.slo
         self.metrics.slo_percentile.set(slo.percentile)
         for metric, value in (("ttft", slo.ttft_s), ("itl", slo.itl_s)):
@@ -131,10 +136,6 @@ class Router:
                 )
             ],
         )
-
-    def attach_pools(self, pools: PoolControl) -> None:
-        """The admin API's pools. Whoever made them starts them before serving, stops them after."""
-        self.pools = pools
 
     @asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:

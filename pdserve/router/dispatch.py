@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from pdserve import wire
@@ -36,7 +36,7 @@ from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import Placement, Unavailable
-from pdserve.router.workers import Leg, LegEvent, WorkerDown, WorkerLink, WorkerSet
+from pdserve.router.workers import Leg, LegEvent, WorkerDown, WorkerSet, WorkerView
 from pdserve.signals import Signals
 from pdserve.slo import ms_text
 
@@ -132,13 +132,17 @@ class Dispatcher:
         config: RouterConfig,
         metrics: RouterMetrics,
         signals: Signals | None = None,
+        *,
+        at_bounds: Callable[[], bool] | None = None,
     ) -> None:
+        """`at_bounds`: whether every pool is at its bound (or the budget), from whoever manages
+        them; none: the pools are as they are, always at their bounds."""
         self.workers = workers
         self.config = config
         self.metrics = metrics
         self.signals = signals or Signals()
         self.placement = Placement(workers, config, self.signals)
-        self.admission = Admission(workers, config, metrics, self.signals, self.placement)
+        self.admission = Admission(workers, config, metrics, self.signals, self.placement, at_bounds)
 
     async def generate(
         self, state: RequestState, prompt: list[int], params: wire.WireSamplingParams
@@ -426,7 +430,7 @@ class Dispatcher:
         if event.output_token_ids != attempt.outputs:  # cannot happen unless a message was lost
             raise fall_back("move_mismatch", f"worker {source} and the router disagree on its tokens")
         target = self.placement.pick_decode(
-            exclude=leg.link,
+            exclude=leg.link.worker_id,
             pools=(leg.link.pool,),
             blocks_needed=len(event.kv.block_ids) + 1,
             required=False,
@@ -469,8 +473,11 @@ class Dispatcher:
 
     # -- helpers ------------------------------------------------------------------------------------------
     def _open(
-        self, state: RequestState, link: WorkerLink, prompt_tokens: int, message: wire.AddRequest
+        self, state: RequestState, worker: WorkerView, prompt_tokens: int, message: wire.AddRequest
     ) -> Leg:
+        link = self.workers.links.get(worker.worker_id)
+        if link is None:  # it left the set since it was chosen
+            raise _Retry("worker_unreachable", f"worker {worker.worker_id} is gone")
         leg = link.open_leg(
             message.request_id,
             prompt_tokens,

@@ -1,27 +1,25 @@
-"""The router's links to its workers: one ZeroMQ DEALER socket each, on the router's event loop.
+"""The router's links to its workers, and the worker set: views out, commands in. No torch.
 
-Each worker is in one state (`WorkerState`): `starting` (its backend is starting it; no Ready
-yet), `up` (it takes new requests), `draining` (it finishes what it holds and takes nothing new),
-`down` (its connection dropped or it went silent; it may come back) and `stopped` (it ended; the
-link is closed and leaves the set). The set changes while serving: `add_worker`, `connect`,
-`drain_worker`, `remove_worker`.
+Each worker has one `WorkerLink`, over a `Channel` (pdserve.router.channel: ZeroMQ in production,
+a scripted worker in tests), in one state (`pdserve.router.views.WorkerState`). The set changes
+while serving: `add_worker`, `connect`, `drain`, `remove_worker`.
 
-A worker is up from its `Ready` until the connection drops or it goes silent. A process killed with SIGKILL closes its sockets, so the drop is seen at
-once (a socket monitor event); a frozen process stops answering ZeroMQ's heartbeats and is dropped
-after `heartbeat_timeout`; a process whose engine thread hangs (its ZeroMQ I/O thread still
-answers heartbeats) stops sending load reports and is taken out after `stall_timeout`. Everything
-waiting on a dropped worker is told (`WorkerDown`) straight away, so no stream hangs on a dead
-process; the legs it held are aborted there if it answers again.
+The control plane (pool manager, planner, placement, admission) reads `WorkerView` snapshots
+(`views`, `view`) and acts through the set's commands (`drain`, `move_streams`, `forget_kv`);
+`wait_for_change` wakes whoever waits on an outcome (a drain, a start) at the next change of any
+worker instead of a poll. The data plane (the dispatcher) opens `Leg`s on links.
 
-Messages from a worker are routed by request id to the `Leg` (one request on one worker) that
-waits for them. No torch here.
+A worker is up from its `Ready` until the connection drops or it goes silent. A process whose
+engine thread hangs (its ZeroMQ I/O thread still answers heartbeats) stops sending load reports
+and is taken out after `stall_timeout`. Everything waiting on a dropped worker is told
+(`WorkerDown`) straight away, so no stream hangs on a dead process; the legs it held are aborted
+there if it answers again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import time
 import uuid
@@ -29,32 +27,16 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import zmq
-import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
-
 from pdserve import wire
-from pdserve.security import CurveKeypair, curve_client
+from pdserve.router.channel import Channel, Connector
+from pdserve.router.views import DownCause, WorkerState, WorkerView
+
+__all__ = ["DownCause", "Leg", "WorkerDown", "WorkerLink", "WorkerSet", "WorkerState", "WorkerView"]
 
 logger = logging.getLogger(__name__)
 
 STEP_MEMORY_S = 60.0  # how far back a worker's longest step is remembered
-
-
-class WorkerState(enum.StrEnum):
-    STARTING = "starting"
-    UP = "up"
-    DRAINING = "draining"
-    DOWN = "down"
-    STOPPED = "stopped"
-
-
-class DownCause(enum.StrEnum):
-    """Why a worker is down: its connection dropped, or it stopped reporting (a stall; it may
-    only have been slow, and comes back at its next report)."""
-
-    DROPPED = "dropped"
-    STALLED = "stalled"
+STALL_TIMEOUT_S = 60.0  # no load report from a worker this long: taken out of service
 
 
 @dataclass(frozen=True)
@@ -92,18 +74,15 @@ class WorkerLink:
         self,
         worker_id: str,
         pool: str,
-        context: zmq.asyncio.Context,
+        connector: Connector,
         *,
-        heartbeat_interval: float = 0.5,
-        heartbeat_timeout: float = 3.0,
+        routing_id: bytes,
         on_load: Callable[[WorkerLink], None] | None = None,
         on_state: Callable[[WorkerLink], None] | None = None,
-        router_id: str = "",
-        keypair: CurveKeypair,
     ) -> None:
         self.worker_id = worker_id
         self.pool = pool
-        self.routing_id = f"{router_id or uuid.uuid4().hex}/{worker_id}".encode()[:255]
+        self.routing_id = routing_id
         self.address: str | None = None  # known once the backend has started the worker
         self.ready: wire.Ready | None = None
         self.load: wire.Load | None = None
@@ -114,17 +93,14 @@ class WorkerLink:
         # tokens (an average weighted toward the recent, from its load reports' steps).
         self.prefill_tokens_per_s: float | None = None
         self.detail = "starting"  # why it is in its state, for people (GET /pools, /health, logs)
-        self.down_cause: DownCause | None = None  # why it went down last (while DOWN: why it is)
-        self.draining = False  # asked to drain: it stays out of service even if it reconnects
+        self.down_cause: DownCause | None = None  # set while it is unreachable
+        self._reachable = False  # said Ready, and has not dropped or gone silent since
         self.legs: dict[str, Leg] = {}
         self.queued_prompt_tokens = 0  # prompt tokens sent here that have not produced a token yet
         self._on_load = on_load
         self._on_state = on_state
-        self._context = context
-        self._keypair = keypair  # the router's CURVE keypair: how the worker knows it is us
-        self._heartbeat = (heartbeat_interval, heartbeat_timeout)
-        self._sock: zmq.asyncio.Socket | None = None
-        self._monitor: zmq.asyncio.Socket | None = None
+        self._connector = connector
+        self._channel: Channel | None = None
         self.last_message_at = time.monotonic()
         self.load_at = 0.0  # when the last load report came
         # (when, seconds) of the longest step in each recent load report: a worker reports only
@@ -133,7 +109,6 @@ class WorkerLink:
         # Legs dropped when the link went down: aborted on the worker once it answers again, in
         # case the process is the same one and still holds them.
         self.abandoned: set[str] = set()
-        self._tasks: list[asyncio.Task[None]] = []
 
     @property
     def role(self) -> str | None:
@@ -146,100 +121,68 @@ class WorkerLink:
 
     @property
     def connected(self) -> bool:
-        """Answers for the requests it holds (up or draining)."""
-        return self.state in (WorkerState.UP, WorkerState.DRAINING)
+        """Answers for the requests it holds (up or draining, and reachable)."""
+        return self._reachable and self.state in (WorkerState.UP, WorkerState.DRAINING)
+
+    def view(self) -> WorkerView:
+        legs = [leg for leg in self.legs.values() if not leg.done]
+        return WorkerView(
+            worker_id=self.worker_id,
+            pool=self.pool,
+            state=self.state,
+            detail=self.detail,
+            down_cause=self.down_cause,
+            connected=self.connected,
+            opened_at=self.opened_at,
+            state_since=self.state_since,
+            up_at=self.up_at,
+            ready=self.ready,
+            load=self.load,
+            load_at=self.load_at,
+            streams=len(self.legs),
+            decoding=sum(1 for leg in legs if leg.prompt_tokens == 0),
+            staying=sum(1 for leg in legs if leg.move_reason is None),
+            queued_prompts=tuple(leg.prompt_tokens for leg in self.legs.values() if leg.prompt_tokens > 0),
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            longest_recent_step_s=self.longest_recent_step_s(),
+        )
 
     def connect(self, address: str, server_key: str) -> None:
         """Connect to the worker at `address` whose CURVE public key is `server_key` (from its
         Ready, through the cluster backend); it is up once it answers with Ready."""
-        if self._sock is not None:
+        if self._channel is not None:
             raise RuntimeError(f"worker {self.worker_id} is already connected to {self.address}")
         if not server_key:
             raise ValueError(f"worker {self.worker_id} reported no RPC key: it cannot be connected to")
         self.address = address
-        sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        curve_client(sock, self._keypair, server_key)
-        # The same identity across reconnects: the worker routes outputs, and accepts Abort and
-        # Release, by the identity of the peer that added a request, so after a dropped
-        # connection the router must still be that peer (the worker hands it over).
-        sock.setsockopt(zmq.ROUTING_ID, self.routing_id)
-        # Queue nothing for a worker that is not connected: a send fails at once instead of
-        # waiting for a process that may never come back.
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        interval, timeout = self._heartbeat
-        sock.setsockopt(zmq.HEARTBEAT_IVL, int(interval * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_TTL, int(timeout * 1000))
-        sock.setsockopt(zmq.RECONNECT_IVL, 200)
-        # The hello must follow the ZeroMQ handshake: at EVENT_CONNECTED there is no pipe yet and,
-        # with IMMEDIATE, a send is refused and the hello lost.
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        self._sock = sock
-        sock.connect(address)
         self.detail = "connecting"
-        self._tasks = [
-            asyncio.create_task(self._read_loop(), name=f"read-{self.worker_id}"),
-            asyncio.create_task(self._monitor_loop(), name=f"monitor-{self.worker_id}"),
-        ]
+        self._channel = self._connector.connect(address, server_key, self.routing_id, self)
 
     async def close(self, reason: str = "stopped") -> None:
         """Stop listening for good: the link ends in `stopped`."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks = []
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
         self._end_legs(reason)
         was = self.state
-        self.state, self.detail, self.load = WorkerState.STOPPED, reason, None
-        if self._sock is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._sock.disable_monitor()
-            assert self._monitor is not None
-            self._monitor.close(linger=0)
-            self._sock.close(linger=0)
-            self._sock = None
+        self.state, self.detail, self.load, self._reachable = WorkerState.STOPPED, reason, None, False
         if was is not WorkerState.STOPPED:
             self._notify_state()
 
     def drain(self) -> None:
-        """No new requests from now on; what it holds carries on."""
-        self.draining = True
-        if self.state in (WorkerState.UP, WorkerState.STARTING):
+        """No new requests from now on; what it holds carries on. It stays draining even if its
+        connection drops and comes back."""
+        if self.state in (WorkerState.UP, WorkerState.STARTING, WorkerState.DOWN):
             self._set_state(WorkerState.DRAINING, "draining")
 
     # -- sending --------------------------------------------------------------------------------------
     def send(self, message: wire.Message) -> bool:
         """Send without waiting. False if the worker is not connected (nothing is queued for it)."""
-        return self._send_now(wire.encode(message))
-
-    def _send_now(self, data: bytes) -> bool:
-        if self._sock is None:
-            return False
-        # zmq.asyncio reports a NOBLOCK send's outcome through an already-finished future.
-        sent = self._sock.send(data, zmq.NOBLOCK)
-        assert isinstance(sent, asyncio.Future)
-        error = sent.exception() if sent.done() else None
-        if isinstance(error, zmq.Again):
-            return False
-        if error is not None:
-            raise error
-        return True
+        return self._channel is not None and self._channel.send(wire.encode(message))
 
     def streams(self) -> list[Leg]:
         """The legs streaming here that have not been asked to move."""
         return [leg for leg in self.legs.values() if not leg.done and leg.move_reason is None]
-
-    def idle_since(self, moment: float) -> bool:
-        """A load report after `moment` says the worker holds nothing: no request, no block."""
-        load = self.load
-        return (
-            load is not None
-            and self.load_at > moment
-            and load.num_running == load.num_waiting == load.num_held == load.kv_blocks_used == 0
-        )
 
     def open_leg(
         self,
@@ -259,22 +202,28 @@ class WorkerLink:
     def forget(self, leg: Leg) -> None:
         if self.legs.pop(leg.leg_id, None) is not None:
             self._settle_prompt(leg)
+            self._notify_load()  # a drain waits for the last leg to go
 
     def _settle_prompt(self, leg: Leg) -> None:
         self.queued_prompt_tokens -= leg.prompt_tokens
         leg.prompt_tokens = 0
 
-    # -- receiving ------------------------------------------------------------------------------------
-    async def _read_loop(self) -> None:
-        assert self._sock is not None
-        while True:
-            data = await self._sock.recv()
-            try:
-                self._handle(wire.decode(data))
-            except wire.WireError as exc:
-                logger.error("worker %s sent a bad frame: %s", self.worker_id, exc)
-            except Exception:  # one bad message must not end this link's reading for good
-                logger.exception("worker %s: failed to handle a message", self.worker_id)
+    # -- receiving (ChannelEvents) --------------------------------------------------------------------
+    def on_frame(self, data: bytes) -> None:
+        try:
+            message = wire.decode(data)
+        except wire.WireError as exc:
+            logger.error("worker %s sent a bad frame: %s", self.worker_id, exc)
+            return
+        self._handle(message)
+
+    def on_handshake(self) -> None:
+        self.send_hello()
+
+    def on_disconnect(self) -> None:
+        self._mark_down(
+            DownCause.DROPPED, "its connection dropped (process gone or not answering heartbeats)"
+        )
 
     def _handle(self, message: wire.Message) -> None:
         self.last_message_at = time.monotonic()
@@ -282,18 +231,13 @@ class WorkerLink:
             self.ready = message
             self._come_back(message.role)
         elif isinstance(message, wire.Load):
-            if (
-                self.state is WorkerState.DOWN
-                and self.ready is not None
-                and self.down_cause is DownCause.STALLED
-            ):
+            if not self._reachable and self.ready is not None and self.down_cause is DownCause.STALLED:
                 self._come_back(self.ready.role)  # it was only slow: it reports again
             self.load = message
             self.load_at = time.monotonic()
             self._measure_prefill(message.steps)
             self._note_steps(message, self.load_at)
-            if self._on_load is not None:
-                self._on_load(self)
+            self._notify_load()
         elif isinstance(message, wire.Tokens | wire.KVPulled | wire.Migrated):
             leg = self.legs.get(message.request_id)
             if leg is None:
@@ -323,9 +267,12 @@ class WorkerLink:
             self.prefill_tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
 
     def _come_back(self, role: str) -> None:
-        if self.state not in (WorkerState.STARTING, WorkerState.DOWN):
+        if self._reachable or self.state is WorkerState.STOPPED:
             return
-        self._set_state(WorkerState.DRAINING if self.draining else WorkerState.UP, "")
+        self._reachable, self.down_cause = True, None
+        # A draining worker stays draining: it was asked to, whatever its connection did.
+        state = WorkerState.DRAINING if self.state is WorkerState.DRAINING else WorkerState.UP
+        self._set_state(state, "draining" if state is WorkerState.DRAINING else "")
         if self.up_at is None:
             self.up_at = time.monotonic()
         logger.info("worker %s is %s (%s, %s)", self.worker_id, self.state.value, role, self.address)
@@ -333,23 +280,10 @@ class WorkerLink:
             self.send(wire.Abort(leg_id))
         self.abandoned.clear()
 
-    async def _monitor_loop(self) -> None:
-        assert self._monitor is not None
-        while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.send_hello()
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
-                self._mark_down(
-                    DownCause.DROPPED, "its connection dropped (process gone or not answering heartbeats)"
-                )
-
     def send_hello(self) -> None:
         # An empty frame: the worker answers with Ready (also after a reconnect to a new process).
-        try:
-            self._send_now(b"")
-        except zmq.ZMQError as exc:
-            logger.warning("worker %s: hello not sent: %s", self.worker_id, exc)
+        if self._channel is not None and not self._channel.send(b""):
+            logger.debug("worker %s: hello not sent (not connected)", self.worker_id)
 
     def check_stalled(self, stall_timeout: float) -> None:
         """A worker's engine thread reports its load every 0.1 s; silence for `stall_timeout`
@@ -361,11 +295,13 @@ class WorkerLink:
     def _mark_down(self, cause: DownCause, reason: str) -> None:
         if not self.connected:
             return
-        self.down_cause = cause
-        self.load = None
+        self._reachable, self.down_cause, self.load = False, cause, None
         logger.error("worker %s is down: %s", self.worker_id, reason)
         self._end_legs(reason)
-        self._set_state(WorkerState.DOWN, reason)
+        # A draining worker stays draining (its drain sees it unreachable and ends).
+        self._set_state(
+            WorkerState.DRAINING if self.state is WorkerState.DRAINING else WorkerState.DOWN, reason
+        )
 
     def _end_legs(self, reason: str) -> None:
         """Everything waiting on this worker hears it now; the legs are dropped: a restarted
@@ -387,32 +323,64 @@ class WorkerLink:
         if self._on_state is not None:
             self._on_state(self)
 
+    def _notify_load(self) -> None:
+        if self._on_load is not None:
+            self._on_load(self)
+
 
 class WorkerSet:
     """Every worker the router knows, by id. Workers are added, drained and removed while serving."""
 
-    def __init__(
-        self,
-        heartbeat_interval: float = 0.5,
-        heartbeat_timeout: float = 3.0,
-        stall_timeout: float = 60.0,
-        *,
-        keypair: CurveKeypair,
-    ) -> None:
-        """`keypair`: the router's CURVE keypair, the one its workers were told to accept."""
-        self.context = zmq.asyncio.Context()
-        self.keypair = keypair
+    def __init__(self, connector: Connector, *, stall_timeout: float = STALL_TIMEOUT_S) -> None:
+        self.connector = connector
         self.router_id = uuid.uuid4().hex  # this router, as its workers know it
         self.links: dict[str, WorkerLink] = {}
-        self._heartbeat = (heartbeat_interval, heartbeat_timeout)
         self.stall_timeout = stall_timeout
         self._keeper: asyncio.Task[None] | None = None
         self.on_load: Callable[[WorkerLink], None] | None = None
         self.on_state: Callable[[WorkerLink], None] | None = None
+        self._changed = asyncio.Event()
 
+    # -- views ----------------------------------------------------------------------------------------
+    def views(self, *pools: str) -> list[WorkerView]:
+        """Every worker's view (of these pools, if any are named)."""
+        return [w.view() for w in self.links.values() if not pools or w.pool in pools]
+
+    def view(self, worker_id: str) -> WorkerView | None:
+        link = self.links.get(worker_id)
+        return link.view() if link is not None else None
+
+    def up(self, *pools: str) -> list[WorkerView]:
+        """The views of the workers of these pools that take new requests."""
+        return [w.view() for w in self.links.values() if w.up and w.pool in pools]
+
+    def link(self, worker_id: str) -> WorkerLink:
+        """The data plane's way to a worker (the dispatcher opens legs on it)."""
+        return self.links[worker_id]
+
+    async def wait_for_change(self, timeout: float) -> None:
+        """Until any worker changes (its state, a load report, a leg that ends), or `timeout`."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
+
+    def _change(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _on_load(self, link: WorkerLink) -> None:
+        if self.on_load is not None:
+            self.on_load(link)
+        self._change()
+
+    def _on_state(self, link: WorkerLink) -> None:
+        if self.on_state is not None:
+            self.on_state(link)
+        self._change()
+
+    # -- commands -------------------------------------------------------------------------------------
     def add_worker(
         self, worker_id: str, pool: str, address: str | None = None, server_key: str = ""
-    ) -> WorkerLink:
+    ) -> WorkerView:
         """A new worker, `starting` until it says Ready (connected now if `address` is known, with
         `server_key` its CURVE public key)."""
         if worker_id in self.links:
@@ -420,13 +388,10 @@ class WorkerSet:
         link = WorkerLink(
             worker_id,
             pool,
-            self.context,
-            heartbeat_interval=self._heartbeat[0],
-            heartbeat_timeout=self._heartbeat[1],
-            on_load=self.on_load,
-            on_state=self.on_state,
-            router_id=self.router_id,
-            keypair=self.keypair,
+            self.connector,
+            routing_id=f"{self.router_id}/{worker_id}".encode()[:255],
+            on_load=self._on_load,
+            on_state=self._on_state,
         )
         self.links[worker_id] = link
         link._notify_state()
@@ -434,12 +399,43 @@ class WorkerSet:
             link.connect(address, server_key)
         if self._keeper is None:
             self._keeper = asyncio.create_task(self._keep(), name="worker-keeper")
-        return link
+        return link.view()
 
-    def drain_worker(self, worker_id: str) -> WorkerLink:
-        link = self.links[worker_id]
-        link.drain()
-        return link
+    def connect(self, worker_id: str, address: str, server_key: str) -> None:
+        self.links[worker_id].connect(address, server_key)
+
+    def set_detail(self, worker_id: str, detail: str) -> None:
+        """Say why a worker is as it is (GET /pools shows it)."""
+        self.links[worker_id].detail = detail
+
+    def drain(self, worker_id: str) -> None:
+        """No new requests for this worker from now on; what it holds carries on."""
+        self.links[worker_id].drain()
+
+    def move_streams(self, worker_id: str, reason: str) -> int:
+        """Ask the worker to hand over every stream it holds, to be continued on other workers of
+        its pool (the dispatcher does it as each answers with Migrated). Returns how many."""
+        link = self.links.get(worker_id)
+        return self._ask_to_move(link, link.streams(), reason) if link is not None else 0
+
+    def move_newest(self, worker_id: str, count: int, reason: str) -> int:
+        """Ask the worker to hand over its `count` newest streams: they have the most tokens still
+        to come and the least KV to move; one whose KV is still arriving (it just came here)
+        stays. Returns how many were asked."""
+        link = self.links.get(worker_id)
+        if link is None:
+            return 0
+        settled = [leg for leg in link.streams() if not leg.receiving]
+        newest = sorted(settled, key=lambda leg: leg.request_started, reverse=True)[:count]
+        return self._ask_to_move(link, newest, reason)
+
+    @staticmethod
+    def _ask_to_move(link: WorkerLink, legs: list[Leg], reason: str) -> int:
+        if not legs or not link.send(wire.Migrate([leg.leg_id for leg in legs])):
+            return 0  # nothing to move, or not connected: nothing was asked
+        for leg in legs:
+            leg.move_reason = reason
+        return len(legs)
 
     async def remove_worker(self, worker_id: str, reason: str = "stopped", *, forget: bool = True) -> None:
         """Close the link for good (`stopped`) and forget the worker. With `forget` (its process is
@@ -473,13 +469,6 @@ class WorkerSet:
                 elif link.address is not None and link.state is not WorkerState.STOPPED:
                     link.send_hello()
 
-    def up(self, *pools: str) -> list[WorkerLink]:
-        """The workers of these pools that take new requests."""
-        return [w for w in self.links.values() if w.up and w.pool in pools]
-
-    def in_pool(self, pool: str) -> list[WorkerLink]:
-        return [w for w in self.links.values() if w.pool == pool]
-
     async def close(self) -> None:
         if self._keeper is not None:
             self._keeper.cancel()
@@ -487,4 +476,4 @@ class WorkerSet:
                 await self._keeper
         for worker_id in list(self.links):
             await self.remove_worker(worker_id, "the router is shutting down")
-        self.context.term()
+        self.connector.close()
