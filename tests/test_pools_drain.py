@@ -1,7 +1,9 @@
-"""Drain loses nothing, with real servers, real workers and every KV transport: a decode worker's
-streams move to another decode worker mid-stream (KV migration) and every client sees one stream
-with exactly the tokens the offline engine produces; a prefill worker leaves only after the KV it
-holds has been pulled; past the drain timeout what is left ends with an error event."""
+"""Drain loses nothing. With the router's real control and data planes over scripted workers (fast,
+in memory: tests/fakes.py): a decode or colocated worker's streams move mid-stream and every stream
+is whole; a drain with replace serves on until the replacement is up; a prefill worker stops only
+after the KV it holds has been pulled; past the drain timeout what is left ends with an error.
+With real servers, real workers and every KV transport (the wiring): streams move off a draining
+decode worker with exactly the tokens the offline engine produces."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ from pathlib import Path
 
 import openai
 import pytest
-from serving import Server, alive
+from fakes import control_plane, expected_stream, until
+from serving import Server
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM, SamplingParams, wire
+from pdserve.pools.manager import PoolError, PoolSettings
 from pdserve.transfer import nixl_backend
 
 TRANSPORTS = [
@@ -155,62 +159,87 @@ def test_streams_move_off_a_draining_decode_worker_without_a_lost_token(
         assert server.stop() == 0  # and no worker process, no segment left
 
 
-def test_a_drain_with_replace_keeps_serving_until_the_replacement_takes_the_streams(
-    tiny_llama_4k: Path,
-) -> None:
-    max_tokens = LONG_STREAM
-    expected = offline(tiny_llama_4k, PROMPTS[:6], max_tokens)
-    server = Server(tiny_llama_4k, "--prefill", "1", "--decode", "1", "--num-kv-blocks", "4096")
-    try:
-        seen: list[str] = []
+@pytest.mark.parametrize("pool", ["decode", "colocated"])
+def test_a_draining_workers_streams_move_and_it_stops_once_it_holds_nothing(pool: str) -> None:
+    async def scenario() -> None:
+        async with control_plane({pool: 2}, autostep=None) as cp:
+            streams = [asyncio.create_task(cp.stream(f"r{i}", 4, 40)) for i in range(6)]
+            await cp.step_until(lambda: all(len(cp.worker(w).requests) == 3 for w in cp.up(pool)), "3 each")
+            for _ in range(3):
+                cp.step_all()  # some tokens out: KV to move
+            answer = cp.pools.drain(f"{pool}-0")
+            assert answer["state"] == "draining" and answer["streams"] == 3
+            await cp.step_until(lambda: f"{pool}-0" not in cp.states(pool), f"{pool}-0 stopped")
+            assert cp.cluster.stopped == [(f"{pool}-0", True)] and cp.cluster.held_at_stop == {f"{pool}-0": 0}
+            await cp.step_until(lambda: all(s.done() for s in streams), "every stream ended")
+            assert [s.result() for s in streams] == [expected_stream(4, 40)] * 6  # whole, none repeated
+            assert cp.counter(cp.metrics.migrations, "drain", "ok") == 3
+            assert cp.counter(cp.metrics.worker_drains, pool, "ok") == 1
+            assert cp.counter(cp.metrics.retries, "moved_before_start") == 0
+            assert cp.pools.targets()[pool][0] == 1 and cp.up(pool) == [f"{pool}-1"]
 
-        async def during() -> None:
-            answer = server.drain("decode-0", replace=True)  # the only decode worker: no force needed
-            assert answer.status_code == 200 and answer.json()["state"] == "up"
-            assert server.pools()["decode"]["target"] == 1
-            while "decode-1" not in {w["id"] for w in server.workers("decode", "up")}:  # decode-0 serves on
-                reply = await server.async_client.completions.create(  # ignore_eos: a sampled EOS is no 503
-                    model=server.model, prompt="hi", max_tokens=2, extra_body={"ignore_eos": True}
-                )
-                seen.append(str(reply.choices[0].finish_reason))
-                await asyncio.sleep(0.2)
-            # Said apart from a missing migration: streams that ended before decode-1 was up leave none.
-            assert server.metric("pdserve_requests_in_flight") == 6, (
-                "the streams ended before decode-1 was up"
+    asyncio.run(scenario())
+
+
+def test_a_drain_with_replace_serves_on_until_the_replacement_is_up_then_moves_its_streams() -> None:
+    async def scenario() -> None:
+        async with control_plane({"decode": 1}, autostep=None) as cp:
+            streams = [asyncio.create_task(cp.stream(f"r{i}", 4, 30)) for i in range(4)]
+            await cp.step_until(lambda: len(cp.worker("decode-0").requests) == 4, "four streams")
+            cp.step_all()
+            cp.cluster.hold_starts = True  # the replacement's start takes a while
+            answer = cp.pools.drain("decode-0", replace=True)  # the only worker: no force needed
+            assert answer["state"] == "up" and cp.pools.targets()["decode"][0] == 1
+            await until(lambda: "decode-1" in cp.states("decode"), "the replacement starting")
+            # Meanwhile decode-0 takes new requests: the pool is never below its target.
+            late = asyncio.create_task(cp.stream("late", 4, 3))
+            await cp.step_until(late.done, "a request served while the replacement starts")
+            assert late.result() == expected_stream(4, 3)
+            cp.cluster.release_starts()
+            await cp.step_until(lambda: "decode-0" not in cp.states("decode"), "decode-0 drained and stopped")
+            await cp.step_until(lambda: all(s.done() for s in streams), "every stream ended")
+            assert [s.result() for s in streams] == [expected_stream(4, 30)] * 4
+            assert cp.counter(cp.metrics.migrations, "drain", "ok") == 4
+            assert cp.up("decode") == ["decode-1"] and cp.pools.targets()["decode"][0] == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_draining_prefill_worker_stops_only_after_its_kv_was_pulled_and_released() -> None:
+    async def scenario() -> None:
+        async with control_plane({"prefill": 2, "decode": 1}, autostep=None) as cp:
+            streams = [asyncio.create_task(cp.stream(f"r{i}", 100 + i, 5)) for i in range(6)]
+            await until(lambda: len(cp.worker("prefill-0").requests) == 3, "three prompts on prefill-0")
+            assert cp.pools.drain("prefill-0")["streams"] == 3  # drained with its prompts queued
+            await cp.step_until(lambda: all(s.done() for s in streams), "every stream ended")
+            await cp.step_until(lambda: "prefill-0" not in cp.states("prefill"), "prefill-0 stopped")
+            assert [s.result() for s in streams] == [expected_stream(100 + i, 5) for i in range(6)]
+            assert cp.cluster.held_at_stop["prefill-0"] == 0  # every lease released before it stopped
+            assert len(cp.worker("prefill-0").received_of(wire.Release)) == 3
+            assert cp.counter(cp.metrics.worker_drains, "prefill", "ok") == 1
+            assert not any(
+                m.request_id.endswith(".1") for m in cp.worker("prefill-1").received_of(wire.AddRequest)
             )
 
-        got = run_streams(server, PROMPTS[:6], max_tokens, during)
-        assert got == expected
-        assert seen and set(seen) == {"length"}  # never a 503 while it was replaced
-        assert server.metric("pdserve_request_migrations_total", outcome="ok") >= 6
-        server.wait_pool("decode", up=1, draining=0)
-        assert [w["id"] for w in server.workers("decode")] == ["decode-1"]
-        server.wait_kv_free()
-    finally:
-        assert server.stop() == 0
+    asyncio.run(scenario())
 
 
-def test_colocated_streams_move_the_same_way(tiny_llama_4k: Path) -> None:
-    max_tokens = LONG_STREAM
-    expected = offline(tiny_llama_4k, PROMPTS, max_tokens)
-    server = Server(tiny_llama_4k, "--colocated", "1", "--colocated-max", "2", "--num-kv-blocks", "4096")
-    try:
+def test_past_the_drain_timeout_streams_that_cannot_move_end_with_an_error() -> None:
+    settings = PoolSettings(start_timeout=10.0, drain_timeout=0.2, settle_seconds=0.0)
 
-        async def during() -> None:
-            assert server.scale("colocated", 2).status_code == 200
-            await poll(lambda: len(server.workers("colocated", "up")) == 2, 60, "two colocated workers up")
-            await poll(lambda: server.metric("pdserve_request_migrations_total") > 0, 10, "a rebalance")
-            assert server.drain("colocated-0").status_code == 200
+    async def scenario() -> None:
+        async with control_plane({"decode": 1}, autostep=None, settings=settings) as cp:
+            streams = [asyncio.create_task(cp.stream(f"r{i}", 4, 10**6)) for i in range(2)]
+            await cp.step_until(lambda: len(cp.worker("decode-0").requests) == 2, "two streams")
+            with pytest.raises(PoolError, match="force"):
+                cp.pools.drain("decode-0")  # the last worker up: refused unless asked for
+            cp.pools.drain("decode-0", force=True)
+            await cp.step_until(lambda: all(s.done() for s in streams), "the streams ended")
+            assert all(isinstance(s.result(), str) and "drain-timeout" in s.result() for s in streams)
+            assert cp.counter(cp.metrics.worker_drains, "decode", "timeout") == 1
+            assert cp.states("decode") == {}
 
-        got = run_streams(server, PROMPTS, max_tokens, during)
-        assert got == expected
-        assert server.metric("pdserve_request_migrations_total", reason="drain", outcome="ok") > 0
-        assert server.metric("pdserve_request_migrations_total", outcome="reprefilled") == 0
-        server.wait_pool("colocated", up=1, draining=0)
-        assert [w["id"] for w in server.workers("colocated")] == ["colocated-1"]
-        server.wait_kv_free()
-    finally:
-        assert server.stop() == 0
+    asyncio.run(scenario())
 
 
 @pytest.mark.slow
@@ -225,60 +254,5 @@ def test_smollm2_streams_move_when_decode_scales_up_and_its_first_worker_drains(
     try:
         got = run_streams(server, PROMPTS, max_tokens, scale_up_then_drain_the_first(server))
         check_moves_lost_nothing(server, got, expected)
-    finally:
-        assert server.stop() == 0
-
-
-def test_a_draining_prefill_worker_leaves_only_after_its_kv_was_pulled(tiny_llama_4k: Path) -> None:
-    # Drained while it holds queued prompts: it finishes them, keeps their KV until the decode
-    # worker has pulled it, then stops. A pull that found the KV gone would be a retry.
-    prompts = [[10 + (j * 7 + i) % 240 for j in range(1200 + 37 * i)] for i in range(12)]
-    expected = offline(tiny_llama_4k, prompts, 32)
-    server = Server(
-        tiny_llama_4k, "--prefill", "2", "--decode", "1", "--prefill-min", "1", "--num-kv-blocks", "4096",
-    )  # fmt: skip
-    try:
-        prefill_pid = server.worker_pids["prefill-0"]
-        held: list[int] = []
-
-        async def during() -> None:
-            answer = server.drain("prefill-0")
-            assert answer.status_code == 200
-            held.append(answer.json()["streams"])  # prompts it had when the drain began
-            await poll(lambda: not alive(prefill_pid), 60, "prefill-0 stopped")
-
-        got = run_streams(server, prompts, 32, during, when="sent")
-        assert held[0] > 0
-        assert got == expected
-        assert server.metric("pdserve_request_retries_total") == 0  # nothing prefilled twice
-        assert server.metric("pdserve_kv_transfer_failures_total") == 0
-        assert server.metric("pdserve_requests_total", path="remote_prefill", outcome="ok") == len(prompts)
-        assert server.metric("pdserve_worker_drains_total", pool="prefill", outcome="ok") == 1
-        assert [w["id"] for w in server.workers("prefill")] == ["prefill-1"]
-        server.wait_kv_free()
-    finally:
-        assert server.stop() == 0
-
-
-def test_past_the_drain_timeout_a_stream_that_cannot_move_ends_with_an_error(tiny_llama_4k: Path) -> None:
-    server = Server(
-        tiny_llama_4k, "--prefill", "1", "--decode", "1", "--decode-min", "0", "--drain-timeout", "1.5",
-        "--num-kv-blocks", "4096",
-    )  # fmt: skip
-    try:
-        refused = server.drain("decode-0")  # the last decode worker: refused unless asked for
-        assert refused.status_code == 400 and "force" in refused.json()["error"]["message"]
-
-        async def during() -> None:
-            assert server.drain("decode-0", force=True).status_code == 200
-
-        started = time.monotonic()
-        got = run_streams(server, PROMPTS[:2], 3000, during)
-        assert all(g.startswith("error") and "drain-timeout" in g for g in got), got
-        assert time.monotonic() - started < 30
-        assert server.metric("pdserve_worker_drains_total", pool="decode", outcome="timeout") == 1
-        assert server.workers("decode") == []
-        with pytest.raises(openai.InternalServerError):  # 503: the decode pool is empty
-            server.client.completions.create(model=server.model, prompt="hi", max_tokens=2)
     finally:
         assert server.stop() == 0

@@ -6,17 +6,18 @@ dead worker is replaced; a rebalance moves streams onto a worker that just start
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import signal
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 
+from fakes import control_plane, expected_stream, until
 from serving import Server, alive
-from test_pools_drain import LONG_STREAM, PROMPTS, offline, poll, run_streams
+from test_pools_drain import offline
 
+from pdserve import wire
+from pdserve.pools.manager import PoolSettings
 from pdserve.transfer.segments import leftover_segments
 
 # Short prompts go to the decode worker itself, longer ones through the prefill pool.
@@ -134,97 +135,83 @@ def test_both_pools_scaled_up_and_down_twenty_times_under_load_lose_nothing(tiny
         assert server.stop() == 0  # every worker ever seen is gone, and every segment
 
 
-def test_a_worker_that_dies_while_starting_is_reported_and_retried(tiny_llama: Path) -> None:
-    server = Server(tiny_llama, "--prefill", "1", "--decode", "1", "--decode-max", "2")
-    try:
-        assert server.scale("decode", 2).status_code == 200  # answers at once: the start goes on
-        server.wait_for(lambda: len(server.workers("decode")) == 2, 10, "decode-1 listed")
-        starting = [w for w in server.workers("decode") if w["state"] == "starting"]
-        assert [w["id"] for w in starting] == ["decode-1"]
-        pid = next(p for w, p in server._worker_pids().items() if w == "decode-1")
-        os.kill(pid, signal.SIGKILL)
-        server.wait_for(lambda: server.pools()["decode"]["last_error"] is not None, 20, "the error")
-        error = server.pools()["decode"]["last_error"]
-        assert "decode-1 killed by signal 9 (SIGKILL) while starting" in error
-        # The pool keeps its target: after a pause, a new worker starts and comes up.
-        workers = server.wait_pool("decode", up=2, starting=0, timeout=60)
-        assert sorted(w["id"] for w in workers) == ["decode-0", "decode-2"]
-        server.wait_for(lambda: server.pools()["decode"]["last_error"] is None, 5, "the error cleared")
-        answer = server.client.completions.create(
-            model=server.model, prompt="hello", max_tokens=4, extra_body={"ignore_eos": True}
-        )
-        assert answer.choices[0].finish_reason == "length"
-    finally:
-        assert server.stop() == 0
-
-
-def test_a_worker_that_dies_right_after_it_came_up_counts_as_a_failed_start(tiny_llama: Path) -> None:
-    server = Server(tiny_llama, "--prefill", "1", "--decode", "1", "--decode-max", "2")
-    try:
-        assert server.scale("decode", 2).status_code == 200
-        server.wait_pool("decode", up=2, starting=0)
-        os.kill(server._worker_pids()["decode-1"], signal.SIGKILL)
-        server.wait_for(lambda: server.pools()["decode"]["last_error"] is not None, 20, "the error")
-        assert "decode-1 killed by signal 9 (SIGKILL)" in server.pools()["decode"]["last_error"]
-        assert "after it started" in server.pools()["decode"]["last_error"]
-        workers = server.wait_pool("decode", up=2, starting=0, timeout=60)  # after a pause
-        assert sorted(w["id"] for w in workers) == ["decode-0", "decode-2"]
-    finally:
-        assert server.stop() == 0
-
-
-def test_a_worker_that_dies_is_replaced_or_the_pool_shrinks(tiny_llama: Path) -> None:
-    server = Server(tiny_llama, "--prefill", "1", "--decode", "2")
-    try:
-        server.kill_worker("decode-1")
-        server.wait_for(lambda: "decode-1" not in {w["id"] for w in server.workers("decode")}, 20, "gone")
-        workers = server.wait_pool("decode", up=2, starting=0, timeout=60)
-        assert sorted(w["id"] for w in workers) == ["decode-0", "decode-2"]
-        assert server.pools()["decode"]["target"] == 2
-    finally:
-        assert server.stop() == 0
-    server = Server(tiny_llama, "--prefill", "1", "--decode", "2", "--no-replace-failed")
-    try:
-        server.kill_worker("decode-1")
-        server.wait_for(lambda: "decode-1" not in {w["id"] for w in server.workers("decode")}, 20, "gone")
-        time.sleep(1.0)  # nothing else starts
-        assert [w["id"] for w in server.workers("decode")] == ["decode-0"]
-        assert server.pools()["decode"]["target"] == 1
-    finally:
-        assert server.stop() == 0
-
-
-def test_rebalance_moves_streams_onto_a_worker_that_started(tiny_llama_4k: Path) -> None:
-    # Streams as long as the context allows: they must outlast a worker's start on a fast machine
-    # (1500 tokens ended before it on an AMX Xeon).
-    max_tokens = LONG_STREAM
-    expected = offline(tiny_llama_4k, PROMPTS, max_tokens)
-    server = Server(
-        tiny_llama_4k, "--prefill", "1", "--decode", "1", "--decode-max", "2", "--no-rebalance-on-start",
-        "--num-kv-blocks", "4096",
-    )  # fmt: skip
-    try:
-        moved: dict[str, int] = {}
-
-        async def during() -> None:
-            assert server.scale("decode", 2).status_code == 200
-            await poll(lambda: len(server.workers("decode", "up")) == 2, 60, "two decode workers up")
-            assert server.metric("pdserve_request_migrations_total") == 0  # not asked to
-            # Said apart from a rebalance that moves too little: every stream still runs.
-            assert server.metric("pdserve_requests_in_flight") == len(PROMPTS), (
-                "streams ended before decode-1 was up"
+def test_a_worker_that_fails_to_start_is_reported_and_retried_after_a_pause() -> None:
+    async def scenario() -> None:
+        async with control_plane({"decode": 1}) as cp:
+            # The next start fails: the pool says why, and tries again after a pause, not at once.
+            cp.cluster.failures["decode"] = 1
+            cp.pools.scale("decode", 2)
+            await until(lambda: cp.pools.describe()["pools"]["decode"]["last_error"] is not None, "the error")
+            assert (
+                "decode-1 exited with code 1 while starting"
+                in cp.pools.describe()["pools"]["decode"]["last_error"]
             )
-            answer = server.http.post("/pools/decode/rebalance")
-            assert answer.status_code == 200
-            moved.update(answer.json()["moved"])
+            assert cp.cluster.started == ["decode-0", "decode-1"]
+            await until(lambda: len(cp.up("decode")) == 2, "a new worker up after the pause")
+            assert cp.up("decode") == ["decode-0", "decode-2"]
+            assert cp.pools.describe()["pools"]["decode"]["last_error"] is None
+            assert await cp.stream("r", 4, 3) == expected_stream(4, 3)
 
-        got = run_streams(server, PROMPTS, max_tokens, during)
-        assert got == expected
-        assert moved == {"decode-0": 8}  # 16 streams, half of them onto the new worker
-        assert server.metric("pdserve_request_migrations_total", reason="rebalance", outcome="ok") == 8
-        server.wait_kv_free()
-    finally:
-        assert server.stop() == 0
+    asyncio.run(scenario())
+
+
+def test_a_worker_that_dies_right_after_it_came_up_counts_as_a_failed_start() -> None:
+    settings = PoolSettings(start_timeout=10.0, drain_timeout=10.0, settle_seconds=3600.0)
+
+    async def scenario() -> None:
+        async with control_plane({"decode": 2}, settings=settings) as cp:
+            cp.cluster.crash("decode-1")
+            await until(lambda: cp.pools.describe()["pools"]["decode"]["last_error"] is not None, "the error")
+            error = cp.pools.describe()["pools"]["decode"]["last_error"]
+            assert "decode-1 killed by signal 9" in error and "after it started" in error
+            assert cp.pools.pools["decode"].failures == 1  # the next start waits out a pause
+            await until(lambda: cp.up("decode") == ["decode-0", "decode-2"], "replaced after the pause")
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_that_dies_is_replaced_or_the_pool_shrinks() -> None:
+    async def scenario(replace_failed: bool) -> None:
+        settings = PoolSettings(start_timeout=10.0, replace_failed=replace_failed, settle_seconds=0.0)
+        async with control_plane({"decode": 2}, settings=settings) as cp:
+            cp.cluster.crash("decode-1")
+            await until(lambda: "decode-1" not in cp.states("decode"), "decode-1 gone")
+            if replace_failed:
+                await until(lambda: cp.up("decode") == ["decode-0", "decode-2"], "a new worker up")
+                assert cp.pools.targets()["decode"][0] == 2
+            else:
+                cp.pools.keep_once(time.monotonic())  # the keeper's next round starts nothing
+                assert cp.states("decode") == {"decode-0": "up"}
+                assert cp.pools.targets()["decode"][0] == 1 and cp.cluster.started == ["decode-0", "decode-1"]
+
+    asyncio.run(scenario(True))
+    asyncio.run(scenario(False))
+
+
+def test_rebalance_moves_the_newest_streams_onto_a_worker_that_started() -> None:
+    settings = PoolSettings(start_timeout=10.0, rebalance_on_start=False, settle_seconds=0.0)
+
+    async def scenario() -> None:
+        async with control_plane({"decode": 1}, settings=settings, autostep=None) as cp:
+            # Stepped by hand: eight streams are all running on decode-0 when decode-1 comes up.
+            streams = [asyncio.create_task(cp.stream(f"r{i}", 4, 30)) for i in range(8)]
+            await until(lambda: len(cp.worker("decode-0").requests) == 8, "eight streams on decode-0")
+            for _ in range(3):
+                cp.worker("decode-0").step()  # three tokens each: KV to move
+            cp.pools.scale("decode", 2)
+            await until(lambda: len(cp.up("decode")) == 2, "decode-1 up")
+            assert cp.pools.rebalance("decode") == {"pool": "decode", "moved": {"decode-0": 4}}
+            asked = cp.worker("decode-0").received_of(wire.Migrate)
+            assert len(asked) == 1 and sorted(asked[0].request_ids) == sorted(f"r{i}.0" for i in range(4, 8))
+            while not all(s.done() for s in streams):
+                for worker_id in cp.up("decode"):
+                    cp.worker(worker_id).step()
+                await asyncio.sleep(0)
+            assert [s.result() for s in streams] == [expected_stream(4, 30)] * 8  # none lost a token
+            assert len(cp.worker("decode-1").received_of(wire.AddRequest)) == 4
+            assert cp.metrics.migrations.labels("rebalance", "ok")._value.get() == 4
+
+    asyncio.run(scenario())
 
 
 def test_pool_gauges_follow_the_workers(tiny_llama: Path) -> None:
