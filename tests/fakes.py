@@ -68,6 +68,7 @@ class ScriptedWorker:
         self.reachable = True  # the connection is up (a dropped one refuses sends)
         self.answers_hello = True
         self.reports = True  # sends a load report each step (False: a hung engine thread)
+        self.refuse: str | None = None  # refuses every new request as invalid, saying this
         self.steps = 0
         self.closed = False
 
@@ -158,7 +159,10 @@ class ScriptedWorker:
         )  # fmt: skip
 
     def _take(self, message: wire.Message) -> None:
-        if isinstance(message, wire.AddRequest):
+        if isinstance(message, wire.AddRequest) and self.refuse is not None:
+            refusal = wire.Tokens(message.request_id, [], "error", error=self.refuse, invalid=True)
+            asyncio.get_running_loop().call_soon(self.say, refusal)
+        elif isinstance(message, wire.AddRequest):
             prompt = len(message.prompt_token_ids)
             outputs = list(message.output_token_ids)
             if message.kv is not None:  # its prompt (and outputs) were computed elsewhere

@@ -1,30 +1,27 @@
-"""Faults across the disaggregated path, end to end: workers killed with SIGKILL under load, KV
-transfers dropped on purpose, an empty pool. Afterwards every live worker holds no KV block and
-every request either completed or got a clear error."""
+"""Faults across the disaggregated path. The dispatcher's own logic over scripted workers (fast, in
+memory: tests/fakes.py): a dead prefill or decode worker's requests prefilled again and whole, a
+silent worker's token timeout, a worker that reconnects told to drop what was given up on, a
+refusal that is not retried. End to end with real servers: KV transfers dropped or corrupted on
+purpose and retried, a burst over the in-flight limit. Afterwards every live worker holds no KV
+block and every request either completed or got a clear error."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from fakes import control_plane, expected_stream, until
 from serving import Server
 
 from pdserve import LLM, SamplingParams, wire
-from pdserve.cluster.local import LocalCluster
-from pdserve.config import EngineConfig, Role, WorkerConfig
+from pdserve.pools.manager import PoolSettings
 from pdserve.router.app import _error_kind
-from pdserve.router.channel import ZmqConnector
 from pdserve.router.config import RouterConfig
-from pdserve.router.dispatch import Dispatcher, RequestInvalid, RequestState
-from pdserve.router.metrics import RouterMetrics
-from pdserve.router.workers import WorkerSet
-from pdserve.security import DeploymentSecrets
+from pdserve.router.dispatch import RequestInvalid, RequestState
+from pdserve.router.placement import Unavailable
 
 PROMPTS = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * (2 + i) for i in range(8)]
 
@@ -53,30 +50,22 @@ async def complete_all(server: Server, max_tokens: int) -> list[str]:
     return list(await asyncio.gather(*(one(p) for p in PROMPTS)))
 
 
-def test_requests_on_a_killed_prefill_worker_are_prefilled_again(tiny_llama: Path, offline: LLM) -> None:
+def test_requests_on_a_dead_prefill_worker_are_prefilled_again_locally() -> None:
     # No replacement: the retries go to the decode worker, which prefills them itself.
-    server = Server(tiny_llama, "--prefill", "1", "--decode", "1", "--no-replace-failed")
-    try:
-        # Freeze the prefill worker so that every request is stuck on it, then kill it.
-        os.kill(server.worker_pids["prefill-0"], signal.SIGSTOP)
+    settings = PoolSettings(start_timeout=10.0, replace_failed=False, settle_seconds=0.0)
 
-        async def scenario() -> list[str]:
-            requests = asyncio.ensure_future(complete_all(server, 10))
-            await asyncio.sleep(1.0)  # all sent and queued on the frozen worker (heartbeat: 3 s)
-            assert not requests.done()
-            server.kill_worker("prefill-0")
-            return await requests
+    async def scenario() -> None:
+        async with control_plane({"prefill": 1, "decode": 1}, settings=settings, autostep=None) as cp:
+            streams = [asyncio.create_task(cp.stream(f"r{i}", 100 + i, 10)) for i in range(4)]
+            await until(lambda: len(cp.worker("prefill-0").requests) == 4, "all queued on prefill-0")
+            cp.cluster.crash("prefill-0")
+            await cp.step_until(lambda: all(s.done() for s in streams), "every stream ended")
+            assert [s.result() for s in streams] == [expected_stream(100 + i, 10) for i in range(4)]
+            assert cp.counter(cp.metrics.retries, "prefill_worker_down") == 4  # counted, not silent
+            assert cp.counter(cp.metrics.requests, "local_prefill", "ok") == 4
+            assert cp.worker("decode-0").requests == {}  # nothing left behind
 
-        started = time.monotonic()
-        assert asyncio.run(scenario()) == expected_texts(offline, 10)
-        assert time.monotonic() - started < 30
-        # Each was prefilled again, locally on the decode worker: counted as retries.
-        assert server.metric("pdserve_request_retries_total", reason="prefill_worker_down") == len(PROMPTS)
-        assert server.metric("pdserve_requests_total", path="local_prefill", outcome="ok") == len(PROMPTS)
-        assert server.metric("pdserve_worker_up", worker="prefill-0") == 0
-        server.wait_kv_free()
-    finally:
-        server.stop()
+    asyncio.run(scenario())
 
 
 def test_dropped_kv_transfers_are_counted_and_retried_not_recomputed_silently(
@@ -129,101 +118,50 @@ def test_kv_that_arrives_changed_is_caught_by_its_checksum_counted_and_retried(
         server.stop()
 
 
-def test_a_killed_decode_workers_streams_go_on_on_another_with_the_same_tokens(tiny_llama: Path) -> None:
+def test_a_dead_decode_workers_streams_go_on_on_another_with_the_same_tokens() -> None:
     # Its KV died with it: each of its streams is prefilled again on the prefill pool from the
     # prompt and the tokens the client has seen (as outputs), and decoded on the other worker.
-    max_tokens = 690
-    offline = LLM(str(tiny_llama), dtype="float32")
-    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    expected = [o.outputs[0].text for o in offline.generate(PROMPTS[:6], greedy)]
-    server = Server(tiny_llama, "--prefill", "1", "--decode", "2", "--no-replace-failed")
-    try:
+    settings = PoolSettings(start_timeout=10.0, replace_failed=False, settle_seconds=0.0)
 
-        async def stream(prompt: str, started: asyncio.Event) -> str:
-            chunks = await server.async_client.completions.create(
-                model=server.model,
-                prompt=prompt,
-                max_tokens=max_tokens,
-                temperature=0.0,
-                stream=True,
-                extra_body={"ignore_eos": True},
+    async def scenario() -> None:
+        async with control_plane({"prefill": 1, "decode": 2}, settings=settings, autostep=None) as cp:
+            streams = [asyncio.create_task(cp.stream(f"r{i}", 100 + i, 30)) for i in range(6)]
+            await cp.step_until(
+                lambda: all(len(cp.worker(w).requests) == 3 for w in cp.up("decode")), "running"
             )
-            text = ""
-            async for chunk in chunks:
-                text += chunk.choices[0].text
-                started.set()
-            return text
+            for _ in range(5):
+                cp.step_all()
+            cp.cluster.crash("decode-0")
+            await cp.step_until(lambda: all(s.done() for s in streams), "every stream ended")
+            assert [s.result() for s in streams] == [expected_stream(100 + i, 30) for i in range(6)]
+            assert (
+                cp.counter(cp.metrics.retries, "decode_worker_down") == 3
+            )  # decode-0's; decode-1's untouched
+            resumed = [m for m in cp.worker("prefill-0").received_of(wire.AddRequest) if m.output_token_ids]
+            assert len(resumed) == 3  # prefilled again with the tokens already sent as outputs
+            # With the whole decode pool gone, a request is refused at once, not left to hang.
+            cp.cluster.crash("decode-1")
+            with pytest.raises(Unavailable, match="decode pool is empty"):
+                cp.dispatcher.admission.check_available()
+            assert (await cp.stream("late", 100, 3)).startswith("error: no decode worker is up")
 
-        async def scenario() -> tuple[list[str], float]:
-            events = [asyncio.Event() for _ in range(6)]
-            tasks = [asyncio.ensure_future(stream(p, e)) for p, e in zip(PROMPTS, events, strict=False)]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 30)
-            os.kill(server.worker_pids["decode-0"], signal.SIGSTOP)  # frozen mid-stream, then gone
-            server.kill_worker("decode-0")
-            killed_at = time.monotonic()
-            results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
-            return list(results), time.monotonic() - killed_at
-
-        results, seconds = asyncio.run(scenario())
-        assert results == expected  # every stream whole, the offline engine's tokens
-        resumed = server.metric("pdserve_request_retries_total", reason="decode_worker_down")
-        assert 1 <= resumed < len(results)  # decode-0's streams; decode-1's carried on untouched
-        assert server.metric("pdserve_requests_total", outcome="ok") == len(results)
-        # New requests avoid the dead worker and complete.
-        for prompt in PROMPTS[:3]:
-            answer = server.client.completions.create(model=server.model, prompt=prompt, max_tokens=5)
-            assert answer.choices[0].finish_reason in ("length", "stop")
-        assert seconds < 30
-        server.wait_kv_free()
-
-        # With the whole decode pool gone, requests get a 503 at once, not a hang.
-        server.kill_worker("decode-1")
-        server.wait_for(
-            lambda: server.metric("pdserve_worker_up", pool="decode") == 0, what="decode pool down"
-        )
-        with pytest.raises(openai.InternalServerError) as failure:
-            server.client.completions.create(model=server.model, prompt="hello", max_tokens=5)
-        assert failure.value.status_code == 503 and "decode pool is empty" in failure.value.message
-        assert server.http.get("/health").status_code == 503
-    finally:
-        server.stop()
+    asyncio.run(scenario())
 
 
-def test_a_silent_worker_hits_the_token_timeout_and_a_departed_client_aborts(tiny_llama: Path) -> None:
-    # Heartbeats would take the frozen worker out after 30 s; the 1.5 s token timeout comes first.
-    server = Server(
-        tiny_llama, "--prefill", "1", "--decode", "1", "--token-timeout", "1.5", "--heartbeat-timeout", "30"
-    )
-    decode = server.worker_pids["decode-0"]
-    try:
-        os.kill(decode, signal.SIGSTOP)
-        started = time.monotonic()
-        stream = server.client.completions.create(
-            model=server.model, prompt=PROMPTS[3], max_tokens=50, temperature=0.0, stream=True
-        )
-        with pytest.raises(openai.APIError, match=r"timed out after 1\.5 s waiting for the next token"):
-            for _ in stream:
-                pass
-        assert time.monotonic() - started < 10
-        assert server.metric("pdserve_requests_total", outcome="error") == 1
+def test_a_silent_worker_hits_the_token_timeout_and_its_request_is_aborted_there() -> None:
+    config = RouterConfig(local_prefill_threshold=8, token_timeout=0.2)
 
-        # A non-streaming client that gives up: the router notices and aborts the request.
-        with pytest.raises(httpx.ReadTimeout):
-            server.http.post(
-                "/v1/completions",
-                json={"model": server.model, "prompt": PROMPTS[4], "max_tokens": 50},
-                timeout=0.5,
-            )
-        server.wait_for(lambda: server.metric("pdserve_requests_total", outcome="aborted") == 1, what="abort")
-        os.kill(decode, signal.SIGCONT)  # it finds the aborts queued and frees what it holds
-        server.wait_kv_free()
-        answer = server.client.completions.create(
-            model=server.model, prompt=PROMPTS[0], max_tokens=5, extra_body={"ignore_eos": True}
-        )
-        assert answer.choices[0].finish_reason == "length"
-    finally:
-        os.kill(decode, signal.SIGCONT)
-        server.stop()
+    async def scenario() -> None:
+        async with control_plane({"decode": 1}, config=config, autostep=None) as cp:
+            stream = asyncio.create_task(cp.stream("r", 4, 50))
+            await cp.step_until(lambda: len(cp.worker("decode-0").requests) == 1, "started")
+            cp.step_all()  # one token, then silence (a frozen process whose connection stays up)
+            await until(stream.done, "the stream ended")
+            assert "timed out after 0.2 s waiting for the next token" in stream.result()
+            assert cp.worker("decode-0").received_of(wire.Abort) == [wire.Abort("r.0")]
+            assert cp.worker("decode-0").requests == {}  # its blocks are free
+
+    asyncio.run(scenario())
 
 
 def test_a_burst_over_the_in_flight_limit_gets_429s_never_500s(tiny_llama: Path) -> None:
@@ -268,82 +206,44 @@ def test_a_burst_over_the_in_flight_limit_gets_429s_never_500s(tiny_llama: Path)
         server.stop()
 
 
-def test_what_a_frozen_worker_held_is_aborted_when_it_reconnects(tiny_llama_4k: Path) -> None:
-    # Frozen past the heartbeat timeout, the worker is taken out and its stream ends with an error
-    # (no other decode worker to resume it on);
-    # when it thaws it reconnects (the router keeps its identity) and is told to drop that stream,
-    # instead of decoding it to the end for nobody.
-    server = Server(
-        tiny_llama_4k,
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--heartbeat-timeout",
-        "1",
-        "--num-kv-blocks",
-        "4096",
-    )
-    decode = server.worker_pids["decode-0"]
-    try:
-        stream = server.client.completions.create(
-            model=server.model, prompt=PROMPTS[3], max_tokens=3500, temperature=0.0, stream=True,
-            extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        next(iter(stream))
-        os.kill(decode, signal.SIGSTOP)
-        # No other decode worker to go on on: the stream ends, saying why.
-        with pytest.raises(
-            openai.APIError, match=r"went down mid-stream .* cannot go on: .*decode pool is empty"
-        ):
-            for _ in stream:
-                pass
-        os.kill(decode, signal.SIGCONT)
-        server.wait_pool("decode", up=1, timeout=20)
-        thawed = time.monotonic()
-        server.wait_kv_free(timeout=20)
-        # Decoding the remaining ~3000 tokens would take far longer than this.
-        assert time.monotonic() - thawed < 3.0
-    finally:
-        os.kill(decode, signal.SIGCONT)
-        server.stop()
+def test_what_a_worker_held_when_it_dropped_is_aborted_when_it_reconnects() -> None:
+    async def scenario() -> None:
+        async with control_plane({"decode": 1}, autostep=None) as cp:
+            stream = asyncio.create_task(cp.stream("r", 4, 3500))
+            await cp.step_until(lambda: len(cp.worker("decode-0").requests) == 1, "started")
+            cp.step_all()
+            cp.worker("decode-0").drop()  # frozen past the heartbeat timeout: out of service
+            await until(stream.done, "the stream ended")
+            # No other decode worker to go on on: the stream ends, saying why.
+            assert "went down mid-stream" in stream.result() and "decode pool is empty" in stream.result()
+            cp.worker("decode-0").reconnect()  # it thaws: the same process, holding the request
+            await until(lambda: cp.up("decode") == ["decode-0"], "back in service")
+            assert cp.worker("decode-0").received_of(wire.Abort) == [wire.Abort("r.0")]
+            assert cp.worker("decode-0").requests == {}  # not decoded to the end for nobody
+
+    asyncio.run(scenario())
 
 
-def test_a_request_a_worker_refuses_as_invalid_fails_at_once_without_retries(tiny_llama: Path) -> None:
+def test_a_request_a_worker_refuses_as_invalid_fails_at_once_without_retries() -> None:
     # The router validates every request first, so only a router bug sends a worker a request it
-    # refuses (a retry that once asked for min_tokens > max_tokens): that is no transient fault,
-    # and trying it max_retries times more only delays the error.
-    secrets = DeploymentSecrets.generate()
+    # refuses: that is no transient fault, and trying it max_retries times more only delays the error.
+    config = RouterConfig(local_prefill_threshold=8, max_retries=5)
 
     async def scenario() -> None:
-        cluster = LocalCluster(secrets.for_workers(), pin_cpus=False)
-        workers = WorkerSet(ZmqConnector(secrets.router))
-        dispatcher = Dispatcher(workers, RouterConfig(max_retries=5), RouterMetrics())
-        try:
-            for pool, role in (("prefill", Role.PREFILL), ("decode", Role.DECODE)):
-                engine = EngineConfig(model=str(tiny_llama), dtype="float32", role=role, num_kv_blocks=64)
-                config = WorkerConfig(f"{pool}-0", pool, engine, log_level="WARNING")
-                handle = await cluster.start_worker(config, timeout=120)
-                workers.add_worker(handle.worker_id, pool, handle.rpc_address, handle.rpc_public_key)
-            deadline = time.monotonic() + 30
-            while len(workers.up("prefill", "decode")) < 2 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            prompt = list(range(5, 45))  # long enough for the prefill pool
-            good = wire.WireSamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-            tokens = [t for e in [e async for e in dispatcher.generate(RequestState("ok"), prompt, good)] for t in e.token_ids]  # fmt: skip
-            assert len(tokens) == 3
-            bad = wire.WireSamplingParams(max_tokens=3, min_tokens=9)  # what the router never sends
-            for path_prompt in (prompt, prompt[:4]):  # remote prefill, then local (decode worker)
-                state = RequestState(f"bad-{len(path_prompt)}")
-                with pytest.raises(RequestInvalid, match=r"refused the request: .*min_tokens") as refused:
-                    async for _ in dispatcher.generate(state, path_prompt, bad):
+        async with control_plane({"prefill": 1, "decode": 1}, config=config) as cp:
+            assert await cp.stream("ok", 40, 3) == expected_stream(40, 3)
+            for worker in ("prefill-0", "decode-0"):
+                cp.worker(worker).refuse = "min_tokens must be <= max_tokens"
+            bad = wire.WireSamplingParams(max_tokens=3)
+            for prompt in (40, 4):  # remote prefill, then local (decode worker)
+                state = RequestState(f"bad-{prompt}")
+                with pytest.raises(
+                    RequestInvalid, match=r"prefill-0: min_tokens must be|decode-0: min_tokens must be"
+                ) as refused:
+                    async for _ in cp.dispatcher.generate(state, list(range(prompt)), bad):
                         pass
                 assert state.retries == 0 and state.outcome == "error"
                 assert _error_kind(refused.value) == ("invalid_request_error", 400)  # a 400, not a 500
-            exposition = dispatcher.metrics.render().decode()
-            assert "pdserve_request_retries_total{" not in exposition  # no retry of any reason
-        finally:
-            await workers.close()
-            await cluster.close()
+            assert "pdserve_request_retries_total{" not in cp.metrics.render().decode()  # no retry at all
 
     asyncio.run(scenario())
