@@ -18,9 +18,10 @@ before even that is known a pool takes one waiting prompt per worker.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from pdserve.errors import PdserveError
@@ -66,11 +67,8 @@ class Admission:
         self.metrics = metrics
         self.signals = signals
         self.placement = placement
-        self.in_flight = 0  # admitted requests not finished (the dispatcher counts them)
-        # Requests past their first availability check and still being admitted (their prompt
-        # tokenized on the router's thread pool): they count against max_in_flight, or a burst
-        # would pass the check while it waits for the tokenizer and pile up beyond the limit.
-        self.admitting = 0
+        self.in_flight = 0  # requests started and not finished (`start`, `finish`)
+        self.admitting = 0  # requests being admitted (`admitting_one`)
         # Whether every pool is at its bound (or its budget), from whoever manages the pools.
         # Without one, the pools are as they are: always at their bounds.
         self.at_bounds: Callable[[], bool] = at_bounds or (lambda: True)
@@ -88,8 +86,32 @@ class Admission:
         return reservation
 
     def release(self, reservation: int) -> None:
-        """The request started (its prompt is now queued on a worker) or ended."""
+        """The request ended before it started (the client left)."""
         self._reserved.pop(reservation, None)
+
+    @contextlib.contextmanager
+    def admitting_one(self) -> Iterator[None]:
+        """A request past its first availability check and being admitted (its prompt tokenized
+        on the router's thread pool): it counts against max_in_flight meanwhile, or a burst would
+        pass the check while it waits for the tokenizer and pile up beyond the limit."""
+        self.admitting += 1
+        try:
+            yield
+        finally:
+            self.admitting -= 1
+
+    def start(self, reservation: int | None) -> None:
+        """A request begins on the workers: its reservation (if it was admitted) ends and it counts
+        as in flight until `finish`. Raises Unavailable or Overloaded as `check_available`."""
+        if reservation is not None:
+            self.release(reservation)
+        self.check_available()
+        self.in_flight += 1
+        self.metrics.in_flight.inc()
+
+    def finish(self) -> None:
+        self.in_flight -= 1
+        self.metrics.in_flight.dec()
 
     def _lapse(self) -> None:
         edge = time.monotonic() - RESERVATION_TTL_S

@@ -241,13 +241,10 @@ class Router:
         context = self._max_model_len()
         if context is None:
             raise Unavailable("no worker is ready")
-        self.dispatcher.admission.admitting += 1  # holds its place against the limit while it is tokenized
-        try:
+        with self.dispatcher.admission.admitting_one():  # its place against the limit while tokenized
             prompt_ids = await self._prompt_ids(chat, req, messages, prompt, context)
             # The pools may have changed meanwhile.
             self.dispatcher.admission.check_available(admitting_self=True)
-        finally:
-            self.dispatcher.admission.admitting -= 1
         max_tokens = oa.requested_max_tokens(req)
         if len(prompt_ids) >= context:
             raise InvalidRequestError(

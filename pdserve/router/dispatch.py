@@ -150,12 +150,8 @@ class Dispatcher:
         """Token events of one request, the last with its finish reason. Raises Unavailable,
         Overloaded (before any token) or RequestFailed. Closing the iterator early aborts the
         request everywhere."""
-        if state.reservation is not None:  # admitted: from here its prompt is queued on a worker
-            self.admission.release(state.reservation)
-            state.reservation = None
-        self.admission.check_available()
-        self.admission.in_flight += 1
-        self.metrics.in_flight.inc()
+        reservation, state.reservation = state.reservation, None
+        self.admission.start(reservation)  # from here its prompt is queued on a worker
         emitted: list[int] = []
         stream_pool = "colocated" if self.workers.up("colocated") else "decode"
         self.signals.stream_started(stream_pool)  # decode demand counts from admission
@@ -194,8 +190,7 @@ class Dispatcher:
         finally:
             for leg in state.legs:
                 leg.close(abort=True)  # a no-op for legs the worker is done with
-            self.admission.in_flight -= 1
-            self.metrics.in_flight.dec()
+            self.admission.finish()
             self.signals.stream_ended(stream_pool)
             self.signals.request_over(state.request_id)
             self.metrics.requests.labels(state.path, state.outcome).inc()
