@@ -76,7 +76,7 @@ def worker_pdserve(args: argparse.Namespace) -> dict[str, float]:
         llm.generate(prompts, params)
         return time.perf_counter() - started
 
-    return measure(generate, llm.engine.model_config.vocab_size, args.decode_tokens)
+    return measure(generate, llm.engine.limits.vocab_size, args.decode_tokens)
 
 
 def worker_hf(args: argparse.Namespace) -> dict[str, float]:

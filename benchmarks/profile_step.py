@@ -40,10 +40,10 @@ def main() -> None:
 
     config = EngineConfig(model=args.model, dtype=args.dtype, threads=args.threads, role=Role.MIXED)
     engine, _ = build_engine(config)
-    vocab = engine.model_config.vocab_size
+    vocab = engine.limits.vocab_size
     print(
         f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-        f"dtype {engine.dtype}, threads {torch.get_num_threads()}"
+        f"dtype {engine.runner.dtype}, threads {torch.get_num_threads()}"
     )
 
     if args.prefill:

@@ -208,7 +208,7 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]")
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(
-        f"[model {args.model}: {llm.engine.dtype} on {llm.engine.device}, loaded in {loaded - started:.1f} s; "
+        f"[model {args.model}: {llm.engine.runner.dtype} on {llm.engine.runner.device}, loaded in {loaded - started:.1f} s; "
         f"{tokens} tokens in {finished - loaded:.2f} s]",
         file=sys.stderr,
     )

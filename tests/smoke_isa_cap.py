@@ -44,7 +44,7 @@ def offline_answer() -> str:
     llm = LLM("smollm2-135m", dtype="float32", num_kv_blocks=128)
     # An AVX2 CPU's path: fp32, with the weights stored in bf16 where its plan found the stream faster.
     plan = cpu_plan()
-    assert llm.engine.dtype == torch.float32 and plan.isa == "avx2"
+    assert llm.engine.runner.dtype == torch.float32 and plan.isa == "avx2"
     assert llm.engine.runner.model.weights_in_bf16 == (plan.stream_rows.get("float32", 0) > 0)
     out = llm.chat(QUESTION, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     return out[0].outputs[0].text

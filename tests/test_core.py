@@ -10,8 +10,8 @@ import pytest
 
 from pdserve import LLM
 from pdserve.config import EngineConfig, Role
-from pdserve.engine.core import EngineCore, pick_dtype
-from pdserve.engine.factory import build_engine
+from pdserve.engine.core import EngineCore
+from pdserve.engine.factory import build_engine, pick_dtype
 from pdserve.engine.sched import Handover
 from pdserve.errors import InvalidRequestError
 from pdserve.sampling_params import SamplingParams
@@ -115,7 +115,7 @@ def test_a_decode_engine_learns_its_own_step_times_and_counts_a_request_from_its
 def test_auto_dtype_is_fp32_on_a_cpu_without_native_bf16() -> None:
     import torch
 
-    from pdserve.engine.core import cpu_has_native_bf16
+    from pdserve.engine.factory import cpu_has_native_bf16
 
     expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     assert pick_dtype("auto", torch.device("cpu")) == expected
@@ -261,7 +261,7 @@ def test_a_short_prompt_runs_between_two_layers_of_a_long_prefill_step(tiny_llam
 
     core = engine(tiny_llama, Role.PREFILL, chunk_size=64)
     assert core.interrupts_steps
-    layers = core.model_config.num_layers
+    layers = core.limits.num_layers
     core.add_request("long", long_prompt, GREEDY)
     nested: list[list[tuple[str, list[int], bool]]] = []
 

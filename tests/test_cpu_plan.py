@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.core import pick_dtype
 from pdserve.engine.cpu import isa as cpu_isa
 from pdserve.engine.cpu import kernels as cpu_kernels
 from pdserve.engine.cpu import plan as cpu_choice
+from pdserve.engine.factory import pick_dtype
 
 
 @pytest.fixture

@@ -64,7 +64,7 @@ def hf_greedy(path: Path, prompt_list: list[list[int]], max_new_tokens: int) -> 
 
 def assert_on_cuda(llm: LLM, dtype: torch.dtype) -> None:
     engine = llm.engine
-    assert engine.device.type == "cuda" and engine.dtype == dtype
+    assert engine.runner.device.type == "cuda" and engine.runner.dtype == dtype
     assert engine.runner.kv_cache.is_cuda and engine.runner.kv_cache.dtype == dtype
     assert all(p.is_cuda and p.dtype == dtype for p in engine.runner.model.parameters())
     # The RoPE tables are plain attributes (not parameters): they must have been built there too.
@@ -175,7 +175,7 @@ def test_bfloat16_runs_and_agrees_with_float32_on_cuda(tiny_llama: Path) -> None
     # A full chunked, batched bf16 run completes with every token in the vocabulary.
     outputs = tokens(bf16.generate(prompts(), GREEDY))
     assert all(len(t) == GREEDY.max_tokens for t in outputs)
-    assert all(0 <= t < bf16.engine.model_config.vocab_size for ts in outputs for t in ts)
+    assert all(0 <= t < bf16.engine.limits.vocab_size for ts in outputs for t in ts)
     assert bf16.engine.kv.num_free_blocks == bf16.engine.kv.num_blocks
 
 

@@ -164,7 +164,7 @@ def test_bfloat16_agrees_with_float32_on_greedy_tokens(tiny_llama: Path) -> None
     prefixes = [prompt + tokens[:i] for i in range(len(tokens))]
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=0)
     bf16 = LLM(str(tiny_llama), dtype="bfloat16", num_kv_blocks=32)
-    assert bf16.engine.dtype == torch.bfloat16
+    assert bf16.engine.runner.dtype == torch.bfloat16
     bf16_out = bf16.generate(prefixes, one)
     bf16_tokens = [o.outputs[0].token_ids[0] for o in bf16_out]
     agree = sum(a == b for a, b in zip(bf16_tokens, tokens, strict=True))

@@ -10,16 +10,13 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
-
-import torch
 
 from pdserve.config import EngineConfig, Role
 from pdserve.costmodel import Step, chunk_attention
 from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.runner import RunnerOutput
 from pdserve.engine.sched import Handover, Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
 from pdserve.errors import InvalidRequestError
 from pdserve.modelfiles.config import ModelConfig
@@ -57,34 +54,22 @@ class StepStats:
     decode_context: int = 0
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "device 'cuda' asked for, but torch sees no CUDA GPU (is a CUDA build of torch installed?)"
-        )
-    return device
+@dataclass
+class RunnerOutput:
+    """What a runner's step sampled: a token per request that reached its sampling point."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
 
 
-def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the engine core checks requests against, and where its steps run."""
 
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        from pdserve.engine.cpu.plan import cpu_plan  # measured once per machine, cached
-
-        return torch.bfloat16 if cpu_plan().auto_dtype == "bfloat16" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    vocab_size: int
+    num_layers: int
+    max_model_len: int  # the context, never more than the whole KV cache holds
+    device_type: str  # "cpu" or "cuda": a CPU prefill engine can run prompts between two layers
 
 
 class Runner(Protocol):
@@ -107,39 +92,22 @@ class EngineCore(Generic[AnyRunner]):
     def __init__(
         self,
         config: EngineConfig,
-        model_config: ModelConfig,
+        limits: EngineLimits,
+        scheduler: Scheduler,
         runner: AnyRunner,
         eos_token_ids: tuple[int, ...],
-        num_blocks: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """The scheduler and the KV cache's bookkeeping (`num_blocks` blocks) around a `runner`
-        the factory built and sized (engine/factory.py). `clock`: the scheduler's (arrival and
-        token times, the ITL budget's wait), monotonic seconds; a simulation gives a virtual one."""
+        """The scheduler (with its KV cache's bookkeeping and its clock) around a `runner` that
+        runs its steps: the model on a device (engine/factory.py builds one), or a modelled one in
+        a simulation. `engine_core` builds the scheduler from the configuration."""
         self.config = config
-        self.model_config = model_config
+        self.limits = limits
         self.eos_token_ids = eos_token_ids
-        self.device = device
-        self.dtype = dtype
-        # The step budget as configured, else the device's (a GPU's steps are far larger).
-        self.max_num_batched_tokens, self.chunk_size = config.step_budget(device.type)
-        context = config.max_model_len or model_config.max_position_embeddings
-        # A request can never need more than the whole cache, or it would preempt itself forever.
-        self.max_model_len = min(context, num_blocks * config.block_size)
-        self.kv = KVCacheManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_model_len=self.max_model_len,
-                role=config.role,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                chunk_size=self.chunk_size,
-            ),
-            self.kv,
-            clock,
-        )
+        self.max_num_batched_tokens = scheduler.config.max_num_batched_tokens
+        self.chunk_size = scheduler.config.chunk_size
+        self.max_model_len = limits.max_model_len
+        self.kv = scheduler.kv
+        self.scheduler = scheduler
         self.runner = runner
         self.last_step: StepStats | None = None
         # Prefill role: the step whose layers are running and the share of them done (while
@@ -158,7 +126,7 @@ class EngineCore(Generic[AnyRunner]):
         params.validate()
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
+        vocab = self.limits.vocab_size
         for token in prompt_token_ids:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
                 raise InvalidRequestError(f"token id {token!r} is outside the vocabulary [0, {vocab})")
@@ -223,7 +191,7 @@ class EngineCore(Generic[AnyRunner]):
         self.scheduler.add_request(request)
 
     def _validate_outputs(self, outputs: list[int], params: SamplingParams, num_prompt: int) -> None:
-        vocab = self.model_config.vocab_size
+        vocab = self.limits.vocab_size
         for token in outputs:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
                 raise InvalidRequestError(f"output token id {token!r} is outside the vocabulary [0, {vocab})")
@@ -302,7 +270,7 @@ class EngineCore(Generic[AnyRunner]):
             return []
         hook = None
         if between_layers is not None and self.interrupts_steps and out.num_batched_tokens > 1:
-            num_layers = self.model_config.num_layers
+            num_layers = self.limits.num_layers
 
             def hook(layers_done: int) -> None:
                 self._in_flight = (out, layers_done / num_layers)
@@ -321,7 +289,7 @@ class EngineCore(Generic[AnyRunner]):
         """Whether `step(between_layers=...)` calls it: on a prefill engine on CPU. (On a GPU the
         layers are queued ahead of their execution: a call between two launches says nothing of
         where the device is.)"""
-        return self.scheduler.config.role is Role.PREFILL and self.device.type == "cpu"
+        return self.scheduler.config.role is Role.PREFILL and self.limits.device_type == "cpu"
 
     def step_between_layers(self) -> list[EngineOutput]:
         """From `step`'s `between_layers`: a step of waiting short prompts that are shorter than
@@ -380,3 +348,35 @@ class EngineCore(Generic[AnyRunner]):
         features = Step(stats.num_prefill_tokens, stats.prefill_attention, len(decodes), stats.decode_context)
         self.scheduler.observe_step(features, stats.step_seconds)
         return outputs
+
+
+def engine_core(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    runner: AnyRunner,
+    eos_token_ids: tuple[int, ...],
+    num_blocks: int,
+    device_type: str,
+    clock: Callable[[], float] = time.monotonic,
+) -> EngineCore[AnyRunner]:
+    """An engine core as configured, over `num_blocks` KV blocks: its step budget (as configured,
+    else the device's: a GPU's steps are far larger), its context (never more than the cache),
+    the scheduler and its KV bookkeeping. `clock`: the scheduler's (arrival and token times, the
+    ITL budget's wait), monotonic seconds; a simulation gives a virtual one."""
+    max_num_batched_tokens, chunk_size = config.step_budget(device_type)
+    context = config.max_model_len or model_config.max_position_embeddings
+    # A request can never need more than the whole cache, or it would preempt itself forever.
+    max_model_len = min(context, num_blocks * config.block_size)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_model_len=max_model_len,
+            role=config.role,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            chunk_size=chunk_size,
+        ),
+        KVCacheManager(num_blocks, config.block_size),
+        clock,
+    )
+    limits = EngineLimits(model_config.vocab_size, model_config.num_layers, max_model_len, device_type)
+    return EngineCore(config, limits, scheduler, runner, eos_token_ids)

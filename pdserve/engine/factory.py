@@ -12,7 +12,7 @@ import torch
 
 from pdserve.config import EngineConfig, Role
 from pdserve.engine import kv_sizing
-from pdserve.engine.core import EngineCore, pick_device, pick_dtype
+from pdserve.engine.core import EngineCore, engine_core
 from pdserve.engine.cpu import huge_pages
 from pdserve.engine.cpu.kernels import decode_attention_kernel
 from pdserve.engine.cpu.linear import onednn_available, stream_linear_available, stream_linear_f32_available
@@ -25,6 +25,36 @@ from pdserve.models.loader import generation_eos_ids, iter_weights, load_config,
 
 logger = logging.getLogger(__name__)
 _OFF = ("0", "false", "no", "off")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "device 'cuda' asked for, but torch sees no CUDA GPU (is a CUDA build of torch installed?)"
+        )
+    return device
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        from pdserve.engine.cpu.plan import cpu_plan  # measured once per machine, cached
+
+        return torch.bfloat16 if cpu_plan().auto_dtype == "bfloat16" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def build_engine(
@@ -108,7 +138,7 @@ def _engine_core(
     runner = ModelRunner(
         model, model_config, num_blocks, config.block_size, dtype, device, config.seed, kv_allocator
     )
-    engine = EngineCore(config, model_config, runner, eos_ids, num_blocks, device, dtype)
+    engine = engine_core(config, model_config, runner, eos_ids, num_blocks, device.type)
     if device.type == "cuda" and model.ops.varlen and config.cuda_graphs:
         logger.info(
             "CUDA graphs off: the %s attention runs every step eagerly (not captured yet)", model.ops.name

@@ -11,11 +11,11 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from pdserve.engine.attention import AttentionMetadata, PrefillChunkMeta
+from pdserve.engine.core import RunnerOutput
 from pdserve.engine.cpu import huge_pages
 from pdserve.engine.decode_graphs import DecodeGraphs, StaticDecode
 from pdserve.engine.kv import KVCacheManager
@@ -24,16 +24,9 @@ from pdserve.engine.sampler import SamplingRow, sample
 from pdserve.engine.sched import SchedulerOutput
 from pdserve.modelfiles.config import ModelConfig
 from pdserve.models.llama import LlamaForCausalLM
-from pdserve.outputs import TokenLogprob
 
 # (shape, dtype) -> a zeroed tensor of that shape: where the KV cache lives.
 KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
-
-
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -52,6 +45,7 @@ class ModelRunner:
         self.config = config
         self.block_size = block_size
         self.device = device
+        self.dtype = dtype
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         # Whether the cache asked for 2 MiB pages and the kernel's setting grants them (huge_pages.py).
         self.kv_huge_pages = False

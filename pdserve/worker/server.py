@@ -167,7 +167,7 @@ class WorkerServer:
             role=self.engine.config.role.value,
             model=self.engine.config.model,
             max_model_len=self.engine.max_model_len,
-            vocab_size=self.engine.model_config.vocab_size,
+            vocab_size=self.engine.limits.vocab_size,
             kv_transport=self.config.transport,
             kv_address=self.kv_address,
             rpc_address=rpc_address,

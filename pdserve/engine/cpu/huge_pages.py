@@ -3,7 +3,7 @@
 A decode step reads every running sequence's blocks, and a serving engine's blocks end up
 scattered over a cache of a GiB or more: on 4 KiB pages nearly every block costs a TLB miss and a
 page walk before its first byte arrives. Measured (benchmarks/kv_huge_pages.py, docs/performance.md
-"Where a batch-8 decode step goes"): decode attention over 30 layers' scattered 16-token blocks of
+"KV cache blocks: block size and huge pages"): decode attention over 30 layers' scattered 16-token blocks of
 a 1.5 GiB cache, one thread, AVX512-BF16 EPYC, took 0.87-0.93x the time on 2 MiB pages; over blocks
 in order (a fresh engine) or 64-token blocks the difference is within the noise.
 

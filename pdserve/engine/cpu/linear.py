@@ -3,7 +3,7 @@
 `F.linear` on CPU hands oneDNN (bf16) or MKL (fp32) a plain [out, in] weight on every call, and for
 the few rows of a decode step the library spends a good part of the call on that layout: measured
 on a 2-vCPU EPYC with AVX512-BF16, one thread, bf16, SmolLM2's shapes, a prepacked weight made the
-M = 1 projections 1.2-2.4x faster and the 49152-row lm_head 1.8x (docs/performance.md). So, where
+M = 1 projections 1.2-2.4x faster and the 49152-row lm_head 1.8x (when this was built; cpu/plan.py measures it again on each machine). So, where
 the machine's measurement says it pays (cpu/plan.py), each projection's weight is reordered once,
 at load, into oneDNN's blocked layout, and called through `torch.ops.mkldnn._linear_pointwise` (the
 op torch's own compiler uses for frozen CPU models). bf16 results are bit-identical to `F.linear`
