@@ -25,6 +25,9 @@ LOAD_PROMPTS = [
     [11 + (j * 5 + i) % 200 for j in range(n)] for i, n in enumerate((4, 9, 40, 120, 260, 33, 700, 15))
 ]
 LOAD_TOKENS = 48
+# Scale cycles under load: the pool manager's logic is tested in memory; these prove the wiring
+# (processes, segments, metric series: nothing left behind by workers that came and went).
+CYCLES = 8
 
 
 def series(server: Server) -> Counter[str]:
@@ -78,7 +81,7 @@ class Load:
         assert not self._thread.is_alive()
 
 
-def test_both_pools_scaled_up_and_down_twenty_times_under_load_lose_nothing(tiny_llama: Path) -> None:
+def test_both_pools_scaled_up_and_down_eight_times_under_load_lose_nothing(tiny_llama: Path) -> None:
     expected = offline(tiny_llama, LOAD_PROMPTS, LOAD_TOKENS)
     server = Server(
         tiny_llama, "--prefill", "1", "--decode", "1", "--prefill-max", "2", "--decode-max", "2",
@@ -88,7 +91,7 @@ def test_both_pools_scaled_up_and_down_twenty_times_under_load_lose_nothing(tiny
     try:
         before: Counter[str] = Counter()
         lines = 0
-        for cycle in range(20):
+        for cycle in range(CYCLES):
             assert server.scale("prefill", 2).status_code == 200
             assert server.scale("decode", 2).status_code == 200
             if cycle % 4 == 3:  # now and then: down again while the new workers still start
@@ -129,7 +132,7 @@ def test_both_pools_scaled_up_and_down_twenty_times_under_load_lose_nothing(tiny
         assert len(server.metrics().splitlines()) <= lines + 200
         assert server.metric("pdserve_worker_drains_total", outcome="timeout") == 0
         assert server.metric("pdserve_requests_total", outcome="error") == 0
-        assert server.metric("pdserve_worker_drains_total") == 40  # ok, or cancelled while starting
+        assert server.metric("pdserve_worker_drains_total") == 2 * CYCLES  # ok, or cancelled while starting
     finally:
         load.stop()
         assert server.stop() == 0  # every worker ever seen is gone, and every segment
