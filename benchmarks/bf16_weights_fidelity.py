@@ -48,7 +48,7 @@ def main() -> None:
 
     from pdserve import LLM, SamplingParams
     from pdserve.engine import factory
-    from pdserve.engine.cpu.plan import cpu_plan
+    from pdserve.ops.cpu.plan import cpu_plan
 
     params = SamplingParams(max_tokens=args.tokens, temperature=0)
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]

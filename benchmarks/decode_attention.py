@@ -25,9 +25,9 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, paged_attention
-from pdserve.engine.cpu import kernels as cpu_kernels
-from pdserve.engine.cpu.ops import CpuKernelOps
+from pdserve.ops.attention import AttentionMetadata, paged_attention
+from pdserve.ops.cpu import kernels as cpu_kernels
+from pdserve.ops.cpu.ops import CpuKernelOps
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 ROUNDS = 3
@@ -137,7 +137,7 @@ def build_times() -> None:
     """First build into an empty cache folder, then a cached load, each in a fresh process."""
     code = (
         "import time, torch; t = time.perf_counter()\n"
-        "from pdserve.engine.cpu.kernels import decode_attention_kernel\n"
+        "from pdserve.ops.cpu.kernels import decode_attention_kernel\n"
         "assert decode_attention_kernel() is not None\n"
         "print(time.perf_counter() - t)"
     )

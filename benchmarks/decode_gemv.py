@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.cpu.linear import (
+from pdserve.ops.cpu.linear import (
     STREAM_F32_COLS,
     pack_weight,
     packed_linear,

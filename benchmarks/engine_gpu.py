@@ -188,7 +188,7 @@ def worker_pdserve_eager(args: argparse.Namespace) -> Callable[[list[list[int]],
 
 
 def worker_pdserve_triton(args: argparse.Namespace) -> Callable[[list[list[int]], int], float]:
-    """pdserve with the step's attention in the Triton paged kernel (engine/cuda/; steps eager)."""
+    """pdserve with the step's attention in the Triton paged kernel (ops/cuda/; steps eager)."""
     return worker_pdserve(args, cuda_graphs=False, attention_backend="triton")
 
 

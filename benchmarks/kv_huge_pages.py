@@ -1,5 +1,5 @@
 """Decode attention over a serving-sized KV cache on 4 KiB pages (torch.zeros) against the same cache
-on 2 MiB pages (engine/cpu/huge_pages.py), through the C++ kernel the engine calls.
+on 2 MiB pages (ops/cpu/huge_pages.py), through the C++ kernel the engine calls.
 
 One cache [layers, 2, blocks, `--block-size`, 3, 64] per kind (SmolLM2-135M's shapes, `--cache-gib`
 each), a batch of decodes of ~`--context` tokens whose blocks are spread at random over the whole
@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from pdserve.engine.cpu import huge_pages
-from pdserve.engine.cpu import kernels as cpu_kernels
+from pdserve.ops.cpu import huge_pages
+from pdserve.ops.cpu import kernels as cpu_kernels
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from pdserve.engine.cpu import kernels as cpu_kernels
+from pdserve.ops.cpu import kernels as cpu_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 64
 

@@ -6,7 +6,7 @@ can import `pdserve.*` freely.
 
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.cpu.isa import apply_torch_caps
+from pdserve.ops.cpu.isa import apply_torch_caps
 from pdserve.outputs import CompletionOutput, RequestOutput
 from pdserve.sampling_params import SamplingParams
 

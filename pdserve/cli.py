@@ -126,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
 def _info(args: argparse.Namespace) -> int:
     import torch
 
-    from pdserve.engine.cpu import huge_pages
-    from pdserve.engine.cpu import isa as cpu_isa
-    from pdserve.engine.cpu import plan as cpu_choice
-    from pdserve.engine.cpu.kernels import unavailable_reason
+    from pdserve.ops.cpu import huge_pages
+    from pdserve.ops.cpu import isa as cpu_isa
+    from pdserve.ops.cpu import plan as cpu_choice
+    from pdserve.ops.cpu.kernels import unavailable_reason
 
     isa_now = cpu_isa.probe()  # raises CpuIsaError (a PdserveError) for a bad PDSERVE_CPU_ISA
     plan = cpu_choice.cpu_plan(refresh=args.refresh)

@@ -65,7 +65,7 @@ class EngineConfig:
     # (engine/decode_graphs.py), one launch a step instead of ~15 per layer. No effect on CPU.
     cuda_graphs: bool = True
     # On a CUDA GPU: the step's attention in the portable torch path (gathered blocks, SDPA; decode
-    # steps captured in CUDA graphs) or in the Triton paged kernel (engine/cuda/, blocks read in
+    # steps captured in CUDA graphs) or in the Triton paged kernel (ops/cuda/, blocks read in
     # place; its steps run eagerly for now). "auto" is the portable path until the kernel has been
     # measured on a GPU.
     attention_backend: str = "auto"

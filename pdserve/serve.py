@@ -33,8 +33,8 @@ from pdserve.config import (
     EngineConfig,
     WorkerConfig,
 )
-from pdserve.engine.cpu import isa as cpu_isa
 from pdserve.errors import PdserveError
+from pdserve.ops.cpu import isa as cpu_isa
 from pdserve.planner.law import LawSettings
 from pdserve.planner.loop import MODES, PlannerSettings
 from pdserve.pools.manager import PoolSettings, PoolSpec

@@ -16,8 +16,8 @@ import torch
 from serving import Server
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.cpu import isa as cpu_isa
-from pdserve.engine.cpu.plan import cpu_plan
+from pdserve.ops.cpu import isa as cpu_isa
+from pdserve.ops.cpu.plan import cpu_plan
 
 pytestmark = pytest.mark.skipif(
     os.environ.get(cpu_isa.ISA_ENV) != "avx2", reason="run by scripts/test.sh with PDSERVE_CPU_ISA=avx2"

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.cpu.linear import (
+from pdserve.ops.cpu.linear import (
     PackedLinear,
     packed_linear,
     stream_linear,
@@ -109,7 +109,7 @@ def test_smollm2_in_bf16_gives_the_same_greedy_text_through_the_stream(
     bf16, so where two tokens are within a few roundings of each other either may win (seen on an
     AMX Xeon: 10 tokens alike, then '2' and '1' 0.25 nats apart). Where the texts part, the token
     each path chose must be one the other path ranked within such a margin."""
-    from pdserve.engine.cpu.plan import cpu_plan
+    from pdserve.ops.cpu.plan import cpu_plan
 
     if cpu_plan().stream_rows.get("bfloat16", 0) == 0:
         pytest.skip("this machine's measurement did not choose the stream GEMV")

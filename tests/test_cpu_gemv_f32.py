@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.cpu.linear import (
+from pdserve.ops.cpu.linear import (
     STREAM_F32_COLS,
     PackedLinear,
     stream_linear_f32,
@@ -103,7 +103,7 @@ def test_smollm2_in_fp32_gives_the_same_greedy_text_through_the_stream(
     import dataclasses
 
     from pdserve.engine import factory
-    from pdserve.engine.cpu.plan import cpu_plan
+    from pdserve.ops.cpu.plan import cpu_plan
 
     # The stream for any step of up to 256 rows, whatever this machine's plan chose.
     plan = dataclasses.replace(cpu_plan(), prepack={"float32": False}, stream_rows={"float32": 256})

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from pdserve.engine.cpu import isa as cpu_isa
-from pdserve.engine.cpu.isa import CpuIsa, CpuIsaError
+from pdserve.ops.cpu import isa as cpu_isa
+from pdserve.ops.cpu.isa import CpuIsa, CpuIsaError
 
 AMX_FLAGS = cpu_isa.TRACKED_FLAGS  # a Sapphire Rapids: every tracked flag
 AVX2_FLAGS = ("avx2", "fma")

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, paged_attention
-from pdserve.engine.cpu import kernels as cpu_kernels
+from pdserve.ops.attention import AttentionMetadata, paged_attention
+from pdserve.ops.cpu import kernels as cpu_kernels
 
 Op = Callable[..., torch.Tensor]
 
@@ -231,7 +231,7 @@ def test_build_failure_warns_once_and_falls_back(
 
     monkeypatch.delenv("PDSERVE_CPU_KERNELS", raising=False)
     monkeypatch.setattr(cpu_kernels, "_load_library", broken)
-    with caplog.at_level(logging.WARNING, logger="pdserve.engine.cpu.kernels"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.ops.cpu.kernels"):
         assert cpu_kernels.decode_attention_kernel() is None
         assert cpu_kernels.decode_attention_kernel() is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -248,7 +248,7 @@ def test_two_processes_building_at_once_both_get_the_kernel(op: Op, tmp_path: Pa
     # A fresh cache folder: both processes race to build; one compiles, the other waits and loads.
     script = textwrap.dedent(
         """
-        from pdserve.engine.cpu.kernels import decode_attention_kernel, unavailable_reason
+        from pdserve.ops.cpu.kernels import decode_attention_kernel, unavailable_reason
         assert decode_attention_kernel() is not None, unavailable_reason()
         """
     )

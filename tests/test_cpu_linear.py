@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.cpu import isa as cpu_isa
-from pdserve.engine.cpu import linear as cpu_linear
-from pdserve.engine.cpu.linear import PackedLinear, pack_linears, pack_weight, packed_linear
+from pdserve.ops.cpu import isa as cpu_isa
+from pdserve.ops.cpu import linear as cpu_linear
+from pdserve.ops.cpu.linear import PackedLinear, pack_linears, pack_weight, packed_linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.onednn_available(), reason="torch was built without oneDNN")
 _isa = cpu_isa.probe()

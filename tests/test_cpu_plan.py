@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.cpu import isa as cpu_isa
-from pdserve.engine.cpu import kernels as cpu_kernels
-from pdserve.engine.cpu import plan as cpu_choice
 from pdserve.engine.factory import pick_dtype
+from pdserve.ops.cpu import isa as cpu_isa
+from pdserve.ops.cpu import kernels as cpu_kernels
+from pdserve.ops.cpu import plan as cpu_choice
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_pdserve_info_prints_the_plan() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_stream_gemv_is_measured_where_it_can_run(cache_dir: Path, dtype: torch.dtype) -> None:
-    from pdserve.engine.cpu.linear import stream_linear_available, stream_linear_f32_available
+    from pdserve.ops.cpu.linear import stream_linear_available, stream_linear_f32_available
 
     name = str(dtype).removeprefix("torch.")
     plan = cpu_choice.cpu_plan()
@@ -163,7 +163,7 @@ def test_a_prepack_that_computes_garbage_is_not_taken(quick: None, monkeypatch: 
 def test_a_failing_stream_probe_is_recorded_and_the_stream_is_not_used(
     quick: None, monkeypatch: pytest.MonkeyPatch, where: str, tmp_path: Path
 ) -> None:
-    from pdserve.engine.cpu.linear import stream_linear_f32_available
+    from pdserve.ops.cpu.linear import stream_linear_f32_available
 
     if where == "available":
         monkeypatch.setattr(cpu_choice, "stream_linear_f32_available", boom("no such op"))

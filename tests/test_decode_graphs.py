@@ -19,7 +19,7 @@ from pdserve.engine.decode_graphs import (
     gathered_bytes,
     smallest_at_least,
 )
-from pdserve.engine.layer_ops import TorchLayerOps
+from pdserve.ops.layer_ops import TorchLayerOps
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPT_LENGTHS = (1, 3, 4, 9, 17, 40)  # six decodes: a batch bucket of 8, two of its rows padding

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pdserve.config import EngineConfig, Role
-from pdserve.engine.cpu import huge_pages
 from pdserve.engine.factory import build_engine
+from pdserve.ops.cpu import huge_pages
 from pdserve.sampling_params import SamplingParams
 
 

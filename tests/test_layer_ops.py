@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.config import EngineConfig, Role
-from pdserve.engine.attention import AttentionMetadata, PrefillChunkMeta
 from pdserve.engine.core import EngineCore
-from pdserve.engine.cpu import kernels as cpu_kernels
-from pdserve.engine.cpu.ops import CpuKernelOps
 from pdserve.engine.factory import build_engine
-from pdserve.engine.layer_ops import TorchLayerOps
 from pdserve.models.llama import RMSNorm
+from pdserve.ops.attention import AttentionMetadata, PrefillChunkMeta
+from pdserve.ops.cpu import kernels as cpu_kernels
+from pdserve.ops.cpu.ops import CpuKernelOps
+from pdserve.ops.layer_ops import TorchLayerOps
 from pdserve.outputs import TokenLogprob
 from pdserve.sampling_params import SamplingParams
 

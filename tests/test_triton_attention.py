@@ -1,4 +1,4 @@
-"""The Triton paged-attention kernel (pdserve.engine.cuda.triton_attention) against dense attention
+"""The Triton paged-attention kernel (pdserve.ops.cuda.triton_attention) against dense attention
 on the cases the CPU kernel is held to (decodes and prompt chunks over scattered blocks, GQA,
 windows, odd head sizes), in fp32 and bf16, and an engine whose attention runs in it giving the
 portable engine's greedy tokens. Compiled on a CUDA GPU; on a CPU under Triton's interpreter.
@@ -20,9 +20,9 @@ if not INTERPRETED and not torch.cuda.is_available():
 from test_layer_ops import CASES, assert_dense, batch  # noqa: E402
 
 from pdserve import LLM, SamplingParams  # noqa: E402
-from pdserve.engine.cuda import triton_attention  # noqa: E402
-from pdserve.engine.cuda.triton_attention import TritonLayerOps, paged_attention  # noqa: E402
-from pdserve.engine.layer_ops import TorchLayerOps  # noqa: E402
+from pdserve.ops.cuda import triton_attention  # noqa: E402
+from pdserve.ops.cuda.triton_attention import TritonLayerOps, paged_attention  # noqa: E402
+from pdserve.ops.layer_ops import TorchLayerOps  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.engine.attention import AttentionMetadata
 from pdserve.models.llama import LlamaForCausalLM
+from pdserve.ops.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -13,15 +13,15 @@ import torch
 from pdserve.config import EngineConfig, Role
 from pdserve.engine import kv_sizing
 from pdserve.engine.core import EngineCore, engine_core
-from pdserve.engine.cpu import huge_pages
-from pdserve.engine.cpu.kernels import decode_attention_kernel
-from pdserve.engine.cpu.linear import onednn_available, stream_linear_available, stream_linear_f32_available
-from pdserve.engine.cpu.ops import CpuKernelOps
-from pdserve.engine.cpu.plan import cpu_plan
 from pdserve.engine.runner import KVAllocator, ModelRunner
 from pdserve.modelfiles.config import ModelConfig
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.loader import generation_eos_ids, iter_weights, load_config, load_tokenizer, resolve_model
+from pdserve.ops.cpu import huge_pages
+from pdserve.ops.cpu.kernels import decode_attention_kernel
+from pdserve.ops.cpu.linear import onednn_available, stream_linear_available, stream_linear_f32_available
+from pdserve.ops.cpu.ops import CpuKernelOps
+from pdserve.ops.cpu.plan import cpu_plan
 
 logger = logging.getLogger(__name__)
 _OFF = ("0", "false", "no", "off")
@@ -51,7 +51,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        from pdserve.engine.cpu.plan import cpu_plan  # measured once per machine, cached
+        from pdserve.ops.cpu.plan import cpu_plan  # measured once per machine, cached
 
         return torch.bfloat16 if cpu_plan().auto_dtype == "bfloat16" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
@@ -193,7 +193,7 @@ def triton_ops(device: torch.device) -> Any:
     if device.type != "cuda":
         raise ValueError("attention_backend 'triton' runs on CUDA GPUs only (this engine runs on the CPU)")
     try:
-        from pdserve.engine.cuda.triton_attention import TritonLayerOps
+        from pdserve.ops.cuda.triton_attention import TritonLayerOps
     except ImportError as exc:
         raise ValueError(f"attention_backend 'triton' needs the triton package ({exc})") from None
     return TritonLayerOps()

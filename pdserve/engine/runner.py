@@ -14,9 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, PrefillChunkMeta
 from pdserve.engine.core import RunnerOutput
-from pdserve.engine.cpu import huge_pages
 from pdserve.engine.decode_graphs import DecodeGraphs, StaticDecode
 from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request
@@ -24,6 +22,8 @@ from pdserve.engine.sampler import SamplingRow, sample
 from pdserve.engine.sched import SchedulerOutput
 from pdserve.modelfiles.config import ModelConfig
 from pdserve.models.llama import LlamaForCausalLM
+from pdserve.ops.attention import AttentionMetadata, PrefillChunkMeta
+from pdserve.ops.cpu import huge_pages
 
 # (shape, dtype) -> a zeroed tensor of that shape: where the KV cache lives.
 KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]

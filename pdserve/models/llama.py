@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.attention import AttentionMetadata
-from pdserve.engine.cpu.linear import PackedLinear, pack_linears
-from pdserve.engine.layer_ops import TorchLayerOps
 from pdserve.errors import ModelLoadError
 from pdserve.modelfiles.config import ModelConfig
+from pdserve.ops.attention import AttentionMetadata
+from pdserve.ops.cpu.linear import PackedLinear, pack_linears
+from pdserve.ops.layer_ops import TorchLayerOps
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:  # [head_dim // 2] float32

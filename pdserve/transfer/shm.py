@@ -84,7 +84,7 @@ class OwnedSegment:
         mapping = getattr(self._shm, "_mmap", None)
         if mapping is not None:
             # 2 MiB pages where transparent_hugepage/shmem_enabled allows a mapping to ask (advise,
-            # within_size; engine/cpu/huge_pages.py says why): asked before the pages are mapped.
+            # within_size; ops/cpu/huge_pages.py says why): asked before the pages are mapped.
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 mapping.madvise(_MADV_HUGEPAGE)
             with contextlib.suppress(OSError, ValueError):

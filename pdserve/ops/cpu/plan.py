@@ -41,8 +41,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.cpu import isa as cpu_isa
-from pdserve.engine.cpu.linear import (
+from pdserve.ops.cpu import isa as cpu_isa
+from pdserve.ops.cpu.linear import (
     STREAM_F32_COLS,
     onednn_available,
     pack_weight,
@@ -283,7 +283,7 @@ def _check_packed(packed: list[torch.Tensor], weights: list[torch.Tensor]) -> li
 
 
 def _no_stream_reason(dtype: torch.dtype) -> str:
-    from pdserve.engine.cpu.kernels import unavailable_reason
+    from pdserve.ops.cpu.kernels import unavailable_reason
 
     isa = kernel_isa()
     if isa is None:
@@ -417,7 +417,7 @@ def cache_path() -> Path:
 
 def kernel_isa() -> str | None:
     """The instruction set the C++ kernels were built for, or None if they are unavailable."""
-    from pdserve.engine.cpu.kernels import decode_attention_kernel
+    from pdserve.ops.cpu.kernels import decode_attention_kernel
 
     if decode_attention_kernel() is None:
         return None

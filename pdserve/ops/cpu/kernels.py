@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.cpu import isa as cpu_isa
+from pdserve.ops.cpu import isa as cpu_isa
 
 logger = logging.getLogger(__name__)
 

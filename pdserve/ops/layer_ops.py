@@ -3,21 +3,44 @@ write, and the MLP's activation.
 
 `TorchLayerOps` is the portable path: plain torch ops, CPU and CUDA, Hugging Face's numerics op
 for op; it stays the reference. Each device's kernels subclass it in their own room:
-`engine.cpu.ops.CpuKernelOps` (the C++ ops) and `engine.cuda.triton_attention.TritonLayerOps`.
+`ops.cpu.ops.CpuKernelOps` (the C++ ops) and `ops.cuda.triton_attention.TritonLayerOps`.
 The model calls whichever it was given (`LlamaForCausalLM.ops`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.ops.attention import AttentionMetadata, paged_attention
 
-if TYPE_CHECKING:
-    from pdserve.models.llama import RMSNorm, RotaryEmbedding
+
+class RMSNorm(Protocol):
+    """A layer's RMS norm, as the ops see it (models/llama.py has the module)."""
+
+    @property
+    def weight(self) -> torch.Tensor: ...  # [hidden]
+
+    @property
+    def eps(self) -> float: ...
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class RotaryEmbedding(Protocol):
+    """A model's rotary embedding, as the ops see it (models/llama.py has the module)."""
+
+    @property
+    def cos(self) -> torch.Tensor: ...  # [max_positions, D]
+
+    @property
+    def sin(self) -> torch.Tensor: ...
+
+    def __call__(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class TorchLayerOps:

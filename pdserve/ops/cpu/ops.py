@@ -1,4 +1,4 @@
-"""The C++ layer ops (engine/cpu/kernels.py builds them): the same work as the portable
+"""The C++ layer ops (ops/cpu/kernels.py builds them): the same work as the portable
 `TorchLayerOps`, one pass each instead of several torch ops and their dispatch: `add_rms_norm` (the
 residual add fused into the next norm), `rotary_and_cache` (RoPE on q and k, k and v written to
 their cache slots), `silu_and_mul`, `argmax_rows` (greedy sampling), and `paged_attention` for
@@ -6,15 +6,10 @@ decodes and prompt chunks alike, reading K and V in place from their blocks."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from pdserve.engine.attention import AttentionMetadata
-from pdserve.engine.layer_ops import TorchLayerOps
-
-if TYPE_CHECKING:
-    from pdserve.models.llama import RMSNorm, RotaryEmbedding
+from pdserve.ops.attention import AttentionMetadata
+from pdserve.ops.layer_ops import RMSNorm, RotaryEmbedding, TorchLayerOps
 
 
 class CpuKernelOps(TorchLayerOps):

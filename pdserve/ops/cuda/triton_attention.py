@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 
-from pdserve.engine.attention import AttentionMetadata
-from pdserve.engine.cuda.triton_kernels import paged_attention_kernel
-from pdserve.engine.layer_ops import TorchLayerOps
+from pdserve.ops.attention import AttentionMetadata
+from pdserve.ops.cuda.triton_kernels import paged_attention_kernel
+from pdserve.ops.layer_ops import TorchLayerOps
 
 if TYPE_CHECKING:
     pass

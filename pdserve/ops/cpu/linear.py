@@ -55,7 +55,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 def stream_linear_available() -> bool:
     """Whether the C++ kernels are loaded and were built with the stream GEMV (AVX512-BF16)."""
-    from pdserve.engine.cpu.kernels import decode_attention_kernel  # loads (or builds) the library
+    from pdserve.ops.cpu.kernels import decode_attention_kernel  # loads (or builds) the library
 
     if decode_attention_kernel() is None:
         return False
@@ -65,7 +65,7 @@ def stream_linear_available() -> bool:
 
 def stream_linear_f32_available() -> bool:
     """Whether the C++ kernels are loaded and were built with the fp32 stream GEMV (AVX2 + FMA)."""
-    from pdserve.engine.cpu.kernels import decode_attention_kernel
+    from pdserve.ops.cpu.kernels import decode_attention_kernel
 
     if decode_attention_kernel() is None:
         return False
