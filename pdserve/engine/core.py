@@ -256,6 +256,14 @@ class EngineCore(Generic[AnyRunner]):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def held_tokens(self, request_id: str) -> int:
+        """Tokens of a request held here for another engine (prefilled, or handed over)."""
+        return self.scheduler.held[request_id].num_tokens
+
+    def held_blocks(self, request_id: str, num_tokens: int) -> list[int]:
+        """The block ids that hold a request's first `num_tokens` tokens, in order."""
+        return list(self.kv.block_table(request_id)[: self.kv.blocks_for_tokens(num_tokens)])
+
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
