@@ -10,7 +10,7 @@ about the ones given.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from pdserve.errors import PdserveError
@@ -89,6 +89,31 @@ def quantile(values: Iterable[float], p: float) -> float | None:
     low = math.floor(rank)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+# The gaps' percentile a request's own ITL is judged at (with fewer than 100 gaps, about its largest).
+ITL_VERDICT_PERCENTILE = 0.99
+
+
+def request_meets(
+    limits: Mapping[str, float],
+    *,
+    ttft: float | None,
+    itls: Sequence[float] = (),
+    tpot: float | None = None,
+    e2e: float | None = None,
+) -> bool:
+    """The per-request verdict, one definition for the bench, the timeline and the simulator: a
+    request meets `ttft`, `tpot` and `e2e` limits (seconds) by its own value, and an `itl` limit
+    when the 99th percentile of its own gaps is within it; a value it does not have (None: the
+    TPOT of a one-token answer) is not held against it. The caller says whether the request
+    counts at all (a failed one, or one that streamed nothing, meets nothing)."""
+    values = {"ttft": ttft, "tpot": tpot, "e2e": e2e, "itl": quantile(itls, ITL_VERDICT_PERCENTILE) or 0.0}
+    for key, limit in limits.items():
+        value = values[key]
+        if value is not None and value > limit:
+            return False
+    return True
 
 
 def ms_text(seconds: float | None) -> str:

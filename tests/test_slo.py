@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.bench.summary import parse_slos, percentile
 from pdserve.errors import PdserveError
-from pdserve.slo import SLO, ms_text, parse_limits, parse_slo, quantile
+from pdserve.slo import SLO, ms_text, parse_limits, parse_slo, quantile, request_meets
 
 
 def test_slo_in_milliseconds_either_or_both() -> None:
@@ -76,3 +76,14 @@ def test_the_bench_parses_slos_as_the_server_does_with_its_own_names_besides() -
             parse_limits(text)
     with pytest.raises(PdserveError, match="given twice"):
         parse_slos("e2e=1,e2e=2")
+
+
+def test_a_requests_verdict_holds_each_value_to_its_limit_and_its_itl_at_its_own_p99() -> None:
+    limits = {"ttft": 0.5, "itl": 0.05, "e2e": 5.0}
+    gaps = [0.01] * 98 + [0.2, 0.2]  # two long gaps in 100: its p99 (interpolated) is past 50 ms
+    assert request_meets(limits, ttft=0.4, itls=[0.01] * 100, e2e=2.0)
+    assert not request_meets(limits, ttft=0.6, itls=[0.01] * 100, e2e=2.0)
+    assert not request_meets(limits, ttft=0.4, itls=gaps, e2e=2.0)
+    assert not request_meets({"e2e": 1.0}, ttft=0.1, e2e=1.5)
+    # A one-token answer has no TPOT and no gaps: nothing to hold against those limits.
+    assert request_meets({"tpot": 0.01, "itl": 0.01}, ttft=0.1, tpot=None)
