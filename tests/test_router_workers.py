@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
+from fakes import ScriptedConnector, until
 
 from pdserve import wire
 from pdserve.router.channel import ZmqConnector
@@ -158,5 +159,30 @@ def test_a_draining_worker_takes_nothing_new_but_answers_and_a_removed_one_is_st
             await workers.close()
             worker.close(linger=0)
             context.term()
+
+    asyncio.run(scenario())
+
+
+def test_only_a_load_report_is_recorded_as_one_and_a_request_that_ends_wakes_a_waiter() -> None:
+    # A load report's step samples feed the cost model once each: a request that ends on a
+    # worker must wake whoever waits on the set (a drain), not count as another report.
+    async def scenario() -> None:
+        connector = ScriptedConnector()
+        workers = WorkerSet(connector)
+        reports: list[wire.Load | None] = []
+        workers.on_load = lambda link: reports.append(link.load)
+        try:
+            workers.add_worker("decode-0", "decode", "fake://decode-0", "key")
+            await until(lambda: bool(workers.up("decode")), "decode-0 up")
+            leg = workers.link("decode-0").open_leg("r.0", prompt_tokens=5)
+            woken = asyncio.create_task(workers.wait_for_change(60.0))
+            await asyncio.sleep(0)
+            leg.close(abort=False)
+            await asyncio.wait_for(woken, 5)
+            assert reports == []
+            connector.workers["decode-0"].report()
+            assert len(reports) == 1 and reports[0] is not None and reports[0].worker_id == "decode-0"
+        finally:
+            await workers.close()
 
     asyncio.run(scenario())

@@ -79,7 +79,10 @@ class WorkerLink:
         routing_id: bytes,
         on_load: Callable[[WorkerLink], None] | None = None,
         on_state: Callable[[WorkerLink], None] | None = None,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
+        """`on_load`: each load report; `on_state`: each change of state; `on_change`: anything
+        else a waiter may care about (a request that ended here)."""
         self.worker_id = worker_id
         self.pool = pool
         self.routing_id = routing_id
@@ -98,6 +101,7 @@ class WorkerLink:
         self.legs: dict[str, Leg] = {}
         self.queued_prompt_tokens = 0  # prompt tokens sent here that have not produced a token yet
         self._on_load = on_load
+        self._on_change = on_change
         self._on_state = on_state
         self._connector = connector
         self._channel: Channel | None = None
@@ -202,7 +206,8 @@ class WorkerLink:
     def forget(self, leg: Leg) -> None:
         if self.legs.pop(leg.leg_id, None) is not None:
             self._settle_prompt(leg)
-            self._notify_load()  # a drain waits for the last leg to go
+            if self._on_change is not None:
+                self._on_change()  # a drain waits for the last leg to go
 
     def _settle_prompt(self, leg: Leg) -> None:
         self.queued_prompt_tokens -= leg.prompt_tokens
@@ -391,6 +396,7 @@ class WorkerSet:
             self.connector,
             routing_id=f"{self.router_id}/{worker_id}".encode()[:255],
             on_load=self._on_load,
+            on_change=self._change,
             on_state=self._on_state,
         )
         self.links[worker_id] = link
