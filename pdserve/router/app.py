@@ -48,7 +48,7 @@ from pdserve.router.logprobs import LogprobsFormatter, TokenLogprobs
 from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdserve.router.openapi import build_openapi
 from pdserve.router.placement import Unavailable
-from pdserve.router.workers import WorkerLink, WorkerSet, WorkerState
+from pdserve.router.workers import WorkerSet, WorkerState, WorkerView
 from pdserve.signals import Signals
 from pdserve.text.detok import IncrementalDetokenizer
 from pdserve.text.tokenizer import RouterTokenizer
@@ -140,7 +140,7 @@ class Router:
     @asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         try:
-            logger.info("router ready: %d workers", len(self.workers.links))
+            logger.info("router ready: %d workers", len(self.workers.views()))
             yield
         finally:
             if self.pools is not None:  # first: nothing may start a worker once the links go
@@ -168,7 +168,7 @@ class Router:
                 "state": w.state.value,
                 **({"detail": w.detail} if w.detail else {}),
             }
-            for w in self.workers.links.values()
+            for w in self.workers.views()
         }
         try:
             self.dispatcher.admission.check_available()
@@ -416,7 +416,7 @@ class Router:
     def describe_signals(self) -> dict[str, Any]:
         """The "signals" section of GET /pools: latency percentiles, demand and KV use per pool."""
         kv: dict[str, list[tuple[int, int]]] = {}
-        for w in self.workers.links.values():
+        for w in self.workers.views():
             if w.connected and w.load is not None:
                 kv.setdefault(w.pool, []).append(
                     (w.load.kv_blocks_used, w.load.kv_blocks_used + w.load.kv_blocks_free)
@@ -426,10 +426,10 @@ class Router:
 
     # -- worker state into metrics --------------------------------------------------------------------------
     def _max_model_len(self) -> int | None:
-        lengths = [w.ready.max_model_len for w in self.workers.links.values() if w.connected and w.ready]
+        lengths = [w.ready.max_model_len for w in self.workers.views() if w.connected and w.ready]
         return min(lengths) if lengths else None
 
-    def _record_load(self, link: WorkerLink) -> None:
+    def _record_load(self, link: WorkerView) -> None:
         load = link.load
         if load is None or not link.connected:
             return
@@ -447,7 +447,7 @@ class Router:
         if load.steps and link.up_at is not None:
             self.signals.steps(load.steps, time.monotonic() - link.up_at)
 
-    def _record_state(self, link: WorkerLink) -> None:
+    def _record_state(self, link: WorkerView) -> None:
         m = self.metrics
         if link.state is WorkerState.STOPPED:  # gone for good: so are its series
             m.remove_worker(link.pool, link.worker_id)
@@ -455,9 +455,9 @@ class Router:
             m.worker_up.labels(link.pool, link.worker_id).set(1 if link.connected else 0)
             if not link.connected:  # a dead worker's last load report says nothing about now
                 m.remove_worker(link.pool, link.worker_id, keep_up=True)
-        pools = {w.pool for w in self.workers.links.values()} | {link.pool}
+        pools = {w.pool for w in self.workers.views()} | {link.pool}
         for pool in pools:
-            counts = Counter(w.state for w in self.workers.links.values() if w.pool == pool)
+            counts = Counter(w.state for w in self.workers.views() if w.pool == pool)
             for state in WorkerState:
                 if state is not WorkerState.STOPPED:
                     m.pool_workers.labels(pool, state.value).set(counts[state])

@@ -342,8 +342,10 @@ class WorkerSet:
         self.links: dict[str, WorkerLink] = {}
         self.stall_timeout = stall_timeout
         self._keeper: asyncio.Task[None] | None = None
-        self.on_load: Callable[[WorkerLink], None] | None = None
-        self.on_state: Callable[[WorkerLink], None] | None = None
+        # Whoever records the workers (the router's metrics and signals): each load report, each
+        # change of state, as the worker's view then.
+        self.on_load: Callable[[WorkerView], None] | None = None
+        self.on_state: Callable[[WorkerView], None] | None = None
         self._changed = asyncio.Event()
 
     # -- views ----------------------------------------------------------------------------------------
@@ -374,12 +376,12 @@ class WorkerSet:
 
     def _on_load(self, link: WorkerLink) -> None:
         if self.on_load is not None:
-            self.on_load(link)
+            self.on_load(link.view())
         self._change()
 
     def _on_state(self, link: WorkerLink) -> None:
         if self.on_state is not None:
-            self.on_state(link)
+            self.on_state(link.view())
         self._change()
 
     # -- commands -------------------------------------------------------------------------------------
