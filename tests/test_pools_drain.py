@@ -269,17 +269,3 @@ def test_past_the_drain_timeout_streams_that_cannot_move_end_with_an_error() -> 
             assert cp.states("decode") == {}
 
     asyncio.run(scenario())
-
-
-@pytest.mark.slow
-def test_smollm2_streams_move_off_a_draining_decode_worker() -> None:
-    """On the real model: 8 streams of 160 tokens over two decode workers, one of which drains
-    mid-stream (the tiny model's test above covers every transport)."""
-    expected = offline("smollm2-135m", PROMPTS[:8], 160)
-    server = Server(
-        "smollm2-135m", "--prefill", "1", "--decode", "2", "--decode-min", "1", "--num-kv-blocks", "1024"
-    )
-    try:
-        drain_one_of_two_mid_stream(server, PROMPTS[:8], 160, expected)
-    finally:
-        assert server.stop() == 0
