@@ -70,6 +70,8 @@ class ScriptedWorker:
         self.reports = True  # sends a load report each step (False: a hung engine thread)
         self.refuse: str | None = None  # refuses every new request as invalid, saying this
         self.steps = 0
+        self.hellos = 0  # the router's greetings (each answered with Ready if answers_hello)
+        self.readies = 0  # Ready messages delivered to the router
         self.closed = False
 
     @property
@@ -84,6 +86,7 @@ class ScriptedWorker:
         if not self.reachable or self.closed:
             return False
         if data == b"":
+            self.hellos += 1
             if self.answers_hello:
                 asyncio.get_running_loop().call_soon(self.say, self.ready)
             return True
@@ -99,6 +102,7 @@ class ScriptedWorker:
     def say(self, message: wire.Message) -> None:
         """Send the router a message, as if it had crossed the socket."""
         if self.reachable and not self.closed:
+            self.readies += isinstance(message, wire.Ready)
             self.events.on_frame(wire.encode(message))
 
     def drop(self) -> None:

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from fakes import ScriptedConnector
 from serving import Server
+from test_pools_drain import poll
 
 from pdserve import LLM, SamplingParams, wire
 from pdserve.costmodel import Step
@@ -233,7 +234,8 @@ def test_a_burst_at_a_fresh_server_is_refused_beyond_what_it_can_start_and_the_r
                     first = asyncio.ensure_future(
                         client.post("/v1/completions", json={**body, "prompt": PROMPTS[1]})
                     )
-                    await asyncio.sleep(0.5)  # admitted and sent to the frozen worker
+                    # Admitted and sent to the frozen worker.
+                    await poll(lambda: server.metric("pdserve_requests_in_flight") == 1, 60, "it admitted")
                     rest = await asyncio.gather(
                         *(client.post("/v1/completions", json={**body, "prompt": p}) for p in PROMPTS[2:])
                     )

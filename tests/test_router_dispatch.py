@@ -15,6 +15,7 @@ import openai
 import pytest
 from fakes import control_plane, expected_stream, until
 from serving import Server
+from test_pools_drain import poll
 
 from pdserve import LLM, SamplingParams, wire
 from pdserve.pools.manager import PoolSettings
@@ -192,7 +193,7 @@ def test_a_burst_over_the_in_flight_limit_gets_429s_never_500s(tiny_llama: Path)
                 blockers = [
                     asyncio.ensure_future(client.post("/v1/completions", json=long)) for _ in range(2)
                 ]
-                await asyncio.sleep(0.5)
+                await poll(lambda: server.metric("pdserve_requests_in_flight") == 2, 60, "both admitted")
                 try:
                     return await client.post(
                         "/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 2}

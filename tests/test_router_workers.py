@@ -186,3 +186,29 @@ def test_only_a_load_report_is_recorded_as_one_and_a_request_that_ends_wakes_a_w
             await workers.close()
 
     asyncio.run(scenario())
+
+
+def test_a_stalled_worker_that_still_answers_greetings_stays_down_until_it_reports() -> None:
+    # A hung engine thread: the worker's RPC thread still answers every hello with Ready, but no
+    # load report comes. Ready alone must not put it back in service (it would flap in and out
+    # every stall timeout, and never be killed and replaced); its next report does.
+    async def scenario() -> None:
+        connector = ScriptedConnector()
+        workers = WorkerSet(connector, stall_timeout=0.3)
+        try:
+            workers.add_worker("decode-0", "decode", "fake://decode-0", "key")
+            await until(lambda: bool(workers.up("decode")), "decode-0 up")
+            worker = connector.workers["decode-0"]
+            await until(lambda: workers.view("decode-0").down_cause is DownCause.STALLED, "stalled")  # type: ignore[union-attr]
+            states: list[WorkerState] = []
+            workers.on_state = lambda view: states.append(view.state)
+            answered = worker.readies
+            await until(lambda: worker.readies >= answered + 2, "greeted twice more, and answered")
+            assert WorkerState.UP not in states
+            assert workers.view("decode-0").state is WorkerState.DOWN  # type: ignore[union-attr]
+            worker.report()
+            assert workers.view("decode-0").state is WorkerState.UP  # type: ignore[union-attr]
+        finally:
+            await workers.close()
+
+    asyncio.run(scenario())

@@ -216,7 +216,7 @@ class Admission:
 
     def check_queue(self, prompt_tokens: int) -> None:
         """Overloaded (429) if this prompt would take its pool's queue past the limit."""
-        pool = "colocated" if self.workers.up("colocated") else "prefill"
+        pool = "colocated" if self.workers.count_up("colocated") else "prefill"
         links = self.workers.up(pool)
         if not links:
             return  # nothing up there: the path choice says so, more clearly
@@ -236,7 +236,7 @@ class Admission:
         """Unavailable (503) with no decode worker up; Overloaded (429) at the in-flight limit,
         counting the requests being admitted (`admitting_self`: the caller is one of them) and
         those admitted that have not started."""
-        if not self.workers.up(*STREAM_POOLS):
+        if not self.workers.count_up(*STREAM_POOLS):
             raise Unavailable("no decode worker is up: the decode pool is empty")
         self._lapse()
         taken = self.in_flight + self.admitting + len(self._reserved) - (1 if admitting_self else 0)

@@ -153,7 +153,7 @@ class Dispatcher:
         reservation, state.reservation = state.reservation, None
         self.admission.start(reservation)  # from here its prompt is queued on a worker
         emitted: list[int] = []
-        stream_pool = "colocated" if self.workers.up("colocated") else "decode"
+        stream_pool = "colocated" if self.workers.count_up("colocated") else "decode"
         self.signals.stream_started(stream_pool)  # decode demand counts from admission
         last_retry: _Retry | None = None
         try:

@@ -61,7 +61,7 @@ class Placement:
     def _share(self, reserved: Mapping[str, Sequence[int]], pool: str) -> tuple[int, ...]:
         """One worker's share of the prompts reserved for `pool` (every n-th, of n workers up)."""
         prompts = reserved.get(pool, ())
-        return tuple(prompts[:: max(1, len(self.workers.up(pool)))])
+        return tuple(prompts[:: max(1, self.workers.count_up(pool))])
 
     def pick_prefill(self) -> WorkerView | None:
         views = {w.worker_id: w for w in self.workers.up("prefill")}

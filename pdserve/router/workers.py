@@ -129,7 +129,15 @@ class WorkerLink:
         return self._reachable and self.state in (WorkerState.UP, WorkerState.DRAINING)
 
     def view(self) -> WorkerView:
-        legs = [leg for leg in self.legs.values() if not leg.done]
+        # One pass over its requests: a view is taken several times for every request placed.
+        decoding = staying = 0
+        queued: list[int] = []
+        for leg in self.legs.values():
+            if leg.prompt_tokens > 0:
+                queued.append(leg.prompt_tokens)
+            if not leg.done:
+                decoding += leg.prompt_tokens == 0
+                staying += leg.move_reason is None
         return WorkerView(
             worker_id=self.worker_id,
             pool=self.pool,
@@ -144,9 +152,9 @@ class WorkerLink:
             load=self.load,
             load_at=self.load_at,
             streams=len(self.legs),
-            decoding=sum(1 for leg in legs if leg.prompt_tokens == 0),
-            staying=sum(1 for leg in legs if leg.move_reason is None),
-            queued_prompts=tuple(leg.prompt_tokens for leg in self.legs.values() if leg.prompt_tokens > 0),
+            decoding=decoding,
+            staying=staying,
+            queued_prompts=tuple(queued),
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             longest_recent_step_s=self.longest_recent_step_s(),
         )
@@ -234,7 +242,10 @@ class WorkerLink:
         self.last_message_at = time.monotonic()
         if isinstance(message, wire.Ready):
             self.ready = message
-            self._come_back(message.role)
+            # A stalled worker's RPC thread answers a hello even while its engine thread hangs:
+            # only a load report (from the engine thread) says it works again.
+            if self.down_cause is not DownCause.STALLED:
+                self._come_back(message.role)
         elif isinstance(message, wire.Load):
             if not self._reachable and self.ready is not None and self.down_cause is DownCause.STALLED:
                 self._come_back(self.ready.role)  # it was only slow: it reports again
@@ -255,13 +266,17 @@ class WorkerLink:
 
     def _note_steps(self, load: wire.Load, now: float) -> None:
         longest = max([s.seconds for s in load.steps] + [load.last_step_ms / 1000])
+        # A sliding-window maximum: each report's longest step, dropping those a longer, later
+        # one outlasts; the front is then the window's longest (read per request placed).
+        while self._recent_steps and self._recent_steps[-1][1] <= longest:
+            self._recent_steps.pop()
         self._recent_steps.append((now, longest))
         while self._recent_steps and now - self._recent_steps[0][0] > STEP_MEMORY_S:
             self._recent_steps.popleft()
 
     def longest_recent_step_s(self) -> float:
         """The longest step this worker reported in the last STEP_MEMORY_S seconds (0 if none)."""
-        return max((seconds for _, seconds in self._recent_steps), default=0.0)
+        return self._recent_steps[0][1] if self._recent_steps else 0.0
 
     def _measure_prefill(self, steps: list[wire.StepSample]) -> None:
         tokens = sum(s.prefill_tokens for s in steps if s.prefill_tokens)
@@ -361,6 +376,10 @@ class WorkerSet:
         """The views of the workers of these pools that take new requests."""
         return [w.view() for w in self.links.values() if w.up and w.pool in pools]
 
+    def count_up(self, *pools: str) -> int:
+        """How many workers of these pools take new requests (no view taken)."""
+        return sum(1 for w in self.links.values() if w.up and w.pool in pools)
+
     def link(self, worker_id: str) -> WorkerLink:
         """The data plane's way to a worker (the dispatcher opens legs on it)."""
         return self.links[worker_id]
@@ -375,14 +394,18 @@ class WorkerSet:
         self._changed = asyncio.Event()
 
     def _on_load(self, link: WorkerLink) -> None:
-        if self.on_load is not None:
-            self.on_load(link.view())
-        self._change()
+        try:
+            if self.on_load is not None:
+                self.on_load(link.view())
+        finally:  # a recorder that fails must not leave a waiter to its timeout
+            self._change()
 
     def _on_state(self, link: WorkerLink) -> None:
-        if self.on_state is not None:
-            self.on_state(link.view())
-        self._change()
+        try:
+            if self.on_state is not None:
+                self.on_state(link.view())
+        finally:
+            self._change()
 
     # -- commands -------------------------------------------------------------------------------------
     def add_worker(

@@ -265,7 +265,17 @@ class WorkerServer:
                 return
 
     def _pull(self, order: PullOrder) -> None:
-        """On the pull pool: the blocks in, the outcome back to the engine thread."""
+        """On the pull pool: the blocks in, the outcome back to the engine thread, whatever
+        happens (a pull that never reported would hold its request, and its blocks, for ever)."""
+        try:
+            self._pull_blocks(order)
+        except Exception as exc:  # a bug, not a transfer error: said, and the request fails
+            logger.exception("worker %s: the pull of %s failed", self.config.worker_id, order.request_id)
+            self._inbox.put(
+                KVDone(order.request_id, False, f"the pull failed: {exc!r}", transport=order.transport)
+            )
+
+    def _pull_blocks(self, order: PullOrder) -> None:
         handle, transport, request_id = order.handle, order.transport, order.request_id
         importer = self.importer if transport == handle.transport else self.same_node_importer
         assert importer is not None
