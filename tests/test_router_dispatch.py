@@ -8,6 +8,9 @@ block and every request either completed or got a clear error."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -163,6 +166,45 @@ def test_a_silent_worker_hits_the_token_timeout_and_its_request_is_aborted_there
             assert cp.worker("decode-0").requests == {}  # its blocks are free
 
     asyncio.run(scenario())
+
+
+def test_a_silent_worker_hits_the_token_timeout_and_a_departed_client_aborts(tiny_llama: Path) -> None:
+    # The HTTP side of a failure mid-stream (an error event, then [DONE]) and of a client that
+    # leaves, with a real frozen worker; the dispatcher's side is tested in memory below.
+    # Heartbeats would take the frozen worker out after 30 s; the 1.5 s token timeout comes first.
+    server = Server(
+        tiny_llama, "--prefill", "1", "--decode", "1", "--token-timeout", "1.5", "--heartbeat-timeout", "30"
+    )
+    decode = server.worker_pids["decode-0"]
+    try:
+        os.kill(decode, signal.SIGSTOP)
+        started = time.monotonic()
+        stream = server.client.completions.create(
+            model=server.model, prompt=PROMPTS[3], max_tokens=50, temperature=0.0, stream=True
+        )
+        with pytest.raises(openai.APIError, match=r"timed out after 1\.5 s waiting for the next token"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - started < 10
+        assert server.metric("pdserve_requests_total", outcome="error") == 1
+
+        # A non-streaming client that gives up: the router notices and aborts the request.
+        with pytest.raises(httpx.ReadTimeout):
+            server.http.post(
+                "/v1/completions",
+                json={"model": server.model, "prompt": PROMPTS[4], "max_tokens": 50},
+                timeout=0.5,
+            )
+        server.wait_for(lambda: server.metric("pdserve_requests_total", outcome="aborted") == 1, what="abort")
+        os.kill(decode, signal.SIGCONT)  # it finds the aborts queued and frees what it holds
+        server.wait_kv_free()
+        answer = server.client.completions.create(
+            model=server.model, prompt=PROMPTS[0], max_tokens=5, extra_body={"ignore_eos": True}
+        )
+        assert answer.choices[0].finish_reason == "length"
+    finally:
+        os.kill(decode, signal.SIGCONT)
+        server.stop()
 
 
 def test_a_burst_over_the_in_flight_limit_gets_429s_never_500s(tiny_llama: Path) -> None:
