@@ -2,12 +2,14 @@
 memory: tests/fakes.py): a dead prefill or decode worker's requests prefilled again and whole, a
 silent worker's token timeout, a worker that reconnects told to drop what was given up on, a
 refusal that is not retried. End to end with real servers: KV transfers dropped or corrupted on
-purpose and retried, a burst over the in-flight limit. Afterwards every live worker holds no KV
-block and every request either completed or got a clear error."""
+purpose and retried, a frozen worker's token timeout and an empty decode pool seen over HTTP, a
+burst over the in-flight limit. Afterwards every live worker holds no KV block and every request
+either completed or got a clear error."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -173,8 +175,9 @@ def test_a_silent_worker_hits_the_token_timeout_and_a_departed_client_aborts(tin
     # leaves, with a real frozen worker; the dispatcher's side is tested in memory below.
     # Heartbeats would take the frozen worker out after 30 s; the 1.5 s token timeout comes first.
     server = Server(
-        tiny_llama, "--prefill", "1", "--decode", "1", "--token-timeout", "1.5", "--heartbeat-timeout", "30"
-    )
+        tiny_llama, "--prefill", "1", "--decode", "1", "--token-timeout", "1.5", "--heartbeat-timeout", "30",
+        "--no-replace-failed",
+    )  # fmt: skip
     decode = server.worker_pids["decode-0"]
     try:
         os.kill(decode, signal.SIGSTOP)
@@ -202,8 +205,19 @@ def test_a_silent_worker_hits_the_token_timeout_and_a_departed_client_aborts(tin
             model=server.model, prompt=PROMPTS[0], max_tokens=5, extra_body={"ignore_eos": True}
         )
         assert answer.choices[0].finish_reason == "length"
+
+        # With the whole decode pool gone, requests get a 503 at once, not a hang.
+        server.kill_worker("decode-0")
+        server.wait_for(
+            lambda: server.metric("pdserve_worker_up", pool="decode") == 0, what="decode pool down"
+        )
+        with pytest.raises(openai.InternalServerError) as failure:
+            server.client.completions.create(model=server.model, prompt="hello", max_tokens=5)
+        assert failure.value.status_code == 503 and "decode pool is empty" in failure.value.message
+        assert server.http.get("/health").status_code == 503
     finally:
-        os.kill(decode, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # killed above, if the test got that far
+            os.kill(decode, signal.SIGCONT)
         server.stop()
 
 
