@@ -23,12 +23,11 @@ is an M/M/1 wait per worker on top of each request's own service time (`pool_wai
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve import slo
+from pdserve import clock, slo
 
 # Features are scaled to about 1 for typical steps, so that the normal equations are well
 # conditioned: per 1k prompt tokens, per 1M attended positions, per 10 streams, per 10k context.
@@ -122,7 +121,7 @@ class StepCostModel:
         """(c0 .. c4) in seconds per unit of each raw feature; None before `ready`."""
         if not self.ready:
             return None
-        now = time.monotonic()
+        now = clock.monotonic()
         if self._coef is None or (self._dirty and now - self._fitted_at >= self.refit_seconds):
             self._coef = _fit_non_negative(list(self._samples))
             self._dirty = False

@@ -36,6 +36,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import WorkerSet
 
 BLOCK_SIZE = 16
+STEP_SECONDS = 0.001  # how long a stepped engine step takes (virtual time under clock.run_virtual)
 NUM_BLOCKS = 256
 
 
@@ -353,6 +354,7 @@ class ControlPlane:
             self.step_all()
             for _ in range(5):  # the router's answers to this step (a pull, a release, a move)
                 await asyncio.sleep(0)
+            await asyncio.sleep(STEP_SECONDS)  # a step takes time: timeouts and leases run on
         raise AssertionError(f"not reached in {limit} steps: {what}")
 
     @staticmethod

@@ -18,7 +18,7 @@ import pytest
 from fakes import control_plane, expected_stream, until
 from serving import Server
 
-from pdserve import LLM, SamplingParams, wire
+from pdserve import LLM, SamplingParams, clock, wire
 from pdserve.pools.manager import PoolError, PoolSettings
 from pdserve.transfer import nixl_backend
 
@@ -207,7 +207,7 @@ def test_a_draining_workers_streams_move_and_it_stops_once_it_holds_nothing(pool
             assert cp.counter(cp.metrics.retries, "moved_before_start") == 0
             assert cp.pools.targets()[pool][0] == 1 and cp.up(pool) == [f"{pool}-1"]
 
-    asyncio.run(scenario())
+    clock.run_virtual(scenario)
 
 
 def test_a_drain_with_replace_serves_on_until_the_replacement_is_up_then_moves_its_streams() -> None:
@@ -231,7 +231,7 @@ def test_a_drain_with_replace_serves_on_until_the_replacement_is_up_then_moves_i
             assert cp.counter(cp.metrics.migrations, "drain", "ok") == 4
             assert cp.up("decode") == ["decode-1"] and cp.pools.targets()["decode"][0] == 1
 
-    asyncio.run(scenario())
+    clock.run_virtual(scenario)
 
 
 def test_a_draining_prefill_worker_stops_only_after_its_kv_was_pulled_and_released() -> None:
@@ -250,7 +250,7 @@ def test_a_draining_prefill_worker_stops_only_after_its_kv_was_pulled_and_releas
                 m.request_id.endswith(".1") for m in cp.worker("prefill-1").received_of(wire.AddRequest)
             )
 
-    asyncio.run(scenario())
+    clock.run_virtual(scenario)
 
 
 def test_past_the_drain_timeout_streams_that_cannot_move_end_with_an_error() -> None:
@@ -268,4 +268,4 @@ def test_past_the_drain_timeout_streams_that_cannot_move_end_with_an_error() -> 
             assert cp.counter(cp.metrics.worker_drains, "decode", "timeout") == 1
             assert cp.states("decode") == {}
 
-    asyncio.run(scenario())
+    clock.run_virtual(scenario)

@@ -16,7 +16,7 @@ from fakes import control_plane, expected_stream, until
 from serving import Server, alive
 from test_pools_drain import offline
 
-from pdserve import wire
+from pdserve import clock, wire
 from pdserve.pools.manager import PoolSettings
 from pdserve.transfer.segments import leftover_segments
 
@@ -155,7 +155,7 @@ def test_a_worker_that_fails_to_start_is_reported_and_retried_after_a_pause() ->
             assert cp.pools.describe()["pools"]["decode"]["last_error"] is None
             assert await cp.stream("r", 4, 3) == expected_stream(4, 3)
 
-    asyncio.run(scenario())
+    clock.run_virtual(scenario)
 
 
 def test_a_worker_that_dies_right_after_it_came_up_counts_as_a_failed_start() -> None:
@@ -170,7 +170,7 @@ def test_a_worker_that_dies_right_after_it_came_up_counts_as_a_failed_start() ->
             assert cp.pools.pools["decode"].failures == 1  # the next start waits out a pause
             await until(lambda: cp.up("decode") == ["decode-0", "decode-2"], "replaced after the pause")
 
-    asyncio.run(scenario())
+    clock.run_virtual(scenario)
 
 
 def test_a_worker_that_dies_is_replaced_or_the_pool_shrinks() -> None:
@@ -187,8 +187,8 @@ def test_a_worker_that_dies_is_replaced_or_the_pool_shrinks() -> None:
                 assert cp.states("decode") == {"decode-0": "up"}
                 assert cp.pools.targets()["decode"][0] == 1 and cp.cluster.started == ["decode-0", "decode-1"]
 
-    asyncio.run(scenario(True))
-    asyncio.run(scenario(False))
+    clock.run_virtual(lambda: scenario(True))
+    clock.run_virtual(lambda: scenario(False))
 
 
 def test_rebalance_moves_the_newest_streams_onto_a_worker_that_started() -> None:
@@ -197,7 +197,10 @@ def test_rebalance_moves_the_newest_streams_onto_a_worker_that_started() -> None
     async def scenario() -> None:
         async with control_plane({"decode": 1}, settings=settings, autostep=None) as cp:
             # Stepped by hand: eight streams are all running on decode-0 when decode-1 comes up.
-            streams = [asyncio.create_task(cp.stream(f"r{i}", 4, 30)) for i in range(8)]
+            streams = []
+            for i in range(8):  # one a millisecond: r7 is the newest
+                streams.append(asyncio.create_task(cp.stream(f"r{i}", 4, 30)))
+                await asyncio.sleep(0.001)
             await until(lambda: len(cp.worker("decode-0").requests) == 8, "eight streams on decode-0")
             for _ in range(3):
                 cp.worker("decode-0").step()  # three tokens each: KV to move
@@ -206,15 +209,12 @@ def test_rebalance_moves_the_newest_streams_onto_a_worker_that_started() -> None
             assert cp.pools.rebalance("decode") == {"pool": "decode", "moved": {"decode-0": 4}}
             asked = cp.worker("decode-0").received_of(wire.Migrate)
             assert len(asked) == 1 and sorted(asked[0].request_ids) == sorted(f"r{i}.0" for i in range(4, 8))
-            while not all(s.done() for s in streams):
-                for worker_id in cp.up("decode"):
-                    cp.worker(worker_id).step()
-                await asyncio.sleep(0)
+            await cp.step_until(lambda: all(s.done() for s in streams), "every stream ended")
             assert [s.result() for s in streams] == [expected_stream(4, 30)] * 8  # none lost a token
             assert len(cp.worker("decode-1").received_of(wire.AddRequest)) == 4
             assert cp.metrics.migrations.labels("rebalance", "ok")._value.get() == 4
 
-    asyncio.run(scenario())
+    clock.run_virtual(scenario)
 
 
 def test_pool_gauges_follow_the_workers(tiny_llama: Path) -> None:

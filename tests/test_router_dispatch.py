@@ -22,7 +22,7 @@ from fakes import control_plane, expected_stream, until
 from serving import Server
 from test_pools_drain import poll
 
-from pdserve import LLM, SamplingParams, wire
+from pdserve import LLM, SamplingParams, clock, wire
 from pdserve.pools.manager import PoolSettings
 from pdserve.router.app import _error_kind
 from pdserve.router.config import RouterConfig
@@ -71,7 +71,7 @@ def test_requests_on_a_dead_prefill_worker_are_prefilled_again_locally() -> None
             assert cp.counter(cp.metrics.requests, "local_prefill", "ok") == 4
             assert cp.worker("decode-0").requests == {}  # nothing left behind
 
-    asyncio.run(scenario())
+    clock.run_virtual(scenario)
 
 
 def test_dropped_kv_transfers_are_counted_and_retried_not_recomputed_silently(
@@ -151,7 +151,7 @@ def test_a_dead_decode_workers_streams_go_on_on_another_with_the_same_tokens() -
                 cp.dispatcher.admission.check_available()
             assert (await cp.stream("late", 100, 3)).startswith("error: no decode worker is up")
 
-    asyncio.run(scenario())
+    clock.run_virtual(scenario)
 
 
 def test_a_silent_worker_hits_the_token_timeout_and_its_request_is_aborted_there() -> None:
@@ -167,7 +167,7 @@ def test_a_silent_worker_hits_the_token_timeout_and_its_request_is_aborted_there
             assert cp.worker("decode-0").received_of(wire.Abort) == [wire.Abort("r.0")]
             assert cp.worker("decode-0").requests == {}  # its blocks are free
 
-    asyncio.run(scenario())
+    clock.run_virtual(scenario)
 
 
 def test_a_silent_worker_hits_the_token_timeout_and_a_departed_client_aborts(tiny_llama: Path) -> None:
@@ -278,7 +278,7 @@ def test_what_a_worker_held_when_it_dropped_is_aborted_when_it_reconnects() -> N
             assert cp.worker("decode-0").received_of(wire.Abort) == [wire.Abort("r.0")]
             assert cp.worker("decode-0").requests == {}  # not decoded to the end for nobody
 
-    asyncio.run(scenario())
+    clock.run_virtual(scenario)
 
 
 def test_a_request_a_worker_refuses_as_invalid_fails_at_once_without_retries() -> None:
@@ -303,4 +303,4 @@ def test_a_request_a_worker_refuses_as_invalid_fails_at_once_without_retries() -
                 assert _error_kind(refused.value) == ("invalid_request_error", 400)  # a 400, not a 500
             assert "pdserve_request_retries_total{" not in cp.metrics.render().decode()  # no retry at all
 
-    asyncio.run(scenario())
+    clock.run_virtual(scenario)

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pdserve import clock
 from pdserve.costmodel import Step, chunk_attention
 from pdserve.planner.law import DECODE_PHASE, Decision, LawMemory, LawSettings, PoolPlan, PoolView, decide
 from pdserve.router.metrics import RouterMetrics
@@ -117,7 +118,7 @@ class Planner:
         while True:
             await asyncio.sleep(self.settings.interval_s)
             try:
-                self.step(time.monotonic())
+                self.step(clock.monotonic())
             except Exception:  # a bug in one decision must not end planning for good
                 logger.exception("planner: a decision failed")
 

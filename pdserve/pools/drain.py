@@ -14,8 +14,8 @@ holds no request and no block.
 from __future__ import annotations
 
 import logging
-import time
 
+from pdserve import clock
 from pdserve.router.workers import WorkerSet
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ WAKE_SECONDS = 1.0
 async def drain(workers: WorkerSet, worker_id: str, timeout: float, *, moves_streams: bool) -> str:
     """Wait until the draining worker holds nothing. Returns the outcome: `ok`, `timeout` (it
     still held something after `timeout` seconds) or `lost` (it went down or ended meanwhile)."""
-    deadline = time.monotonic() + timeout
+    deadline = clock.monotonic() + timeout
     empty_since: float | None = None
     while True:
         view = workers.view(worker_id)
@@ -39,10 +39,10 @@ async def drain(workers: WorkerSet, worker_id: str, timeout: float, *, moves_str
         if view.streams:
             empty_since = None
         elif empty_since is None:
-            empty_since = time.monotonic()  # a report after this moment decides
+            empty_since = clock.monotonic()  # a report after this moment decides
         elif view.idle_since(empty_since):
             return "ok"
-        left = deadline - time.monotonic()
+        left = deadline - clock.monotonic()
         if left <= 0:
             logger.warning(
                 "worker %s: drain timed out after %g s with %d requests still on it",

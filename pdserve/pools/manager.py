@@ -18,11 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve import clock
 from pdserve.cluster.base import ClusterBackend, WorkerExit, WorkerHandle, WorkerStartError
 from pdserve.config import WorkerConfig
 from pdserve.errors import PdserveError
@@ -126,7 +126,7 @@ class PoolManager:
         for pool in self.pools.values():
             for _ in range(pool.target):
                 self._start_worker(pool)
-        deadline = time.monotonic() + self.start_timeout
+        deadline = clock.monotonic() + self.start_timeout
         while True:
             failed = [p.last_error for p in self.pools.values() if p.last_error]
             if failed:
@@ -137,7 +137,7 @@ class PoolManager:
             waiting = [w.worker_id for w in self.workers.views() if w.state is WorkerState.STARTING]
             if not waiting:
                 break
-            left = deadline - time.monotonic()
+            left = deadline - clock.monotonic()
             if left <= 0:
                 raise PdserveError(f"workers not ready after {self.start_timeout:g} s: {', '.join(waiting)}")
             # A start's failure or an abort is no worker's change: look again at least this often.
@@ -173,7 +173,7 @@ class PoolManager:
 
     async def _keep(self) -> None:
         while True:
-            self.keep_once(time.monotonic())
+            self.keep_once(clock.monotonic())
             await asyncio.sleep(0.5)
 
     def keep_once(self, now: float) -> None:
@@ -322,7 +322,7 @@ class PoolManager:
             and w.worker_id not in pool.replacing
         ]
         if len(supply) < pool.target:
-            if time.monotonic() < pool.retry_at:
+            if clock.monotonic() < pool.retry_at:
                 return
             for _ in range(pool.target - len(supply)):
                 self._start_worker(pool)
@@ -402,9 +402,9 @@ class PoolManager:
             return
         pool.handles[worker_id] = handle
         self.workers.connect(worker_id, handle.rpc_address, handle.rpc_public_key)
-        deadline = time.monotonic() + self.start_timeout
+        deadline = clock.monotonic() + self.start_timeout
         while (worker := self.workers.view(worker_id)) is not None and worker.state is WorkerState.STARTING:
-            left = deadline - time.monotonic()
+            left = deadline - clock.monotonic()
             if left <= 0:
                 break
             await self.workers.wait_for_change(left)
@@ -418,7 +418,7 @@ class PoolManager:
         pool.last_error = error
         pool.failures += 1
         pause = min(60.0, 2.0 ** (pool.failures - 1))
-        pool.retry_at = time.monotonic() + pause
+        pool.retry_at = clock.monotonic() + pause
         logger.error("pool %s: %s (next try in %g s)", pool.name, error, pause if self._serving else 0)
 
     def _on_exit(self, exit: WorkerExit) -> None:
@@ -434,10 +434,10 @@ class PoolManager:
             draining = worker.state is WorkerState.DRAINING
             pool = self.pools[worker.pool]
             up_at = worker.up_at  # when it first said Ready
-            if up_at is not None and time.monotonic() - up_at < self.settings.settle_seconds:
+            if up_at is not None and clock.monotonic() - up_at < self.settings.settle_seconds:
                 self._start_failed(
                     pool,
-                    f"worker {exit.worker_id} {exit.reason} {time.monotonic() - up_at:.0f} s after it started",
+                    f"worker {exit.worker_id} {exit.reason} {clock.monotonic() - up_at:.0f} s after it started",
                 )
             if self.replace_failed and not draining:
                 logger.error("worker %s %s: a new one takes its place", exit.worker_id, exit.reason)

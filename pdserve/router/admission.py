@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from pdserve import clock
 from pdserve.errors import PdserveError
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
@@ -82,7 +82,7 @@ class Admission:
         self.check_queue(prompt_tokens)
         pool = self.check_slo(prompt_tokens)
         reservation = next(self._ids)
-        self._reserved[reservation] = _Reservation(time.monotonic(), pool, prompt_tokens)
+        self._reserved[reservation] = _Reservation(clock.monotonic(), pool, prompt_tokens)
         return reservation
 
     def release(self, reservation: int) -> None:
@@ -114,7 +114,7 @@ class Admission:
         self.metrics.in_flight.dec()
 
     def _lapse(self) -> None:
-        edge = time.monotonic() - RESERVATION_TTL_S
+        edge = clock.monotonic() - RESERVATION_TTL_S
         for key in [k for k, r in self._reserved.items() if r.at < edge]:
             del self._reserved[key]
 
@@ -183,7 +183,7 @@ class Admission:
     def _calibration(self) -> float:
         """How far the observed TTFT has run past the predicted one of late, at the SLO percentile
         (1 with too few samples; never below 1)."""
-        ratios = self.signals.prediction_ratios(time.monotonic())
+        ratios = self.signals.prediction_ratios(clock.monotonic())
         if len(ratios) < MIN_CALIBRATION_SAMPLES:
             return 1.0
         return max(1.0, quantile(ratios, self.config.slo.percentile) or 1.0)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -34,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from pdserve import wire
+from pdserve import clock, wire
 from pdserve.errors import InvalidRequestError
 from pdserve.router import openai_types as oa
 from pdserve.router.admin import PoolControl, admin_routes
@@ -184,7 +183,7 @@ class Router:
 
     # -- a request ----------------------------------------------------------------------------------------
     async def _serve(self, request: Request, chat: bool) -> Response:
-        arrived = time.monotonic()
+        arrived = clock.monotonic()
         try:
             body = await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout)
             run = await self._admit(body, chat, arrived)
@@ -334,7 +333,7 @@ class Router:
         sent = 0
         try:
             async for event in events:
-                run.token_arrived(time.monotonic(), event, self.metrics, self.signals)
+                run.token_arrived(clock.monotonic(), event, self.metrics, self.signals)
                 finish: str | None = event.finish_reason
                 stop_reason: int | str | None = event.stop_reason
                 logprobs = checked_logprobs(run, event)
@@ -353,7 +352,7 @@ class Router:
                 yield Delta(delta, finish, stop_reason, new_logprobs if logprobs is not None else None)
                 if finish is not None:
                     run.state.outcome = "ok"  # also when a stop string ended it before the engine did
-                    run.finished(time.monotonic(), self.metrics)
+                    run.finished(clock.monotonic(), self.metrics)
                     return
         finally:
             await events.aclose()  # closing early (stop string, client gone) aborts the request
@@ -422,7 +421,7 @@ class Router:
                     (w.load.kv_blocks_used, w.load.kv_blocks_used + w.load.kv_blocks_free)
                 )
         kv_used = {pool: sum(u for u, _ in v) / max(1, sum(t for _, t in v)) for pool, v in kv.items()}
-        return self.signals.describe(time.monotonic(), dict(kv_used))
+        return self.signals.describe(clock.monotonic(), dict(kv_used))
 
     # -- worker state into metrics --------------------------------------------------------------------------
     def _max_model_len(self) -> int | None:
@@ -445,7 +444,7 @@ class Router:
         m.worker_rpc_dropped.labels(*labels).set(load.rpc_dropped)
         m.worker_steps_between_layers.labels(*labels).set(load.steps_between_layers)
         if load.steps and link.up_at is not None:
-            self.signals.steps(load.steps, time.monotonic() - link.up_at)
+            self.signals.steps(load.steps, clock.monotonic() - link.up_at)
 
     def _record_state(self, link: WorkerView) -> None:
         m = self.metrics

@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from pdserve import wire
+from pdserve import clock, wire
 from pdserve.errors import PdserveError
 from pdserve.router import policy
 from pdserve.router.admission import Admission
@@ -89,7 +88,7 @@ class RequestState:
     reservation: int | None = None  # its place, from admission until it starts (Admission.admit)
     # Its arrival at the router, before its body was read: the one clock every TTFT counts from
     # (the metric, the planner's signals, the check of the path choice's prediction).
-    created_at: float = field(default_factory=time.monotonic)
+    created_at: float = field(default_factory=clock.monotonic)
     _next_leg: int = 0
 
     def new_leg_id(self) -> str:
@@ -226,7 +225,7 @@ class Dispatcher:
         if first_attempt:
             state.choice = choice
             self.signals.paths[choice.path] += 1
-        now = time.monotonic()
+        now = clock.monotonic()
         if prefill is None:
             assert local is not None
             decode = local
@@ -259,7 +258,7 @@ class Dispatcher:
         pleg = self._open(
             state, prefill, to_compute, wire.AddRequest(leg_id, tokens, params, output_token_ids=resumed)
         )
-        sent_at = time.monotonic()
+        sent_at = clock.monotonic()
         answer = await self._next(
             pleg, self.config.prefill_timeout, "the first token from the prefill worker"
         )
@@ -274,7 +273,7 @@ class Dispatcher:
             raise _Retry(
                 "prefill_failed", f"prefill worker {prefill.worker_id}: {getattr(answer, 'error', '')}"
             )
-        now = time.monotonic()
+        now = clock.monotonic()
         if answer.queue_seconds is not None:
             compute = max(0.0, now - sent_at - answer.queue_seconds)
             self.metrics.queue_time.labels("prefill").observe(answer.queue_seconds)
@@ -346,13 +345,13 @@ class Dispatcher:
                     if move is not None and event.ok:
                         self._settle(move, "ok")
                     elif event.ok and streamed == 0:
-                        kv_arrived_at = time.monotonic()
+                        kv_arrived_at = clock.monotonic()
                         self.metrics.ttft_breakdown.labels("kv_transfer").observe(event.seconds)
                     continue
                 if isinstance(event, wire.Migrated):
                     if move is not None:  # moved again before its next token: the first move worked
                         self._settle(move, "ok")
-                    move = _Move(leg.move_reason or "rebalance", state.last_token_at or time.monotonic())
+                    move = _Move(leg.move_reason or "rebalance", state.last_token_at or clock.monotonic())
                     source_leg, leg = leg, self._move(state, attempt, leg, event, move.reason)
                     transport = event.kv.transport if event.kv else transport
                     kv_pending, kv_failed, streamed = True, False, 0
@@ -372,7 +371,7 @@ class Dispatcher:
                 if streamed == 0 and event.queue_seconds is not None:
                     self.metrics.queue_time.labels(leg.link.pool).observe(event.queue_seconds)
                 if event.token_ids:
-                    now = time.monotonic()
+                    now = clock.monotonic()
                     if move is not None:  # the first token after a move: the gap the move made
                         self._settle(move, "ok")
                         self.metrics.migration_gap.observe(now - move.since)

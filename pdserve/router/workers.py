@@ -21,13 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve import wire
+from pdserve import clock, wire
 from pdserve.router.channel import Channel, Connector
 from pdserve.router.views import DownCause, WorkerState, WorkerView
 
@@ -59,7 +58,7 @@ class Leg:
     done: bool = False  # the worker holds nothing for it any more (finished, released, aborted)
     move_reason: str | None = None  # asked to move (drain, rebalance): the Migrate is sent
     receiving: bool = False  # its KV is on its way to this worker (until KVPulled)
-    request_started: float = field(default_factory=time.monotonic)  # the request's, not the leg's
+    request_started: float = field(default_factory=clock.monotonic)  # the request's, not the leg's
 
     def close(self, abort: bool) -> None:
         """Stop listening; with `abort`, tell the worker to drop the request and free its blocks."""
@@ -90,7 +89,7 @@ class WorkerLink:
         self.ready: wire.Ready | None = None
         self.load: wire.Load | None = None
         self.state = WorkerState.STARTING
-        self.opened_at = self.state_since = time.monotonic()
+        self.opened_at = self.state_since = clock.monotonic()
         self.up_at: float | None = None  # when it first said Ready: its cold start counts from here
         # Its measured prefill throughput: prompt tokens per second of the steps that had prompt
         # tokens (an average weighted toward the recent, from its load reports' steps).
@@ -105,7 +104,7 @@ class WorkerLink:
         self._on_state = on_state
         self._connector = connector
         self._channel: Channel | None = None
-        self.last_message_at = time.monotonic()
+        self.last_message_at = clock.monotonic()
         self.load_at = 0.0  # when the last load report came
         # (when, seconds) of the longest step in each recent load report: a worker reports only
         # between steps, so the longest recent step says how long a silence is still just work.
@@ -239,7 +238,7 @@ class WorkerLink:
         )
 
     def _handle(self, message: wire.Message) -> None:
-        self.last_message_at = time.monotonic()
+        self.last_message_at = clock.monotonic()
         if isinstance(message, wire.Ready):
             self.ready = message
             # A stalled worker's RPC thread answers a hello even while its engine thread hangs:
@@ -250,7 +249,7 @@ class WorkerLink:
             if not self._reachable and self.ready is not None and self.down_cause is DownCause.STALLED:
                 self._come_back(self.ready.role)  # it was only slow: it reports again
             self.load = message
-            self.load_at = time.monotonic()
+            self.load_at = clock.monotonic()
             self._measure_prefill(message.steps)
             self._note_steps(message, self.load_at)
             self._notify_load()
@@ -294,7 +293,7 @@ class WorkerLink:
         state = WorkerState.DRAINING if self.state is WorkerState.DRAINING else WorkerState.UP
         self._set_state(state, "draining" if state is WorkerState.DRAINING else "")
         if self.up_at is None:
-            self.up_at = time.monotonic()
+            self.up_at = clock.monotonic()
         logger.info("worker %s is %s (%s, %s)", self.worker_id, self.state.value, role, self.address)
         for leg_id in self.abandoned:
             self.send(wire.Abort(leg_id))
@@ -308,7 +307,7 @@ class WorkerLink:
     def check_stalled(self, stall_timeout: float) -> None:
         """A worker's engine thread reports its load every 0.1 s; silence for `stall_timeout`
         means a hung process (ZeroMQ's own heartbeats are answered by its I/O thread even then)."""
-        silent = time.monotonic() - self.last_message_at
+        silent = clock.monotonic() - self.last_message_at
         if self.connected and silent > stall_timeout:
             self._mark_down(DownCause.STALLED, f"stalled: no report for {silent:.0f} s")
 
@@ -336,7 +335,7 @@ class WorkerLink:
 
     def _set_state(self, state: WorkerState, detail: str) -> None:
         self.state, self.detail = state, detail
-        self.state_since = time.monotonic()
+        self.state_since = clock.monotonic()
         self._notify_state()
 
     def _notify_state(self) -> None:

@@ -15,12 +15,11 @@ Every timeout is explicit: the lease on held blocks, checked by `expire_leases` 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pdserve import wire
+from pdserve import clock, wire
 from pdserve.config import WorkerConfig
 from pdserve.engine.core import EngineCore, EngineOutput
 from pdserve.engine.sched import Handover
@@ -193,7 +192,7 @@ class WorkerCore:
         if msg.kv is not None:
             record = self._record(msg.request_id)
             record.source = msg.kv
-            record.source_lease_ends = time.monotonic() + msg.kv.lease_seconds
+            record.source_lease_ends = clock.monotonic() + msg.kv.lease_seconds
 
     # -- KV pulls (decode side) -------------------------------------------------------------------------
     def pulls_to_start(self) -> list[PullOrder]:
@@ -272,7 +271,7 @@ class WorkerCore:
 
     def _hold(self, request_id: str, num_tokens: int) -> wire.KVHandle:
         """Keep a request's blocks for another worker to pull, under a lease."""
-        now = time.monotonic()
+        now = clock.monotonic()
         self._record(request_id).lease_ends = now + self.config.lease_seconds
         block_ids = self.engine.held_blocks(request_id, num_tokens)
         # The lease's token: a pull must show it (b"" with shm, whose reads have no server).
