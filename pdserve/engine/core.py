@@ -60,6 +60,9 @@ class RunnerOutput:
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # How long the step took, when the runner says (a modelled runner in a simulation); None: the
+    # engine times it.
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -321,6 +324,8 @@ class EngineCore(Generic[AnyRunner]):
         return self._finish(out, result, seconds)
 
     def _finish(self, out: SchedulerOutput, result: RunnerOutput, seconds: float) -> list[EngineOutput]:
+        if result.seconds is not None:
+            seconds = result.seconds
         updated = self.scheduler.update_from_output(out, result.sampled)
         outputs = []
         for request in updated:

@@ -86,12 +86,14 @@ class WorkerCore:
         importer: KVImporter | None = None,
         same_node_importer: KVImporter | None = None,
         digest: Callable[[list[int]], str] | None = None,
+        takes_kv: bool | None = None,
     ) -> None:
         """`send`: a message to the peer that owns its request (every peer for a load report);
         `forget`: a request is over here without a last message; `kv_address`/`shm_address`: where
         this worker's KV can be read; `exporter`: the transport that serves reads of leased blocks;
         `importer` (and `same_node_importer`, shm to the workers of this node): where pulls go;
-        `digest`: the checksum of blocks held for another worker (None: none is sent)."""
+        `digest`: the checksum of blocks held for another worker (None: none is sent);
+        `takes_kv`: whether it takes requests whose KV is elsewhere (default: it has an importer)."""
         self.engine = engine
         self.config = config
         self._send = send
@@ -102,12 +104,34 @@ class WorkerCore:
         self.importer = importer
         self.same_node_importer = same_node_importer
         self.digest = digest
+        self.takes_kv = importer is not None if takes_kv is None else takes_kv
         self.requests: dict[str, OnWorker] = {}
         self.stop_asked = False  # a Shutdown came
         self.lease_expiries = 0
         self.kv_failures = 0
         self._steps: list[wire.StepSample] = []  # since the last load report
         self._last_recorded: object = None
+
+    def ready(self, rpc_address: str, rpc_public_key: str, prefill_interrupts: bool) -> wire.Ready:
+        """This worker's greeting: its role, its engine's limits, where it is reached."""
+        engine = self.engine
+        return wire.Ready(
+            worker_id=self.config.worker_id,
+            role=engine.config.role.value,
+            model=engine.config.model,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.limits.vocab_size,
+            kv_transport=self.config.transport,
+            kv_address=self.kv_address,
+            rpc_address=rpc_address,
+            chunk_size=engine.chunk_size,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            max_num_seqs=engine.config.max_num_seqs,
+            rpc_public_key=rpc_public_key,
+            node_id=self.config.node_id,
+            kv_shm_address=self.shm_address,
+            prefill_interrupts=prefill_interrupts,
+        )
 
     def _record(self, request_id: str) -> OnWorker:
         return self.requests.setdefault(request_id, OnWorker())
@@ -164,7 +188,7 @@ class WorkerCore:
         try:
             params = msg.params.to_params()
             if msg.kv is not None:
-                if self.importer is None:
+                if not self.takes_kv:
                     raise InvalidRequestError("this worker does not take KV from other workers")
                 if not msg.output_token_ids:
                     raise InvalidRequestError("a request with remote KV needs the tokens sampled so far")
@@ -201,7 +225,7 @@ class WorkerCore:
         for request_id, dst_blocks in self.engine.take_kv_to_receive():
             record = self.requests.get(request_id)
             handle = record.source if record is not None else None
-            if record is None or handle is None or self.importer is None:
+            if record is None or handle is None or not self.takes_kv:
                 failed.append(KVDone(request_id, False, "no KV source for this request"))
                 continue
             record.pulling = True

@@ -151,23 +151,7 @@ class WorkerServer:
         self._stop_requested = True
 
     def _ready(self, rpc_address: str) -> wire.Ready:
-        return wire.Ready(
-            worker_id=self.config.worker_id,
-            role=self.engine.config.role.value,
-            model=self.engine.config.model,
-            max_model_len=self.engine.max_model_len,
-            vocab_size=self.engine.limits.vocab_size,
-            kv_transport=self.config.transport,
-            kv_address=self.kv_address,
-            rpc_address=rpc_address,
-            chunk_size=self.engine.chunk_size,
-            max_num_batched_tokens=self.engine.max_num_batched_tokens,
-            max_num_seqs=self.engine.config.max_num_seqs,
-            rpc_public_key=self.rpc.keypair.public,
-            node_id=self.config.node_id,
-            kv_shm_address=self.shm_address,
-            prefill_interrupts=self._interrupts,
-        )
+        return self.core.ready(rpc_address, self.rpc.keypair.public, self._interrupts)
 
     def _engine_loop(self) -> None:
         engine, core = self.engine, self.core

@@ -1,0 +1,202 @@
+"""A simulated worker: the real engine core and the real worker core over a modelled runner, in the
+event loop's time, behind the router's channel interface. No torch, no process, no socket.
+
+What runs for real: the scheduler (chunked prefill, the step budget, preemption, hand-over), the KV
+cache's bookkeeping, the worker's handling of every command (leases, pulls, moves, refusals) and
+its load reports. What is modelled: how long a step takes (`step_seconds`, from a profile), how
+long a KV pull takes (`pull_seconds`), and the tokens (token `i` of a request, its prompt counted,
+is `1000 + i`). Under `pdserve.clock.VirtualTimeLoop` an hour of serving runs in the time the
+Python takes.
+
+The loop mirrors `WorkerServer._engine_loop`: commands applied between steps, pulls started and
+awaited up to `kv_join_wait`, hand-overs, a step (its outputs leave when it ends), expired leases,
+a load report every `load_interval`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+from pdserve import clock, wire
+from pdserve.config import WorkerConfig
+from pdserve.engine.core import RunnerOutput, engine_core
+from pdserve.engine.kv import KVCacheManager
+from pdserve.engine.sched import SchedulerOutput
+from pdserve.modelfiles.config import ModelConfig
+from pdserve.router.channel import Channel, ChannelEvents
+from pdserve.worker.core import KVDone, PullOrder, WorkerCore
+
+StepSeconds = Callable[[SchedulerOutput], float]  # a step's duration, from what it computes
+PullSeconds = Callable[[int], float]  # a pull's duration, from the blocks it moves
+
+
+def token_at(position: int) -> int:
+    """What every modelled engine samples at a position of the sequence."""
+    return 1000 + position
+
+
+class ModelledRunner:
+    """Runs no model: samples `token_at` and says how long the step would have taken."""
+
+    def __init__(self, step_seconds: StepSeconds) -> None:
+        self.step_seconds = step_seconds
+
+    def execute(
+        self, out: SchedulerOutput, kv: KVCacheManager, between_layers: Callable[[int], None] | None = None
+    ) -> RunnerOutput:
+        sampled = {c.request.request_id: token_at(c.start + c.num_tokens) for c in out.chunks if c.sample}
+        return RunnerOutput(sampled, seconds=self.step_seconds(out))
+
+    def release(self, request_id: str) -> None:
+        pass
+
+    def generator_state(self, request_id: str) -> bytes | None:
+        return None
+
+
+class SimWorker:
+    """One simulated worker process, as the router's channel sees it (implements `Channel`)."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        model: ModelConfig,
+        num_blocks: int,
+        events: ChannelEvents,
+        *,
+        step_seconds: StepSeconds,
+        pull_seconds: PullSeconds,
+        device_type: str = "cuda",
+    ) -> None:
+        self.config = config
+        self.events = events
+        self.engine = engine_core(
+            config.engine, model, ModelledRunner(step_seconds), (), num_blocks, device_type, clock.monotonic
+        )
+        self.core = WorkerCore(
+            self.engine,
+            config,
+            send=self._send,
+            forget=lambda _request_id: None,
+            kv_address=f"sim://{config.worker_id}/kv",
+            takes_kv=config.engine.role.value != "prefill",
+        )
+        self.pull_seconds = pull_seconds
+        self.closed = False
+        self._inbox: list[wire.Message | KVDone] = []
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._loop(), name=f"sim-{config.worker_id}")
+
+    # -- the channel (the router's side) --------------------------------------------------------------
+    def send(self, data: bytes) -> bool:
+        if self.closed:
+            return False
+        if data == b"":  # the router's hello: answered with Ready at once
+            ready = self.core.ready(f"sim://{self.config.worker_id}", "sim", prefill_interrupts=False)
+            asyncio.get_running_loop().call_soon(self._send, ready, False)
+            return True
+        self._inbox.append(wire.decode(data))
+        self._wake.set()
+        return True
+
+    async def close(self) -> None:
+        self.closed = True
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    def _send(self, message: wire.Message, final: bool = False) -> None:
+        if not self.closed:
+            self.events.on_frame(wire.encode(message))
+
+    # -- the engine loop ------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        engine, core = self.engine, self.core
+        last_load = -float("inf")
+        while not self.closed:
+            self._apply_inbox()
+            if core.stop_asked:
+                return
+            if core.takes_kv:
+                engine.admit_remote_kv()
+            orders = core.pulls_to_start()
+            for order in orders:
+                self._start_pull(order)
+            if orders:  # as the real worker: wait for them up to kv_join_wait, then step anyway
+                await self._wait(self.config.kv_join_wait, until=lambda: not core.pulls_in_flight)
+                self._apply_inbox()
+            core.hand_over()
+            stepped = False
+            if engine.has_unfinished:
+                before = engine.last_step
+                outputs = engine.step()
+                step = engine.last_step
+                stepped = step is not before  # nothing to schedule (KV still arriving): no step
+                if stepped and step is not None and step.step_seconds > 0:
+                    await asyncio.sleep(step.step_seconds)  # the step takes its time; then its tokens leave
+                for out in outputs:
+                    core.emit(out)
+                core.record_step()
+                core.hand_over()
+            core.expire_leases(clock.monotonic())
+            now = clock.monotonic()
+            if now - last_load >= self.config.load_interval:
+                self._send(core.load())
+                last_load = now
+            if not stepped and not self._inbox:  # idle, or waiting on a pull: until something comes
+                await self._wait(self.config.load_interval)
+
+    def _apply_inbox(self) -> None:
+        items, self._inbox = self._inbox, []
+        for item in items:
+            if isinstance(item, wire.AddRequest):
+                self.core.add(item, clock.monotonic())
+            else:
+                self.core.apply(item)
+
+    async def _wait(self, seconds: float, until: Callable[[], bool] | None = None) -> None:
+        """Until a message comes (and `until` holds, if given), or `seconds` pass."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while until is None or not until():
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), left)
+            if until is None:
+                return
+            self._apply_inbox()
+
+    def _start_pull(self, order: PullOrder) -> None:
+        seconds = self.pull_seconds(len(order.dst_blocks))
+        done = KVDone(order.request_id, True, None, 0, seconds, False, order.transport)
+
+        def arrived() -> None:
+            self._inbox.append(done)
+            self._wake.set()
+
+        asyncio.get_running_loop().call_later(seconds, arrived)
+
+
+class SimConnector:
+    """The router's connector to simulated workers: `sim://<worker id>` reaches the worker made by
+    `make(worker_id, events)` (a cluster backend's start registers it first)."""
+
+    def __init__(self) -> None:
+        self.factories: dict[str, Callable[[ChannelEvents], SimWorker]] = {}
+        self.workers: dict[str, SimWorker] = {}
+
+    def connect(self, address: str, server_key: str, routing_id: bytes, events: ChannelEvents) -> Channel:
+        worker_id = address.removeprefix("sim://")
+        worker = self.factories[worker_id](events)
+        self.workers[worker_id] = worker
+        asyncio.get_running_loop().call_soon(events.on_handshake)
+        return worker
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.closed = True
