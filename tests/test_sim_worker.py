@@ -8,23 +8,18 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
+from fakes import until
+from test_worker_core import MODEL  # a modelled model: only its limits count
 
 from pdserve import clock, wire
 from pdserve.config import POOL_ROLES, EngineConfig, WorkerConfig
 from pdserve.engine.sched import SchedulerOutput
-from pdserve.modelfiles.config import ModelConfig
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher, RequestState
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import WorkerSet
 from pdserve.sim.worker import SimConnector, SimWorker, token_at
 
-MODEL = ModelConfig(
-    model_type="llama", vocab_size=50000, hidden_size=64, intermediate_size=128, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-5,
-    rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=True, attention_bias=False,
-    sliding_window=None,
-)  # fmt: skip
 # The profile: a step costs 5 ms, plus 0.1 ms a prompt token, plus 1 ms a decode stream; a pull 4 ms.
 BASE, PER_PROMPT_TOKEN, PER_STREAM, PULL = 0.005, 0.0001, 0.001, 0.004
 
@@ -78,7 +73,8 @@ def test_one_request_takes_exactly_the_profiles_time_on_the_disaggregated_path()
     async def body(workers: WorkerSet, connector: SimConnector) -> object:
         dispatcher = Dispatcher(workers, RouterConfig(local_prefill_threshold=16), RouterMetrics())
         timeline = await timed_stream(dispatcher, prompt, tokens)
-        await asyncio.sleep(0.5)  # the Release reaches the prefill worker
+        prefill = connector.workers["prefill-0"].engine
+        await until(lambda: prefill.stats().kv_blocks_used == 0, "the prompt's blocks released")
         return timeline, connector
 
     timeline, connector = run(body, {"prefill": 1, "decode": 1})  # type: ignore[misc]
@@ -87,8 +83,6 @@ def test_one_request_takes_exactly_the_profiles_time_on_the_disaggregated_path()
     expected = [ttft] + [ttft + PULL + k * decode_step for k in range(1, tokens)]
     assert [t for t, _ in timeline] == pytest.approx(expected, abs=1e-9)
     assert [tok for _, toks in timeline for tok in toks] == [token_at(prompt + i) for i in range(tokens)]
-    # The prefill worker let go of the prompt's blocks once the decode worker had them.
-    assert connector.workers["prefill-0"].engine.stats().kv_blocks_used == 0
     assert connector.workers["decode-0"].engine.stats().kv_blocks_used == 0
 
 

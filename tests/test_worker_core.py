@@ -17,8 +17,8 @@ from pdserve.worker.core import KVDone, WorkerCore
 
 BLOCK = 16
 MODEL = ModelConfig(
-    model_type="llama", vocab_size=5000, hidden_size=64, intermediate_size=128, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-5,
+    model_type="llama", vocab_size=50000, hidden_size=64, intermediate_size=128, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-5,
     rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=True, attention_bias=False,
     sliding_window=None,
 )  # fmt: skip

@@ -62,13 +62,11 @@ class WorkerServer:
         self.engine = engine
         self._last_step_ended = 0.0  # perf_counter when the last recorded step's outputs were sent
         self.config = config
-        self.kv_address = kv_address
         self._on_bound = on_bound
+        # The pulls run here, on the pool; the core keeps the addresses and tells the exporter of
+        # each lease (so it never serves a block after it was freed). All are closed here.
         self.importer = importer
-        self.shm_address = shm_address
         self.same_node_importer = same_node_importer
-        # Prefill role with a transport that serves reads (tcp, nixl): told which blocks are
-        # leased, so it never serves a block after it was freed (the core's lease hooks).
         self.exporter = exporter
         self._inbox: queue.Queue[wire.Message | KVDone] = queue.Queue()
         # Prefill role: short prompts may run between two layers of a long step (_between_layers);
