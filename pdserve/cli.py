@@ -73,6 +73,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_arguments(bench_parser)
 
+    from pdserve.sim import run as sim
+
+    sim_parser = sub.add_parser(
+        "sim",
+        help="simulate a deployment (serve's flags) on a workload (bench's) from a profile, in virtual time",
+        description=sim.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sim.add_arguments(sim_parser)
+
+    from pdserve.measure import cli as profile_cli
+
+    profile_parser = sub.add_parser(
+        "profile",
+        help="measure what a model costs on this machine (or derive it from a roofline), for sim and plan",
+        description=profile_cli.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    profile_cli.add_arguments(profile_parser)
+
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "compare"]:
         from pdserve.bench import compare
@@ -99,6 +119,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "pools":
         try:
             return pools.run(args)
+        except PdserveError as exc:
+            print(f"pdserve: error: {exc}", file=sys.stderr)
+            return 2
+    if args.command == "profile":
+        try:
+            return profile_cli.run(args)
+        except PdserveError as exc:
+            print(f"pdserve: error: {exc}", file=sys.stderr)
+            return 2
+    if args.command == "sim":
+        try:
+            return sim.run(args)
         except PdserveError as exc:
             print(f"pdserve: error: {exc}", file=sys.stderr)
             return 2

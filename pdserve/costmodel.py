@@ -314,6 +314,21 @@ def workers_for_wait(
     return k
 
 
+def fit_step_time(samples: Sequence[tuple[Step, float]]) -> tuple[float, ...]:
+    """(c0 .. c4), in seconds per unit of each raw feature, fitted to measured steps by least
+    squares on the relative error (each step weighs the same, a 10 ms decode step as much as a
+    1 s prompt), every coefficient >= 0. `pdserve profile` fits its step times with it."""
+    weighted = [
+        (tuple(x / seconds for x in step.features()), 1.0)
+        for step, seconds in samples
+        if seconds > 0 and math.isfinite(seconds)
+    ]
+    if not weighted:
+        raise ValueError("no step with a positive time to fit")
+    coef = _fit_non_negative(weighted)
+    return tuple(c * s for c, s in zip(coef, _SCALE, strict=True))
+
+
 def _fit_non_negative(samples: list[tuple[tuple[float, ...], float]]) -> tuple[float, ...]:
     """Least squares with every coefficient >= 0 (active set: drop the most negative, refit)."""
     active = list(range(len(_SCALE)))

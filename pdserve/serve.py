@@ -315,6 +315,23 @@ def _pool_slo_given(o: dict[str, Any], pool: str) -> bool:
     return "slo_ttft_ms" in own or "slo_itl_ms" in own
 
 
+def router_config(o: dict[str, Any]) -> RouterConfig:
+    return RouterConfig(
+        path_choice=o["path_choice"],
+        local_prefill_threshold=o["local_prefill_threshold"],
+        max_retries=o["max_retries"],
+        prefill_timeout=o["prefill_timeout"],
+        token_timeout=o["token_timeout"],
+        max_in_flight=o["max_in_flight"],
+        max_queued_prompt_tokens=o["max_queued_prompt_tokens"],
+        slo=router_slo(o).override(
+            None, o["pools"].get("decode", o["pools"].get("colocated", {})).get("slo_itl_ms")
+        ),
+        reject_on_slo_miss=o["reject_on_slo_miss"],
+        slo_reject_factor=o["slo_reject_factor"],
+    )
+
+
 def planner_settings(o: dict[str, Any]) -> PlannerSettings:
     slo = router_slo(o)
     pool_slos = {
@@ -405,20 +422,7 @@ def run(o: dict[str, Any]) -> int:
 
     settings = RouterSettings(
         model_name=o["served_model_name"] or o["model"],
-        config=RouterConfig(
-            path_choice=o["path_choice"],
-            local_prefill_threshold=o["local_prefill_threshold"],
-            max_retries=o["max_retries"],
-            prefill_timeout=o["prefill_timeout"],
-            token_timeout=o["token_timeout"],
-            max_in_flight=o["max_in_flight"],
-            max_queued_prompt_tokens=o["max_queued_prompt_tokens"],
-            slo=router_slo(o).override(
-                None, o["pools"].get("decode", o["pools"].get("colocated", {})).get("slo_itl_ms")
-            ),
-            reject_on_slo_miss=o["reject_on_slo_miss"],
-            slo_reject_factor=o["slo_reject_factor"],
-        ),
+        config=router_config(o),
         keys=keys,
         max_body_bytes=o["max_body_bytes"],
         body_timeout=o["body_timeout"],

@@ -201,9 +201,18 @@ def run(args: argparse.Namespace) -> int:
     print(format_summary(summary))
     print(format_timeline(timeline))
     if args.out is not None:
-        interrupted = write_outputs(
-            args.out, records, summary | {"timeline": timeline}, args, workload, interrupted
-        )
+        meta = {
+            "url": args.url,
+            "model": args.model,
+            "workload": args.workload,
+            "workload_classes": workload.describe(),
+            "seed": args.seed,
+            "rate_scale": args.rate_scale,
+            "endpoint": args.endpoint,
+            "interrupted": interrupted,
+            "command": redacted_command(sys.argv),
+        }
+        interrupted = write_outputs(args.out, records, summary | {"timeline": timeline}, meta, interrupted)
     return 130 if interrupted else 0
 
 
@@ -211,26 +220,15 @@ def write_outputs(
     out: Path,
     records: list[RequestRecord],
     summary: dict[str, Any],
-    args: argparse.Namespace,
-    workload: Workload,
+    meta: dict[str, Any],
     interrupted: bool,
 ) -> bool:
-    """Writes the records, the summary and the plots; returns whether the run was interrupted,
-    which a Ctrl-C during the plots (a few seconds; a second Ctrl-C after an interrupted run)
-    makes it, without a traceback: the records and the summary are already written."""
+    """Writes the records, the summary (with `meta`, what the run was, under "run") and the plots;
+    returns whether the run was interrupted, which a Ctrl-C during the plots (a few seconds; a
+    second Ctrl-C after an interrupted run) makes it, without a traceback: the records and the
+    summary are already written. `pdserve sim` writes its runs with it too."""
     out.mkdir(parents=True, exist_ok=True)
     write_records(out / "records.jsonl", records)
-    meta = {
-        "url": args.url,
-        "model": args.model,
-        "workload": args.workload,
-        "workload_classes": workload.describe(),
-        "seed": args.seed,
-        "rate_scale": args.rate_scale,
-        "endpoint": args.endpoint,
-        "interrupted": interrupted,
-        "command": redacted_command(sys.argv),
-    }
     (out / "summary.json").write_text(json.dumps({"run": meta, **summary}, indent=2))
     from pdserve.bench.plots import plot_run, plot_timeline
 

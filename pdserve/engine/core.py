@@ -347,20 +347,30 @@ class EngineCore(Generic[AnyRunner]):
                     queue_seconds=request.queue_seconds,
                 )
             )
-        decodes = [c for c in out.chunks if c.is_decode]
-        prompts = [c for c in out.chunks if not c.is_decode]
+        features = step_features(out)
         stats = StepStats(
             num_batched_tokens=out.num_batched_tokens,
-            num_decode_tokens=len(decodes),
+            num_decode_tokens=features.decode_streams,
             step_seconds=seconds,
-            num_prefill_tokens=sum(c.num_tokens for c in prompts),
-            prefill_attention=sum(chunk_attention(c.start, c.num_tokens) for c in prompts),
-            decode_context=sum(c.start + 1 for c in decodes),
+            num_prefill_tokens=features.prefill_tokens,
+            prefill_attention=features.prefill_attention,
+            decode_context=features.decode_context,
         )
         self.last_step = stats
-        features = Step(stats.num_prefill_tokens, stats.prefill_attention, len(decodes), stats.decode_context)
         self.scheduler.observe_step(features, stats.step_seconds)
         return outputs
+
+
+def step_features(out: SchedulerOutput) -> Step:
+    """What a scheduled step computes, as the cost model and a profile's step time count it."""
+    decodes = [c for c in out.chunks if c.is_decode]
+    prompts = [c for c in out.chunks if not c.is_decode]
+    return Step(
+        prefill_tokens=sum(c.num_tokens for c in prompts),
+        prefill_attention=sum(chunk_attention(c.start, c.num_tokens) for c in prompts),
+        decode_streams=len(decodes),
+        decode_context=sum(c.start + 1 for c in decodes),
+    )
 
 
 def engine_core(

@@ -53,6 +53,29 @@ class Answer:
     arrived: float
     logprobs: LogprobsFormatter | None = None  # None: the request asked for none
     output_ids: list[int] = field(default_factory=list)
+    latency: Latency = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.latency = Latency(self.arrived)
+
+    def token_arrived(self, now: float, event: TokenEvent, metrics: RouterMetrics, signals: Signals) -> None:
+        self.latency.token_arrived(now, event, metrics, signals)
+
+    def render_logprobs(self, logprobs: TokenLogprobs | None) -> dict[str, Any] | None:
+        if self.logprobs is None or logprobs is None:
+            return None
+        return self.logprobs.render(logprobs)
+
+    def finished(self, now: float, metrics: RouterMetrics) -> None:
+        self.latency.finished(now, len(self.output_ids), metrics)
+
+
+@dataclass
+class Latency:
+    """What one request's tokens record as they reach the client: the TTFT and ITL metrics and the
+    planner's gaps. The router's answers and the simulator's front (pdserve.sim.front) both keep one."""
+
+    arrived: float
     first_token_at: float | None = None
     last_token_at: float | None = None
     last_pool: str = ""
@@ -74,12 +97,7 @@ class Answer:
         self.last_pool = event.pool
         metrics.generation_tokens.inc(count)
 
-    def render_logprobs(self, logprobs: TokenLogprobs | None) -> dict[str, Any] | None:
-        if self.logprobs is None or logprobs is None:
-            return None
-        return self.logprobs.render(logprobs)
-
-    def finished(self, now: float, metrics: RouterMetrics) -> None:
+    def finished(self, now: float, output_tokens: int, metrics: RouterMetrics) -> None:
         metrics.e2e.observe(now - self.arrived)
-        if self.first_token_at is not None and len(self.output_ids) > 1:
-            metrics.tpot.observe((now - self.first_token_at) / (len(self.output_ids) - 1))
+        if self.first_token_at is not None and output_tokens > 1:
+            metrics.tpot.observe((now - self.first_token_at) / (output_tokens - 1))

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -47,7 +46,8 @@ from pdserve.router.logprobs import LogprobsFormatter, TokenLogprobs
 from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdserve.router.openapi import build_openapi
 from pdserve.router.placement import Unavailable
-from pdserve.router.workers import WorkerSet, WorkerState, WorkerView
+from pdserve.router.recorder import WorkerRecorder
+from pdserve.router.workers import WorkerSet
 from pdserve.signals import Signals
 from pdserve.text.detok import IncrementalDetokenizer
 from pdserve.text.tokenizer import RouterTokenizer
@@ -107,8 +107,7 @@ class Router:
         self._tokenize_pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="tokenize")
         self.metrics = parts.metrics
         self.workers = parts.workers
-        self.workers.on_load = self._record_load
-        self.workers.on_state = self._record_state
+        WorkerRecorder(self.workers, self.metrics, parts.signals)
         self.signals = parts.signals
         self.dispatcher = parts.dispatcher
         slo = settings.config.slo
@@ -427,39 +426,6 @@ class Router:
     def _max_model_len(self) -> int | None:
         lengths = [w.ready.max_model_len for w in self.workers.views() if w.connected and w.ready]
         return min(lengths) if lengths else None
-
-    def _record_load(self, link: WorkerView) -> None:
-        load = link.load
-        if load is None or not link.connected:
-            return
-        labels = (link.pool, link.worker_id)
-        m = self.metrics
-        m.worker_running.labels(*labels).set(load.num_running)
-        m.worker_waiting.labels(*labels).set(load.num_waiting)
-        m.worker_kv_used.labels(*labels).set(load.kv_blocks_used)
-        m.worker_kv_free.labels(*labels).set(load.kv_blocks_free)
-        m.worker_queued_prompt.labels(*labels).set(load.queued_prompt_tokens)
-        m.worker_step.labels(*labels).set(load.last_step_ms / 1000)
-        m.worker_rpc_refused.labels(*labels).set(load.rpc_refused)
-        m.worker_rpc_dropped.labels(*labels).set(load.rpc_dropped)
-        m.worker_steps_between_layers.labels(*labels).set(load.steps_between_layers)
-        if load.steps and link.up_at is not None:
-            self.signals.steps(load.steps, clock.monotonic() - link.up_at)
-
-    def _record_state(self, link: WorkerView) -> None:
-        m = self.metrics
-        if link.state is WorkerState.STOPPED:  # gone for good: so are its series
-            m.remove_worker(link.pool, link.worker_id)
-        else:
-            m.worker_up.labels(link.pool, link.worker_id).set(1 if link.connected else 0)
-            if not link.connected:  # a dead worker's last load report says nothing about now
-                m.remove_worker(link.pool, link.worker_id, keep_up=True)
-        pools = {w.pool for w in self.workers.views()} | {link.pool}
-        for pool in pools:
-            counts = Counter(w.state for w in self.workers.views() if w.pool == pool)
-            for state in WorkerState:
-                if state is not WorkerState.STOPPED:
-                    m.pool_workers.labels(pool, state.value).set(counts[state])
 
 
 def _log_failure(request_id: str, exc: Exception, where: str = "") -> None:

@@ -32,21 +32,26 @@ StepSeconds = Callable[[SchedulerOutput], float]  # a step's duration, from what
 PullSeconds = Callable[[int], float]  # a pull's duration, from the blocks it moves
 
 
-def token_at(position: int) -> int:
-    """What every modelled engine samples at a position of the sequence."""
-    return 1000 + position
+def token_at(position: int, vocab_size: int = 1 << 30) -> int:
+    """What every modelled engine samples at a position of the sequence (in its vocabulary)."""
+    return (1000 + position) % vocab_size
 
 
 class ModelledRunner:
     """Runs no model: samples `token_at` and says how long the step would have taken."""
 
-    def __init__(self, step_seconds: StepSeconds) -> None:
+    def __init__(self, step_seconds: StepSeconds, vocab_size: int = 1 << 30) -> None:
         self.step_seconds = step_seconds
+        self.vocab_size = vocab_size
 
     def execute(
         self, out: SchedulerOutput, kv: KVCacheManager, between_layers: Callable[[int], None] | None = None
     ) -> RunnerOutput:
-        sampled = {c.request.request_id: token_at(c.start + c.num_tokens) for c in out.chunks if c.sample}
+        sampled = {
+            c.request.request_id: token_at(c.start + c.num_tokens, self.vocab_size)
+            for c in out.chunks
+            if c.sample
+        }
         return RunnerOutput(sampled, seconds=self.step_seconds(out))
 
     def release(self, request_id: str) -> None:
@@ -73,7 +78,13 @@ class SimWorker:
         self.config = config
         self.events = events
         self.engine = engine_core(
-            config.engine, model, ModelledRunner(step_seconds), (), num_blocks, device_type, clock.monotonic
+            config.engine,
+            model,
+            ModelledRunner(step_seconds, model.vocab_size),
+            (),
+            num_blocks,
+            device_type,
+            clock.monotonic,
         )
         self.core = WorkerCore(
             self.engine,
@@ -182,12 +193,15 @@ class SimWorker:
         asyncio.get_running_loop().call_later(seconds, arrived)
 
 
+WorkerFactory = Callable[[ChannelEvents], SimWorker]  # a worker, given its channel's events
+
+
 class SimConnector:
     """The router's connector to simulated workers: `sim://<worker id>` reaches the worker made by
     `make(worker_id, events)` (a cluster backend's start registers it first)."""
 
     def __init__(self) -> None:
-        self.factories: dict[str, Callable[[ChannelEvents], SimWorker]] = {}
+        self.factories: dict[str, WorkerFactory] = {}
         self.workers: dict[str, SimWorker] = {}
 
     def connect(self, address: str, server_key: str, routing_id: bytes, events: ChannelEvents) -> Channel:

@@ -1,0 +1,1 @@
+"""Measurements of this machine for `pdserve profile` (torch)."""

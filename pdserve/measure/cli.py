@@ -1,0 +1,163 @@
+"""`pdserve profile`: what a model costs on this machine, as a JSON profile for `pdserve sim` and
+`pdserve plan`.
+
+    pdserve profile --model smollm2-135m --out profiles/cpu-smollm2.json          # measured here
+    pdserve profile --hardware h200 --model-shape llama-3.1-8b --out h200-8b.json  # a roofline
+
+Measured (`--model`): the engine's step time per pool role, fitted to a sweep of real steps
+(pdserve/measure/steps.py); KV pull time per transport (`--transports`, real transports between
+two caches of the model's shape); the serving overhead and a worker's start time from a real
+`pdserve serve` (pdserve/measure/overhead.py; `--no-serve` skips it and assumes none). The
+worker settings are serve's defaults with `--threads` (1, as serve gives each worker) and
+`--dtype`. Takes a few minutes for SmolLM2 on 2 cores (`--quick`: a smaller sweep, for a check).
+
+Roofline (`--hardware`, `--model-shape`): derived from peak rates at stated efficiencies, every
+assumption printed (pdserve/sim/roofline.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+from pdserve.errors import PdserveError
+from pdserve.sim.profile import Overhead, Profile
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, required=True, help="where to write the profile (JSON)")
+    p.add_argument("--model", default=None, help="measure this model here (built-in name, .gguf or folder)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads of the measured engine (serve's per worker)"
+    )
+    p.add_argument("--transports", default="shm,tcp", help="the KV transports to measure, comma-separated")
+    p.add_argument("--no-serve", action="store_true", help="skip the serving-overhead probe (assume none)")
+    p.add_argument("--quick", action="store_true", help="a small sweep (a check, not a profile to plan with)")
+    p.add_argument("--hardware", default=None, help="derive from a roofline instead: h200, h100, a100, l40s")
+    p.add_argument("--model-shape", default=None, help="with --hardware: a built-in shape or a config.json")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.hardware or args.model_shape:
+        if not (args.hardware and args.model_shape) or args.model:
+            raise PdserveError("a roofline needs --hardware and --model-shape (and no --model)")
+        from pdserve.sim.roofline import derive
+
+        profile = derive(args.hardware, args.model_shape)
+        profile = _stamped(profile, {})
+    else:
+        if not args.model:
+            raise PdserveError("give --model (measure it here) or --hardware and --model-shape (a roofline)")
+        if args.threads < 1:
+            raise PdserveError("--threads must be >= 1")
+        profile = measured(args)
+    profile.save(args.out)
+    print("\n".join(describe(profile)))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def describe(profile: Profile) -> list[str]:
+    lines = [f"profile of {profile.model} ({profile.source}), {profile.meta.get('machine', '')}"]
+    lines += [f"  assumes: {a}" for a in profile.assumptions]
+    for role, step in profile.steps.items():
+        fit = getattr(step, "median_error", None)
+        error = f" (fit error: median {fit:.1%}, p90 {step.p90_error:.1%})" if fit is not None else ""  # type: ignore[union-attr]
+        lines.append(f"  {role} step: {step.to_json()}{error}")
+    for name, t in profile.transfers.items():
+        lines.append(f"  {name} pull: {t.base_s * 1000:.3f} ms + {t.per_block_s * 1000:.4f} ms per block")
+    lines.append(
+        f"  overhead: {profile.overhead.request_s * 1000:.2f} ms a request, {profile.overhead.step_s * 1000:.3f} ms a step; "
+        f"start {profile.start_s:.1f} s; KV blocks {profile.kv_blocks}"
+    )
+    return lines
+
+
+def _machine() -> dict[str, Any]:
+    from pdserve.ops.cpu import isa as cpu_isa
+
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "machine": f"{name}, {os.cpu_count()} CPUs, ISA {cpu_isa.probe().machine_level}",
+        "platform": platform.platform(),
+    }
+
+
+def _stamped(profile: Profile, extra: dict[str, Any]) -> Profile:
+    from dataclasses import replace
+
+    import pdserve
+
+    meta = dict(profile.meta) | extra
+    meta.setdefault("date", datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+    meta.setdefault(
+        "versions", {"pdserve": getattr(pdserve, "__version__", "?"), "python": platform.python_version()}
+    )
+    return replace(profile, meta=meta)
+
+
+def measured(args: argparse.Namespace) -> Profile:
+    import torch
+
+    from pdserve.measure import overhead as overhead_probe
+    from pdserve.measure import steps, transfer
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    if hasattr(os, "sched_setaffinity") and args.threads == 1:
+        # One CPU, as `pdserve serve --cluster local` pins each worker.
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    plan = steps.QUICK if args.quick else steps.Sweep()
+    probe = steps.StepProbe(args.model, args.dtype, args.threads, plan.chunk, None)
+    model_config = probe.engine.runner.config
+    samples = steps.sweep(probe, plan)
+    roles = steps.fit_roles(samples)
+    dtype = probe.engine.runner.dtype
+    kv_blocks = probe.num_blocks
+    block_size = probe.block_size
+    del probe
+    shape = transfer.cache_shape(
+        model_config.num_layers, 300, block_size, model_config.num_kv_heads, model_config.head_dim
+    )
+    counts = transfer.QUICK_BLOCK_COUNTS if args.quick else transfer.BLOCK_COUNTS
+    transfers = {
+        name: transfer.measure(name, shape, dtype, counts) for name in args.transports.split(",") if name
+    }
+    overhead, start_s, notes = Overhead(), 0.0, []
+    if args.no_serve:
+        notes.append("no serving overhead measured (--no-serve): the router and the worker loop cost nothing")
+    else:
+        probed = overhead_probe.measure(
+            args.model, roles["colocated"], threads=args.threads, vocab_size=model_config.vocab_size
+        )
+        overhead, start_s = probed.overhead, probed.start_s
+    if args.quick:
+        notes.append("--quick: a small sweep, for a check; not a profile to plan with")
+    profile = Profile(
+        source="measured",
+        model=args.model,
+        model_shape=model_config.raw or {},
+        block_size=block_size,
+        kv_blocks={role: kv_blocks for role in roles},
+        steps=dict(roles),
+        transfers=transfers,
+        overhead=overhead,
+        start_s=round(start_s, 2),
+        meta={"device": "cpu", "dtype": str(dtype).removeprefix("torch."), "threads": args.threads},
+        assumptions=notes,
+    )
+    return _stamped(profile, _machine() | {"torch": torch.__version__, "samples": len(samples)})

@@ -1,0 +1,133 @@
+"""Measures what serving adds to the engine's steps (no torch here): a real `pdserve serve
+--colocated 1` on this machine, sent one request at a time by the bench's own client, its TTFT
+and ITL set against the step time the profile predicts for the same steps.
+
+    per-step overhead    = median(ITL - predicted decode step)
+    per-request overhead = median(TTFT - predicted prompt step) - per-step overhead
+
+The first is the worker loop's work around a step (sending tokens, load reports) and the router's
+per-token path; the second is HTTP, tokenization, admission and dispatch. Also measured: the time
+from `pdserve serve` to a ready worker (the profile's start time; a scale-up takes about this).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from pdserve.bench.client import PreparedRequest, Target, run_load
+from pdserve.bench.summary import RequestRecord
+from pdserve.costmodel import Step, chunk_attention
+from pdserve.errors import PdserveError
+from pdserve.sim.profile import Overhead, StepTime
+
+logger = logging.getLogger("pdserve.measure")
+
+START_TIMEOUT_S = 300.0  # a first start may build the CPU kernels (about 20 s) and load the model
+
+
+@dataclass(frozen=True)
+class OverheadResult:
+    overhead: Overhead
+    start_s: float
+    requests: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def measure(
+    model: str,
+    step_time: StepTime,
+    *,
+    threads: int | None,
+    requests: int = 12,
+    prompt_tokens: int = 64,
+    output_tokens: int = 32,
+    vocab_size: int = 32000,
+) -> OverheadResult:
+    port = _free_port()
+    command = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model, "--colocated", "1"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
+    if threads is not None:
+        command += ["--threads", str(threads)]
+    started = time.perf_counter()
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_ready(server, url)
+        start_s = time.perf_counter() - started
+        prompts = [
+            PreparedRequest(i, "probe", None, [(i * 31 + k) % (vocab_size - 2) + 1 for k in range(prompt_tokens)],
+                            prompt_tokens, output_tokens)
+            for i in range(requests + 2)
+        ]  # fmt: skip
+        records, _ = asyncio.run(
+            run_load(
+                Target(url, model, request_timeout_s=120.0), prompts, concurrency=1, drain_timeout_s=300.0
+            )
+        )
+    finally:
+        _stop(server)
+    return OverheadResult(_overhead(records[2:], step_time, prompt_tokens), start_s, len(records) - 2)
+
+
+def _overhead(records: list[RequestRecord], step_time: StepTime, prompt_tokens: int) -> Overhead:
+    failed = [r.error for r in records if r.error]
+    if failed or not records:
+        raise PdserveError(f"the overhead probe's requests failed: {failed[:1] or 'none came back'}")
+    prompt_step = step_time.seconds(Step(prompt_tokens, chunk_attention(0, prompt_tokens), 0, 0))
+    itl_excess = []
+    ttft_excess = []
+    for r in records:
+        assert r.ttft is not None
+        ttft_excess.append(r.ttft - prompt_step)
+        for k, (before, after) in enumerate(itertools.pairwise(r.chunk_times_s)):
+            context = prompt_tokens + k + 1
+            itl_excess.append((after - before) - step_time.seconds(Step(0, 0, 1, context)))
+    step_s = max(0.0, statistics.median(itl_excess))
+    request_s = max(0.0, statistics.median(ttft_excess) - step_s)
+    return Overhead(request_s=round(request_s, 6), step_s=round(step_s, 6))
+
+
+def _wait_ready(server: subprocess.Popen[str], url: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    with httpx.Client(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                err = server.stderr.read() if server.stderr else ""
+                raise PdserveError(
+                    f"pdserve serve exited with {server.returncode} while starting: {err[-2000:]}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(f"{url}/health").status_code == 200:
+                    return
+            time.sleep(0.2)
+    raise PdserveError(f"pdserve serve was not ready after {START_TIMEOUT_S:g} s")
+
+
+def _stop(server: subprocess.Popen[str]) -> None:
+    if server.poll() is None:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.kill(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+    if server.stderr is not None:
+        server.stderr.close()

@@ -1,0 +1,183 @@
+"""Measures the engine's step time on this machine (torch): the real engine, its real scheduler,
+driven through a designed sweep of steps, timed as the engine times every step it serves.
+
+The sweep, each part on one engine (the mixed role, so that one engine runs every kind of step):
+- prompts alone: prompts of 16 .. 2048 tokens (and one chunked past its first chunk, for the
+  attention of a chunk that starts deep in its prompt);
+- decode batches: B streams (1 .. 48) at contexts of 128 and 1024 tokens, a dozen steps each;
+- mixed steps: a prompt arriving while B streams decode (what a colocated worker, or a decode
+  worker prefilling a short prompt itself, runs).
+The first steps after the model loads (kernel builds, caches) are run and thrown away.
+
+The step time of each pool role is then fitted (`costmodel.fit_step_time`, on the relative
+error) to the steps that role runs: the prefill role to prompt-only steps, the decode and
+colocated roles to all of them. The fit's error on its own samples is kept with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pdserve import slo
+from pdserve.config import EngineConfig, Role
+from pdserve.costmodel import Step, fit_step_time
+from pdserve.engine.factory import build_engine
+from pdserve.sampling_params import SamplingParams
+from pdserve.sim.profile import LinearStep
+
+logger = logging.getLogger("pdserve.measure")
+
+
+@dataclass(frozen=True)
+class Sample:
+    step: Step
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Sweep:
+    prompts: tuple[int, ...] = (16, 64, 128, 256, 512, 1024, 2048)
+    chunked_prompt: int = 3072  # in chunks of `chunk`: chunks that start deep in their prompt
+    batches: tuple[int, ...] = (1, 4, 16, 48)
+    contexts: tuple[int, ...] = (128, 1024)
+    max_context_tokens: int = 16384  # a decode batch's prompts in all (B x context), at most
+    decode_steps: int = 12
+    mixed_batches: tuple[int, ...] = (4, 16)
+    mixed_prompts: tuple[int, ...] = (64, 256, 1024)
+    repeats: int = 2
+    chunk: int = 1024
+    warmup_steps: int = 8
+
+
+QUICK = Sweep(
+    prompts=(16, 64, 256),
+    chunked_prompt=512,
+    batches=(1, 4),
+    contexts=(32, 128),
+    decode_steps=4,
+    mixed_batches=(2,),
+    mixed_prompts=(32, 128),
+    repeats=1,
+    chunk=256,
+    warmup_steps=2,
+)
+
+
+class StepProbe:
+    """An engine built as a worker's would be, stepped by hand."""
+
+    def __init__(self, model: str, dtype: str, threads: int | None, chunk: int, kv_gib: float | None) -> None:
+        config = EngineConfig(
+            model=model,
+            device="cpu",
+            dtype=dtype,
+            role=Role.MIXED,
+            threads=threads,
+            chunk_size=chunk,
+            max_num_batched_tokens=max(chunk, 2048) + 64,
+            max_num_seqs=256,
+            kv_cache_memory_gib=kv_gib,
+        )
+        self.engine, _ = build_engine(config, eos_token_ids=(0,))
+        self.num_blocks = self.engine.stats().kv_blocks_free
+        self.block_size = config.block_size
+        self.vocab = self.engine.limits.vocab_size
+        self._serial = 0
+        self.samples: list[Sample] = []
+
+    def prompt(self, tokens: int) -> list[int]:
+        self._serial += 1
+        return [(self._serial * 7919 + i) % (self.vocab - 2) + 1 for i in range(tokens)]
+
+    def add(self, prompt_tokens: int, max_tokens: int) -> str:
+        request_id = f"p{self._serial}"
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.engine.add_request(request_id, self.prompt(prompt_tokens), params)
+        return request_id
+
+    def steps(self) -> Iterator[None]:
+        """Steps until the engine is idle, recording each."""
+        while self.engine.has_unfinished:
+            self.engine.step()
+            stats = self.engine.last_step
+            if stats is not None and stats.num_batched_tokens:
+                self.samples.append(
+                    Sample(
+                        Step(
+                            stats.num_prefill_tokens,
+                            stats.prefill_attention,
+                            stats.num_decode_tokens,
+                            stats.decode_context,
+                        ),
+                        stats.step_seconds,
+                    )
+                )
+            yield
+
+    def run_all(self) -> None:
+        for _ in self.steps():
+            pass
+
+
+def sweep(probe: StepProbe, plan: Sweep, budget_s: float | None = None) -> list[Sample]:
+    """Runs the sweep; returns its samples (the warm-up's left out). `budget_s`: stop adding parts
+    once this much time went (what was measured is kept)."""
+    started = time.perf_counter()
+
+    def over() -> bool:
+        return budget_s is not None and time.perf_counter() - started > budget_s
+
+    probe.add(64, plan.warmup_steps)
+    probe.run_all()
+    probe.samples.clear()
+    for _ in range(plan.repeats):
+        for tokens in plan.prompts:  # one prompt, one chunk per step
+            probe.add(tokens, 1)
+            probe.run_all()
+        probe.add(plan.chunked_prompt, 1)
+        probe.run_all()
+    logger.info("prompt steps measured: %d", len(probe.samples))
+    for context in plan.contexts:
+        for batch in plan.batches:
+            if batch * context > plan.max_context_tokens or over():
+                continue
+            for _ in range(batch):
+                probe.add(context, plan.decode_steps + 1)
+            probe.run_all()
+    logger.info("with decode batches: %d", len(probe.samples))
+    for batch in plan.mixed_batches:
+        for tokens in plan.mixed_prompts:
+            if over():
+                break
+            for _ in range(batch):
+                probe.add(128, 4 * plan.decode_steps)
+            stepping = probe.steps()
+            for _ in range(plan.decode_steps):  # the streams decode, then a prompt comes
+                next(stepping, None)
+            probe.add(tokens, 1)
+            for _ in stepping:
+                pass
+    logger.info("with mixed steps: %d", len(probe.samples))
+    return list(probe.samples)
+
+
+def fit(samples: list[Sample]) -> LinearStep:
+    coefficients = fit_step_time([(s.step, s.seconds) for s in samples])
+    model = LinearStep(tuple(coefficients))  # type: ignore[arg-type]
+    errors = [abs(model.seconds(s.step) - s.seconds) / s.seconds for s in samples if s.seconds > 0]
+    return LinearStep(
+        model.coefficients,
+        samples=len(samples),
+        median_error=round(slo.quantile(errors, 0.5) or 0.0, 4),
+        p90_error=round(slo.quantile(errors, 0.9) or 0.0, 4),
+    )
+
+
+def fit_roles(samples: list[Sample]) -> dict[str, LinearStep]:
+    """Each pool role's step time, from the steps it runs."""
+    prompt_only = [s for s in samples if s.step.decode_streams == 0 and s.step.prefill_tokens > 0]
+    everything = fit(samples)
+    return {"prefill": fit(prompt_only), "decode": everything, "colocated": everything}

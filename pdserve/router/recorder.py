@@ -1,0 +1,55 @@
+"""The workers' reports into the router's metrics and the planner's signals. No torch."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pdserve import clock
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.workers import WorkerSet, WorkerState, WorkerView
+from pdserve.signals import Signals
+
+
+class WorkerRecorder:
+    """Each worker's load reports and changes of state, into the metrics and the planner's signals
+    (the step samples its cost model fits). The router keeps one; so does `pdserve sim`."""
+
+    def __init__(self, workers: WorkerSet, metrics: RouterMetrics, signals: Signals) -> None:
+        self.workers = workers
+        self.metrics = metrics
+        self.signals = signals
+        workers.on_load = self.load
+        workers.on_state = self.state
+
+    def load(self, link: WorkerView) -> None:
+        load = link.load
+        if load is None or not link.connected:
+            return
+        labels = (link.pool, link.worker_id)
+        m = self.metrics
+        m.worker_running.labels(*labels).set(load.num_running)
+        m.worker_waiting.labels(*labels).set(load.num_waiting)
+        m.worker_kv_used.labels(*labels).set(load.kv_blocks_used)
+        m.worker_kv_free.labels(*labels).set(load.kv_blocks_free)
+        m.worker_queued_prompt.labels(*labels).set(load.queued_prompt_tokens)
+        m.worker_step.labels(*labels).set(load.last_step_ms / 1000)
+        m.worker_rpc_refused.labels(*labels).set(load.rpc_refused)
+        m.worker_rpc_dropped.labels(*labels).set(load.rpc_dropped)
+        m.worker_steps_between_layers.labels(*labels).set(load.steps_between_layers)
+        if load.steps and link.up_at is not None:
+            self.signals.steps(load.steps, clock.monotonic() - link.up_at)
+
+    def state(self, link: WorkerView) -> None:
+        m = self.metrics
+        if link.state is WorkerState.STOPPED:  # gone for good: so are its series
+            m.remove_worker(link.pool, link.worker_id)
+        else:
+            m.worker_up.labels(link.pool, link.worker_id).set(1 if link.connected else 0)
+            if not link.connected:  # a dead worker's last load report says nothing about now
+                m.remove_worker(link.pool, link.worker_id, keep_up=True)
+        pools = {w.pool for w in self.workers.views()} | {link.pool}
+        for pool in pools:
+            counts = Counter(w.state for w in self.workers.views() if w.pool == pool)
+            for state in WorkerState:
+                if state is not WorkerState.STOPPED:
+                    m.pool_workers.labels(pool, state.value).set(counts[state])

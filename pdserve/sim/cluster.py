@@ -1,0 +1,106 @@
+"""The simulation's cluster backend: "starts" a simulated worker (pdserve.sim.worker) after the
+profile's start time, so the real pool manager and planner scale simulated pools as they scale
+real ones. No torch, no process.
+
+A worker's step time is the profile's for its pool role, plus the worker loop's per-step overhead;
+a pull takes the profile's time for the deployment's transport; its KV cache has the profile's
+blocks for its role. The engine settings (chunk size, step budget, batch limits) are the worker
+configuration's, as `pdserve serve` builds it from the same flags.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdserve.cluster.base import ExitCallback, WorkerExit, WorkerHandle, WorkerStartError
+from pdserve.config import WorkerConfig
+from pdserve.engine.core import step_features
+from pdserve.engine.sched import SchedulerOutput
+from pdserve.router.channel import ChannelEvents
+from pdserve.sim.profile import Profile, ProfileError
+from pdserve.sim.worker import SimConnector, SimWorker, WorkerFactory
+
+
+class SimCluster:
+    """A cluster backend whose workers are simulated (implements `ClusterBackend`)."""
+
+    name = "sim"
+
+    def __init__(self, profile: Profile, connector: SimConnector) -> None:
+        self.profile = profile
+        self.connector = connector
+        self.device_type = str(profile.meta.get("device", "cpu"))
+        self._alive: dict[str, WorkerHandle] = {}
+        self._on_exit: ExitCallback | None = None
+        self.started = 0  # workers started over the run (the planner's scale-ups count here)
+
+    def set_exit_callback(self, callback: ExitCallback) -> None:
+        self._on_exit = callback
+
+    def factory(self, config: WorkerConfig) -> WorkerFactory:
+        pool = config.pool
+        step_time = self.profile.step_time(pool)
+        per_step = self.profile.overhead.step_s
+        transfer = self.profile.transfer(config.transport) if pool != "prefill" else None
+
+        def step_seconds(out: SchedulerOutput) -> float:
+            return step_time.seconds(step_features(out)) + per_step
+
+        # The profile counts blocks of its own size: a deployment's other block size is converted.
+        scale = config.engine.block_size / self.profile.block_size
+        num_blocks = config.engine.num_kv_blocks or int(self.profile.blocks(pool) / scale)
+
+        def pull_seconds(blocks: int) -> float:
+            assert transfer is not None  # only workers that take KV pull
+            return transfer.seconds(blocks * scale)
+
+        def make(events: ChannelEvents) -> SimWorker:
+            return SimWorker(
+                config,
+                self.profile.model_config(),
+                num_blocks,
+                events,
+                step_seconds=step_seconds,
+                pull_seconds=pull_seconds,
+                device_type=self.device_type,
+            )
+
+        return make
+
+    async def start_worker(self, config: WorkerConfig, timeout: float) -> WorkerHandle:
+        worker_id = config.worker_id
+        try:
+            self.connector.factories[worker_id] = self.factory(config)
+        except ProfileError as exc:
+            raise WorkerStartError(f"worker {worker_id}: {exc}") from None
+        if self.profile.start_s > timeout:
+            await asyncio.sleep(timeout)
+            raise WorkerStartError(
+                f"worker {worker_id} would take {self.profile.start_s:g} s to start (the profile's "
+                f"start time), more than --ready-timeout {timeout:g} s"
+            )
+        await asyncio.sleep(self.profile.start_s)
+        handle = WorkerHandle(
+            worker_id, config.pool, f"sim://{worker_id}", f"sim://{worker_id}/kv", "sim", rpc_public_key="sim"
+        )
+        self._alive[worker_id] = handle
+        self.started += 1
+        return handle
+
+    async def stop_worker(self, worker_id: str, *, graceful: bool = True, timeout: float = 15.0) -> None:
+        if self._alive.pop(worker_id, None) is None:
+            return
+        worker = self.connector.workers.pop(worker_id, None)
+        self.connector.factories.pop(worker_id, None)
+        if worker is not None:
+            await worker.close()
+            worker.events.on_disconnect()
+        if self._on_exit is not None:
+            self._on_exit(WorkerExit(worker_id, True, "stopped (simulated)"))
+
+    def workers(self) -> list[WorkerHandle]:
+        return list(self._alive.values())
+
+    async def close(self) -> None:
+        for worker_id in list(self._alive):
+            await self.stop_worker(worker_id)

@@ -1,0 +1,229 @@
+"""A deployment's cost profile: how long an engine step takes (per pool role), how long a KV
+transfer takes (per transport), what the serving path adds (the router's per-request work, the
+worker loop's per-step work), how many KV blocks a worker has and how long a worker takes to start.
+No torch.
+
+`pdserve profile` writes one, measured on this machine (pdserve/measure) or derived from a
+roofline (pdserve/sim/roofline.py); `pdserve sim` and `pdserve plan` read it. The JSON keeps what
+it was made from (machine, model, versions, date, every assumption), so a number in a plan can be
+traced to where it came from.
+
+A step's time is a function of what the step computes (`pdserve.costmodel.Step`: prompt tokens,
+prompt attention, decode streams, decode context). Two forms:
+- `linear`: c0 + c1 * prompt tokens + c2 * prompt attention + c3 * streams + c4 * context, the
+  router's cost model's form, fitted to measured steps (non-negative coefficients);
+- `roofline`: fixed + max(FLOPs / compute rate, bytes / bandwidth), from a hardware's peak rates at
+  stated efficiencies.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdserve.costmodel import Step
+from pdserve.errors import PdserveError
+from pdserve.modelfiles.config import ModelConfig
+
+FORMAT = "pdserve-profile/1"
+ROLES = ("prefill", "decode", "colocated")
+
+
+class ProfileError(PdserveError):
+    """A profile file that cannot be read, or lacks what the simulation needs."""
+
+
+@dataclass(frozen=True)
+class LinearStep:
+    """c0 + c1 * prompt tokens + c2 * prompt attention + c3 * decode streams + c4 * decode context."""
+
+    coefficients: tuple[float, float, float, float, float]
+    # How well the fit matches the steps it was fitted to (relative error, |fit - measured| / measured).
+    samples: int = 0
+    median_error: float | None = None
+    p90_error: float | None = None
+
+    def seconds(self, step: Step) -> float:
+        raw = (1.0, step.prefill_tokens, step.prefill_attention, step.decode_streams, step.decode_context)
+        return sum(c * x for c, x in zip(self.coefficients, raw, strict=True))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "linear"} | asdict(self)
+
+
+@dataclass(frozen=True)
+class RooflineStep:
+    """fixed + max(compute, memory): compute = (flops_per_token * tokens + flops_per_attended *
+    attended positions) / flops; memory = (weight_bytes + kv_bytes_per_token * tokens read) /
+    bandwidth. Rates are peak x efficiency, in FLOP/s and bytes/s."""
+
+    fixed_s: float
+    flops_per_token: float
+    flops_per_attended: float
+    weight_bytes: float
+    kv_bytes_per_token: float
+    flops: float
+    bandwidth: float
+
+    def seconds(self, step: Step) -> float:
+        tokens = step.prefill_tokens + step.decode_streams
+        if tokens == 0:
+            return self.fixed_s
+        attended = step.prefill_attention + step.decode_context
+        compute = (self.flops_per_token * tokens + self.flops_per_attended * attended) / self.flops
+        # A prompt chunk writes its KV and reads what it attends to once (flash attention); a
+        # decode stream reads its whole context.
+        kv_tokens = step.decode_context + step.prefill_tokens
+        memory = (self.weight_bytes + self.kv_bytes_per_token * kv_tokens) / self.bandwidth
+        return self.fixed_s + max(compute, memory)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "roofline"} | asdict(self)
+
+
+StepTime = LinearStep | RooflineStep
+
+
+@dataclass(frozen=True)
+class TransferTime:
+    """A KV pull of n blocks takes base_s + per_block_s * n."""
+
+    base_s: float
+    per_block_s: float
+    samples: list[tuple[int, float]] = field(default_factory=list)  # (blocks, median seconds) measured
+
+    def seconds(self, blocks: float) -> float:
+        return self.base_s + self.per_block_s * blocks
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """What serving adds to the engine's steps: the router's work before a request's first step
+    (HTTP, tokenization, admission, dispatch), and the worker loop's work around each step
+    (sending tokens, load reports), as measured end to end against the step model."""
+
+    request_s: float = 0.0
+    step_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Profile:
+    source: str  # measured | roofline
+    model: str
+    model_shape: dict[str, Any]  # the model's Hugging Face config (the keys ModelConfig reads)
+    block_size: int
+    kv_blocks: dict[str, int]  # per pool role: a worker's KV cache, in blocks
+    steps: dict[str, StepTime]  # per pool role
+    transfers: dict[str, TransferTime]  # per transport
+    overhead: Overhead = Overhead()
+    start_s: float = 0.0  # a worker's start, from asked to ready
+    meta: dict[str, Any] = field(default_factory=dict)  # machine, versions, date, engine settings
+    assumptions: list[str] = field(default_factory=list)
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_hf_dict(self.model_shape)
+
+    def step_time(self, role: str) -> StepTime:
+        if role in self.steps:
+            return self.steps[role]
+        if role == "colocated" and "decode" in self.steps:  # a mixed worker steps like a decode one
+            return self.steps["decode"]
+        raise ProfileError(f"the profile has no step time for the {role} role (it has {sorted(self.steps)})")
+
+    def transfer(self, transport: str) -> TransferTime:
+        if transport not in self.transfers:
+            raise ProfileError(
+                f"the profile has no transfer time for --transport {transport} (it has {sorted(self.transfers)})"
+            )
+        return self.transfers[transport]
+
+    def blocks(self, role: str) -> int:
+        if role in self.kv_blocks:
+            return self.kv_blocks[role]
+        if self.kv_blocks:
+            return min(self.kv_blocks.values())
+        raise ProfileError("the profile says nothing of the workers' KV cache (kv_blocks)")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "source": self.source,
+            "model": self.model,
+            "meta": self.meta,
+            "assumptions": self.assumptions,
+            "model_shape": self.model_shape,
+            "block_size": self.block_size,
+            "kv_blocks": self.kv_blocks,
+            "start_s": self.start_s,
+            "overhead": asdict(self.overhead),
+            "steps": {role: step.to_json() for role, step in self.steps.items()},
+            "transfers": {name: asdict(t) for name, t in self.transfers.items()},
+        }
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+
+def _step_from_json(role: str, body: Any) -> StepTime:
+    if not isinstance(body, dict):
+        raise ProfileError(f"steps.{role} must be an object")
+    kind = body.get("kind")
+    fields = {k: v for k, v in body.items() if k != "kind"}
+    try:
+        if kind == "linear":
+            coefficients = tuple(float(c) for c in fields.pop("coefficients"))
+            if len(coefficients) != 5 or not all(math.isfinite(c) and c >= 0 for c in coefficients):
+                raise ProfileError(f"steps.{role}.coefficients must be 5 finite numbers >= 0")
+            return LinearStep(coefficients, **fields)
+        if kind == "roofline":
+            return RooflineStep(**{k: float(v) for k, v in fields.items()})
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProfileError(f"steps.{role}: {exc}") from None
+    raise ProfileError(f"steps.{role}.kind must be linear or roofline, got {kind!r}")
+
+
+def load(path: Path) -> Profile:
+    """Reads a profile; raises ProfileError with what is wrong."""
+    try:
+        body = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ProfileError(f"cannot read the profile {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"the profile {path} is not JSON: {exc}") from None
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+        raise ProfileError(f'{path} is not a pdserve profile (no "format": "{FORMAT}")')
+    try:
+        steps = {role: _step_from_json(role, s) for role, s in body["steps"].items()}
+        transfers = {
+            name: TransferTime(
+                float(t["base_s"]), float(t["per_block_s"]), [tuple(x) for x in t.get("samples", [])]
+            )
+            for name, t in body.get("transfers", {}).items()
+        }
+        profile = Profile(
+            source=str(body["source"]),
+            model=str(body["model"]),
+            model_shape=dict(body["model_shape"]),
+            block_size=int(body["block_size"]),
+            kv_blocks={str(k): int(v) for k, v in body["kv_blocks"].items()},
+            steps=steps,
+            transfers=transfers,
+            overhead=Overhead(**body.get("overhead", {})),
+            start_s=float(body.get("start_s", 0.0)),
+            meta=dict(body.get("meta", {})),
+            assumptions=list(body.get("assumptions", [])),
+        )
+        profile.model_config()  # a shape the engine cannot take fails here
+    except ProfileError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ProfileError(
+            f"the profile {path} is incomplete or malformed: {type(exc).__name__}: {exc}"
+        ) from None
+    if not steps:
+        raise ProfileError(f"the profile {path} has no step times")
+    return profile

@@ -1,0 +1,274 @@
+"""`pdserve sim`: a deployment simulated on a workload, in virtual time. No torch, no process, no socket.
+
+    pdserve sim --profile profiles/cpu-smollm2.json --prefill 1 --decode 1 \\
+        --workload chat+docs --duration 600 --slo ttft=1000,itl=200 --out runs/sim-dpd
+
+The deployment takes `pdserve serve`'s flags and TOML file (`--config`); the workload takes
+`pdserve bench`'s (`--workload`, `--max-requests`, `--duration`, `--rate-scale`, `--seed`); the
+profile (`pdserve profile`) says what the model costs on the hardware. What runs is the router's
+own code: its worker set, admission, path choice, worker choice, dispatcher (retries, moves), the
+pool manager and the planner (`--planner slo`), and on each simulated worker the real scheduler,
+KV cache bookkeeping and worker core, with the profile in place of the model and the event loop's
+virtual clock in place of time (pdserve/sim/worker.py). Its output is the bench's: the summary
+and timeline on stdout, and with `--out` the same `records.jsonl`, `summary.json` and plots, so a
+simulated run and a measured one compare with the same tools (`pdserve bench compare`).
+
+`--slo` is the deployment's (the planner's and admission's, as for `serve`) and, unless
+`--report-slo` says otherwise, the one goodput is counted against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdserve import clock, serve, serve_options
+from pdserve.bench.summary import RequestRecord, format_summary, parse_slos, redacted_command, summarize
+from pdserve.bench.timeline import DEFAULT_WINDOW_S, build_timeline, format_timeline, pool_counts
+from pdserve.bench.workload import NAMED_MIXES, Workload, parse_workload
+from pdserve.errors import PdserveError
+from pdserve.sim import profile as profiles
+from pdserve.sim.cluster import SimCluster
+from pdserve.sim.front import Front, drive
+from pdserve.sim.worker import SimConnector
+
+logger = logging.getLogger("pdserve.sim")
+
+EOS = (0,)  # the modelled engine never samples it (its tokens are 1000 + position)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    serve_options.add_arguments(p)
+    add_simulation_arguments(p)
+
+
+def add_simulation_arguments(p: argparse.ArgumentParser) -> None:
+    """What `pdserve sim` and `pdserve plan` take beyond serve's flags: the profile and the workload."""
+    p.add_argument("--profile", type=Path, required=True, help="a profile from `pdserve profile` (JSON)")
+    p.add_argument(
+        "--workload",
+        default="chat",
+        help=f"a workload spec or a preset ({', '.join(NAMED_MIXES)}), as for `pdserve bench`",
+    )
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--duration", type=float, default=None, help="seconds; no request is sent after it")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply every class's rate by this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--report-slo",
+        default=None,
+        help="the SLO goodput is counted against, as bench's --slo (default: --slo)",
+    )
+    p.add_argument(
+        "--finish-timeout",
+        type=float,
+        default=120.0,
+        help="seconds (simulated) for requests in flight after the last is sent",
+    )
+    p.add_argument("--timeline-window", type=float, default=DEFAULT_WINDOW_S)
+    p.add_argument(
+        "--pool-sample-interval",
+        type=float,
+        default=1.0,
+        help="simulated seconds between samples of the pools for the timeline; 0: off",
+    )
+    p.add_argument("--out", type=Path, default=None, help="folder for records.jsonl, summary.json and plots")
+
+
+def resolve(args: argparse.Namespace, profile: profiles.Profile) -> dict[str, Any]:
+    """serve's options (defaults, the config file, the flags), checked as serve checks them, on the
+    profile's device instead of this host's."""
+    o = serve_options.layered(args)
+    o["model"] = o["model"] or profile.model
+    o["device_type"] = str(profile.meta.get("device", "cpu"))
+    o["pool_gpus"] = {}
+    if o["transport"] is None:
+        o["transport"] = "tcp" if o["device_type"] == "cuda" else "shm"
+    serve._check(o)
+    for pool in serve.pool_replicas(o):  # what the profile lacks, said before anything runs
+        profile.step_time(pool)
+        if pool != "prefill":
+            profile.transfer(o["transport"])
+    return o
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    duration_s: float
+    pool_samples: list[dict[str, Any]] = field(default_factory=list)
+    workers_started: int = 0
+    worker_seconds: dict[str, float] = field(default_factory=dict)  # per pool, from start to end
+    wall_s: float = 0.0
+
+
+def simulate(
+    o: dict[str, Any],
+    profile: profiles.Profile,
+    workload: Workload,
+    *,
+    finish_timeout_s: float = 120.0,
+    pool_sample_interval_s: float = 1.0,
+) -> SimResult:
+    """Runs the deployment `o` on `workload` in virtual time."""
+    started = time.perf_counter()
+    result: SimResult = clock.run_virtual(
+        functools.partial(_simulate, o, profile, workload, finish_timeout_s, pool_sample_interval_s)
+    )  # type: ignore[assignment]
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+async def _simulate(
+    o: dict[str, Any],
+    profile: profiles.Profile,
+    workload: Workload,
+    finish_timeout_s: float,
+    pool_sample_interval_s: float,
+) -> SimResult:
+    # The router's parts, built as `pdserve serve` builds them, over simulated workers.
+    from pdserve.planner.loop import Planner
+    from pdserve.pools.manager import PoolManager, PoolSettings
+    from pdserve.router.dispatch import Dispatcher
+    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.recorder import WorkerRecorder
+    from pdserve.router.workers import WorkerSet
+    from pdserve.signals import Signals
+
+    router_config = serve.router_config(o)
+    metrics = RouterMetrics()
+    connector = SimConnector()
+    workers = WorkerSet(connector, stall_timeout=o["stall_timeout"])
+    signals = Signals()
+    backend = SimCluster(profile, connector)
+    pools = PoolManager(
+        backend,
+        workers,
+        metrics,
+        serve.pool_specs(o, EOS),
+        PoolSettings(
+            start_timeout=o["ready_timeout"],
+            drain_timeout=o["drain_timeout"],
+            rebalance_on_start=o["rebalance_on_start"],
+            replace_failed=o["replace_failed"],
+        ),
+    )
+    planner = Planner(serve.planner_settings(o), signals, workers, pools, metrics)
+    dispatcher = Dispatcher(workers, router_config, metrics, signals, at_bounds=planner.at_bounds)
+    WorkerRecorder(workers, metrics, signals)
+    pools.describers["planner"] = planner.describe
+    front = Front(
+        dispatcher,
+        metrics,
+        signals,
+        request_overhead_s=profile.overhead.request_s,
+        vocab_size=profile.model_config().vocab_size,
+        max_model_len=lambda: min(
+            (w.ready.max_model_len for w in workers.views() if w.connected and w.ready), default=None
+        ),
+    )
+    samples: list[dict[str, Any]] = []
+    records: list[RequestRecord] = []
+    try:
+        await pools.start()
+        planner.start()
+        start = clock.monotonic()
+        sampler = None
+        if pool_sample_interval_s > 0:
+            sampler = asyncio.create_task(_sample(pools, start, pool_sample_interval_s, samples))
+        duration = await drive(
+            front,
+            workload.requests,
+            concurrency=workload.concurrency,
+            duration_s=workload.duration_s,
+            finish_timeout_s=finish_timeout_s,
+            records=records,
+        )
+        if sampler is not None:
+            sampler.cancel()
+        return SimResult(records, duration, samples, backend.started)
+    finally:
+        await planner.close()
+        await pools.close()
+        await workers.close()
+
+
+async def _sample(pools: Any, start: float, interval_s: float, samples: list[dict[str, Any]]) -> None:
+    """The pools as GET /pools shows them, every interval (the bench's timeline samples)."""
+    while True:
+        samples.append({"t_s": clock.monotonic() - start, "pools": pool_counts(pools.describe())})
+        await asyncio.sleep(interval_s)
+
+
+def load_inputs(args: argparse.Namespace) -> tuple[profiles.Profile, Workload]:
+    if args.max_requests is None and args.duration is None:
+        raise PdserveError("give --max-requests or --duration (or both): a simulation must end by itself")
+    if not args.finish_timeout > 0:
+        raise PdserveError("--finish-timeout must be > 0")
+    profile = profiles.load(args.profile)
+    workload = parse_workload(args.workload, args.seed, args.max_requests, args.duration, args.rate_scale)
+    return profile, workload
+
+
+def report_slos(args: argparse.Namespace, o: dict[str, Any]) -> dict[str, float]:
+    return parse_slos(args.report_slo if args.report_slo is not None else o["slo"])
+
+
+def run(args: argparse.Namespace) -> int:
+    profile, workload = load_inputs(args)
+    o = resolve(args, profile)
+    slos = report_slos(args, o)
+    print(f"workload ({len(workload.requests)} requests):\n{workload.describe()}", file=sys.stderr)
+    result = simulate(
+        o,
+        profile,
+        workload,
+        finish_timeout_s=args.finish_timeout,
+        pool_sample_interval_s=args.pool_sample_interval,
+    )
+    summary = summarize(result.records, result.duration_s, slos)
+    timeline = build_timeline(
+        result.records,
+        result.duration_s,
+        slos,
+        args.timeline_window,
+        result.pool_samples,
+        workload.steps,
+        args.pool_sample_interval or None,
+    )
+    summary["simulation"] = {
+        "profile": str(args.profile),
+        "profile_source": profile.source,
+        "workers_started": result.workers_started,
+        "wall_s": round(result.wall_s, 3),
+        "simulated_s": round(result.duration_s, 3),
+    }
+    print(format_summary(summary))
+    print(format_timeline(timeline))
+    print(
+        f"simulated {result.duration_s:.1f} s of serving in {result.wall_s:.1f} s "
+        f"({len(result.records)} requests, profile {args.profile}: {profile.source})",
+        file=sys.stderr,
+    )
+    if args.out is not None:
+        from pdserve.bench.run import write_outputs
+
+        meta = {
+            "simulated": True,
+            "model": o["model"],
+            "workload": args.workload,
+            "workload_classes": workload.describe(),
+            "seed": args.seed,
+            "rate_scale": args.rate_scale,
+            "interrupted": False,
+            "command": redacted_command(sys.argv),
+        }
+        write_outputs(args.out, result.records, summary | {"timeline": timeline}, meta, False)
+    return 0

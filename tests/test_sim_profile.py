@@ -1,0 +1,106 @@
+"""A profile: step and transfer times as written, read back the same, hand-checked predictions, and
+clear errors for a file that is not one."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pdserve.costmodel import Step
+from pdserve.sim import profile as profiles
+from pdserve.sim.profile import LinearStep, Overhead, Profile, ProfileError, RooflineStep, TransferTime
+
+SHAPE = {
+    "model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+}  # fmt: skip
+
+
+def fixed_profile(
+    step: float = 0.01,
+    per_token: float = 0.0,
+    per_stream: float = 0.0,
+    pull: float = 0.0,
+    request_s: float = 0.0,
+    step_s: float = 0.0,
+    start_s: float = 0.0,
+    blocks: int = 1024,
+) -> Profile:
+    """A hand-computable profile: a step costs `step` + `per_token` a prompt token + `per_stream` a
+    decode stream; a pull `pull`."""
+    linear = LinearStep((step, per_token, 0.0, per_stream, 0.0))
+    return Profile(
+        source="measured",
+        model="tiny",
+        model_shape=SHAPE,
+        block_size=16,
+        kv_blocks={"prefill": blocks, "decode": blocks, "colocated": blocks},
+        steps={"prefill": linear, "decode": linear},
+        transfers={"shm": TransferTime(pull, 0.0), "tcp": TransferTime(pull, 0.0)},
+        overhead=Overhead(request_s, step_s),
+        start_s=start_s,
+        meta={"device": "cpu"},
+    )
+
+
+def test_a_profile_reads_back_as_written(tmp_path: Path) -> None:
+    original = fixed_profile(0.01, 1e-4, 2e-3, 0.005, 0.002, 0.001, 7.5)
+    roofline = RooflineStep(0.004, 16e9, 1e6, 16e9, 131072, 6e14, 3.8e12)
+    original = replace(original, steps={**original.steps, "colocated": roofline})
+    original.save(tmp_path / "p.json")
+    back = profiles.load(tmp_path / "p.json")
+    assert back == original
+    assert back.model_config().num_layers == 2
+
+
+def test_the_linear_and_roofline_step_times_are_their_formulas() -> None:
+    linear = LinearStep((0.01, 1e-4, 1e-8, 2e-3, 1e-6))
+    assert linear.seconds(Step(100, 5050, 3, 600)) == pytest.approx(0.01 + 0.01 + 5.05e-5 + 0.006 + 6e-4)
+    roof = RooflineStep(0.004, 2e9, 1e3, 1e9, 1e5, 1e12, 1e11)
+    # One decode stream at 1000 tokens: memory-bound, (1e9 + 1e5 * 1000) / 1e11 = 11 ms.
+    assert roof.seconds(Step(0, 0, 1, 1000)) == pytest.approx(0.004 + 0.011)
+    # A 4000-token prompt: compute-bound, (2e9 * 4000 + 1e3 * 8e6) / 1e12 = 8.008 s.
+    assert roof.seconds(Step(4000, 8_000_000, 0, 0)) == pytest.approx(0.004 + 8.008)
+    assert roof.seconds(Step()) == 0.004
+
+
+def test_a_role_without_its_own_step_time_and_a_missing_transport() -> None:
+    p = fixed_profile()
+    assert p.step_time("colocated") is p.steps["decode"]  # a mixed worker steps as a decode one
+    with pytest.raises(ProfileError, match="no transfer time for --transport nixl"):
+        p.transfer("nixl")
+    assert p.transfer("shm").seconds(10) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("not json", "is not JSON"),
+        (json.dumps({"format": "something else"}), "is not a pdserve profile"),
+        (json.dumps({"format": profiles.FORMAT, "source": "measured"}), "incomplete or malformed"),
+    ],
+)
+def test_a_file_that_is_not_a_profile_is_said_so(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ProfileError, match=message):
+        profiles.load(path)
+
+
+def test_negative_coefficients_and_unknown_kinds_are_refused(tmp_path: Path) -> None:
+    body = fixed_profile().to_json()
+    body["steps"]["decode"]["coefficients"] = [0.01, -1, 0, 0, 0]
+    (tmp_path / "p.json").write_text(json.dumps(body))
+    with pytest.raises(ProfileError, match="finite numbers >= 0"):
+        profiles.load(tmp_path / "p.json")
+    body["steps"]["decode"] = {"kind": "cubic"}
+    (tmp_path / "p.json").write_text(json.dumps(body))
+    with pytest.raises(ProfileError, match="linear or roofline"):
+        profiles.load(tmp_path / "p.json")
+    with pytest.raises(ProfileError, match="cannot read"):
+        profiles.load(tmp_path / "missing.json")

@@ -1,0 +1,111 @@
+"""`pdserve sim`: serve's deployment and bench's workload, in virtual time, with the router's own
+admission, path choice, pools and planner. Hand-computable cases come out exactly; the output is
+the bench's; the planner scales simulated pools; a run is reproducible."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_sim_profile import fixed_profile
+
+from pdserve.cli import main
+from pdserve.sim.profile import Profile
+
+
+def sim(tmp_path: Path, profile: Profile, *flags: str) -> dict:  # type: ignore[type-arg]
+    profile.save(tmp_path / "profile.json")
+    out = tmp_path / "run"
+    code = main(["sim", "--profile", str(tmp_path / "profile.json"), "--out", str(out), *flags])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    summary["records"] = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    return summary
+
+
+def chunk_times(record: dict) -> list[float]:  # type: ignore[type-arg]
+    return [t - record["sent_s"] for t in record["chunk_times_s"]]
+
+
+def test_one_request_on_a_colocated_worker_takes_exactly_the_profiles_time(tmp_path: Path) -> None:
+    profile = fixed_profile(step=0.010, request_s=0.002, step_s=0.001)
+    run = sim(
+        tmp_path, profile, "--colocated", "1", "--workload", "constant(1) prompt=fixed(50) output=fixed(5)",
+        "--max-requests", "1",
+    )  # fmt: skip
+    (record,) = run["records"]
+    step = 0.010 + 0.001  # the step and the worker loop's overhead around it
+    assert chunk_times(record) == pytest.approx([0.002 + step * k for k in range(1, 6)], abs=1e-9)
+    assert record["error"] is None and record["output_tokens"] == 5
+    assert run["overall"]["completed"] == 1
+    assert run["simulation"]["workers_started"] == 1
+    assert (tmp_path / "run" / "ttft_cdf.png").exists() or list((tmp_path / "run").glob("*.png"))
+
+
+def test_the_disaggregated_path_adds_the_prefill_step_and_the_pull(tmp_path: Path) -> None:
+    profile = fixed_profile(step=0.010, per_token=1e-4, per_stream=1e-3, pull=0.004)
+    run = sim(
+        tmp_path, profile, "--prefill", "1", "--decode", "1", "--path-choice", "threshold",
+        "--local-prefill-threshold", "64", "--workload", "constant(1) prompt=fixed(200) output=fixed(4)",
+        "--max-requests", "1",
+    )  # fmt: skip
+    (record,) = run["records"]
+    ttft = 0.010 + 1e-4 * 200  # the whole prompt in one step (of at most 256) on the prefill worker
+    decode = 0.010 + 1e-3  # one stream on the decode worker
+    expected = [ttft] + [ttft + 0.004 + decode * k for k in range(1, 4)]
+    assert chunk_times(record) == pytest.approx(expected, abs=1e-9)
+
+
+def test_an_overloaded_deployment_queues_and_a_duration_bounds_the_run(tmp_path: Path) -> None:
+    # 10 requests a second of 100-token prompts at 50 ms a step: the one worker cannot keep up.
+    profile = fixed_profile(step=0.05, per_token=1e-3)
+    run = sim(
+        tmp_path, profile, "--colocated", "1", "--workload", "poisson(10) prompt=fixed(100) output=fixed(20)",
+        "--duration", "20", "--finish-timeout", "5", "--slo", "ttft=500,itl=200",
+    )  # fmt: skip
+    records = run["records"]
+    assert all(r["sent_s"] < 20 for r in records)
+    late = [r for r in records if r["error"] and "cancelled" in r["error"]]
+    assert late, "requests still queued 5 s after the last was sent are cut off, as the bench does"
+    assert run["overall"]["ttft_ms"]["p90"] > 1000  # queued: far over the SLO
+    assert run["overall"]["goodput"] == 0.0  # not one request within its TTFT SLO
+
+
+def test_the_planner_scales_the_decode_pool_when_its_itl_goes_over_the_slo(tmp_path: Path) -> None:
+    # Each decode stream adds 4 ms to a step: ~20 streams put the ITL over its 60 ms SLO.
+    profile = fixed_profile(step=0.005, per_token=2e-5, per_stream=0.004, start_s=5.0)
+    run = sim(
+        tmp_path, profile, "--prefill", "1", "--decode", "1", "--planner", "slo", "--max-workers", "6",
+        "--slo", "ttft=2000,itl=60", "--workload", "poisson(2) step(60,120,5) prompt=fixed(200) output=fixed(100)",
+        "--duration", "240", "--planner-interval", "5", "--pool-sample-interval", "5",
+    )  # fmt: skip
+    assert run["simulation"]["workers_started"] > 2
+    decode_active = [s["pools"]["decode"]["active"] for s in run["timeline"]["pool_samples"]]
+    assert max(decode_active) > 1
+    assert decode_active[0] == 1
+
+
+def test_a_simulation_is_reproducible(tmp_path: Path) -> None:
+    profile = fixed_profile(step=0.01, per_token=1e-4, per_stream=1e-3, pull=0.002)
+    flags = ("--prefill", "1", "--decode", "1", "--workload", "chat", "--max-requests", "40", "--seed", "3")
+    first = sim(tmp_path / "a", profile, *flags)
+    second = sim(tmp_path / "b", profile, *flags)
+    assert first["records"] == second["records"]
+
+
+def test_bad_input_is_said_plainly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = fixed_profile()
+    profile.save(tmp_path / "p.json")
+    assert main(["sim", "--profile", str(tmp_path / "p.json"), "--colocated", "1"]) == 2
+    assert "give --max-requests or --duration" in capsys.readouterr().err
+    flags = ["sim", "--profile", str(tmp_path / "p.json"), "--max-requests", "1"]
+    assert main([*flags, "--prefill", "1", "--decode", "1", "--transport", "nixl"]) == 2
+    assert "no transfer time for --transport nixl" in capsys.readouterr().err
+    assert main([*flags, "--colocated", "1", "--prefill", "1"]) == 2
+    assert "either --colocated N or --prefill P --decode D" in capsys.readouterr().err
+    assert (
+        main(["sim", "--profile", str(tmp_path / "none.json"), "--max-requests", "1", "--colocated", "1"])
+        == 2
+    )
+    assert "cannot read the profile" in capsys.readouterr().err
