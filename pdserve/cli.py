@@ -83,6 +83,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     sim.add_arguments(sim_parser)
 
+    from pdserve.sim import plan
+
+    plan_parser = sub.add_parser(
+        "plan",
+        help="the pool sizes that meet an SLO at the best goodput per worker, by simulating each candidate",
+        description=plan.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_arguments(plan_parser)
+
     from pdserve.measure import cli as profile_cli
 
     profile_parser = sub.add_parser(
@@ -125,6 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "profile":
         try:
             return profile_cli.run(args)
+        except PdserveError as exc:
+            print(f"pdserve: error: {exc}", file=sys.stderr)
+            return 2
+    if args.command == "plan":
+        try:
+            return plan.run(args)
         except PdserveError as exc:
             print(f"pdserve: error: {exc}", file=sys.stderr)
             return 2

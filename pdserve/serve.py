@@ -315,6 +315,15 @@ def _pool_slo_given(o: dict[str, Any], pool: str) -> bool:
     return "slo_ttft_ms" in own or "slo_itl_ms" in own
 
 
+def pool_settings(o: dict[str, Any]) -> PoolSettings:
+    return PoolSettings(
+        start_timeout=o["ready_timeout"],
+        drain_timeout=o["drain_timeout"],
+        rebalance_on_start=o["rebalance_on_start"],
+        replace_failed=o["replace_failed"],
+    )
+
+
 def router_config(o: dict[str, Any]) -> RouterConfig:
     return RouterConfig(
         path_choice=o["path_choice"],
@@ -440,12 +449,7 @@ def run(o: dict[str, Any]) -> int:
         workers,
         metrics,
         specs,
-        PoolSettings(
-            start_timeout=o["ready_timeout"],
-            drain_timeout=o["drain_timeout"],
-            rebalance_on_start=o["rebalance_on_start"],
-            replace_failed=o["replace_failed"],
-        ),
+        pool_settings(o),
     )
     planner = Planner(planner_settings(o), signals, workers, pools, metrics)
     dispatcher = Dispatcher(workers, settings.config, metrics, signals, at_bounds=planner.at_bounds)

@@ -70,6 +70,10 @@ def test_a_run_records_every_request_with_exact_lengths(
     assert summary["overall"]["completed"] == 24
     assert summary["overall"]["good_requests"] == sum(bool(r.chunk_times_s) for r in records)
     assert set(summary["classes"]) == {"short", "long"}
+    # The server's own TTFT parts of this run (the long prompts went to the prefill worker).
+    parts = summary["ttft_parts"]
+    assert {"prefill_queue", "prefill_compute", "kv_transfer", "first_decode"} <= set(parts)
+    assert 1 <= parts["prefill_compute"]["count"] <= 24 and parts["kv_transfer"]["mean_ms"] > 0
     assert "TTFT ms" in done.stdout
     for plot in ("ttft_cdf.png", "itl_cdf.png", "itl_timeline.png"):
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

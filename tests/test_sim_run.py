@@ -5,13 +5,14 @@ the bench's; the planner scales simulated pools; a run is reproducible."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from test_sim_profile import fixed_profile
 
 from pdserve.cli import main
-from pdserve.sim.profile import Profile
+from pdserve.sim.profile import HostCpu, Profile
 
 
 def sim(tmp_path: Path, profile: Profile, *flags: str) -> dict:  # type: ignore[type-arg]
@@ -41,6 +42,18 @@ def test_one_request_on_a_colocated_worker_takes_exactly_the_profiles_time(tmp_p
     assert run["overall"]["completed"] == 1
     assert run["simulation"]["workers_started"] == 1
     assert (tmp_path / "run" / "ttft_cdf.png").exists() or list((tmp_path / "run").glob("*.png"))
+
+
+def test_a_router_on_the_workers_host_stretches_their_steps(tmp_path: Path) -> None:
+    # One CPU, and the router spends a whole CPU-second on the request: over the 2 s window that
+    # is half the host, so every step within it takes twice as long.
+    profile = replace(fixed_profile(step=0.010), host=HostCpu(cpus=1, router_request_s=1.0))
+    run = sim(
+        tmp_path, profile, "--colocated", "1", "--workload", "constant(1) prompt=fixed(50) output=fixed(3)",
+        "--max-requests", "1",
+    )  # fmt: skip
+    (record,) = run["records"]
+    assert chunk_times(record) == pytest.approx([0.020, 0.040, 0.060], abs=1e-9)
 
 
 def test_the_disaggregated_path_adds_the_prefill_step_and_the_pull(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from fakes import until
@@ -97,3 +98,60 @@ def test_a_short_prompt_is_prefilled_on_the_decode_worker_itself() -> None:
     first = BASE + PER_PROMPT_TOKEN * prompt
     expected = [first + k * (BASE + PER_STREAM) for k in range(tokens)]
     assert [t for t, _ in timeline] == pytest.approx(expected, abs=1e-9)  # type: ignore[union-attr]
+
+
+class RecordingRunner:
+    """Passes every step to `runner`, keeping what the scheduler decided: per step, each chunk's
+    (request, first position, tokens, decode?)."""
+
+    def __init__(self, runner: object) -> None:
+        self.runner = runner
+        self.decisions: list[list[tuple[str, int, int, bool]]] = []
+
+    def execute(self, out: SchedulerOutput, kv: object, between_layers: object = None) -> object:
+        self.decisions.append(
+            [(c.request.request_id, c.start, c.num_tokens, c.is_decode) for c in out.chunks]
+        )
+        return self.runner.execute(out, kv, between_layers)  # type: ignore[attr-defined]
+
+    def release(self, request_id: str) -> None:
+        self.runner.release(request_id)  # type: ignore[attr-defined]
+
+    def generator_state(self, request_id: str) -> bytes | None:
+        return self.runner.generator_state(request_id)  # type: ignore[attr-defined,no-any-return]
+
+
+def test_the_scheduler_decides_the_same_steps_over_the_model_and_over_the_profile(tiny_llama: Path) -> None:
+    """The simulator's engine is the engine: on the same requests, the scheduler picks the same
+    chunks, step by step (chunking, the step budget, preemption when the cache is short), whether
+    the real model runs them or the profile times them."""
+    from pdserve.config import Role
+    from pdserve.engine.core import engine_core
+    from pdserve.engine.factory import build_engine
+    from pdserve.sampling_params import SamplingParams
+    from pdserve.sim.worker import ModelledRunner
+
+    config = EngineConfig(
+        str(tiny_llama), device="cpu", dtype="float32", role=Role.MIXED, block_size=16,
+        num_kv_blocks=8, chunk_size=32, max_num_batched_tokens=48, max_num_seqs=3,
+    )  # fmt: skip
+    real, _ = build_engine(config, eos_token_ids=(0,))
+    real.runner = RecordingRunner(real.runner)  # type: ignore[assignment]
+    modelled_runner = RecordingRunner(ModelledRunner(lambda _out: 0.001, 320))
+    model_config = real.runner.runner.config  # type: ignore[attr-defined]
+    modelled = engine_core(config, model_config, modelled_runner, (0,), 8, "cpu")
+    for engine in (real, modelled):
+        for request_id, prompt, tokens in (("a", 40, 6), ("b", 10, 9), ("c", 70, 5), ("d", 20, 4)):
+            params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+            engine.add_request(request_id, [1 + i % 300 for i in range(prompt)], params)
+        steps = 0
+        while engine.has_unfinished and steps < 500:
+            engine.step()
+            steps += 1
+        assert not engine.has_unfinished
+    decisions = real.runner.decisions  # type: ignore[attr-defined]
+    assert decisions == modelled_runner.decisions
+    assert any(len(step) > 1 for step in decisions)  # batched steps
+    assert sum(1 for step in decisions for _, start, n, decode in step if not decode and start == 0) > 4, (
+        "the 128-token cache made the scheduler preempt and prefill again"
+    )

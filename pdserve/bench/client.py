@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 
+from pdserve.bench.server_parts import scrape as server_parts_scrape
+from pdserve.bench.server_parts import summary_section
 from pdserve.bench.summary import RequestRecord
 from pdserve.bench.timeline import pool_counts
 
@@ -182,6 +184,7 @@ async def run_load(
     records: list[RequestRecord] | None = None,
     pool_sample_interval_s: float = 0.0,
     pool_samples: list[dict[str, Any]] | None = None,
+    server_parts: dict[str, Any] | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Records of every request sent (in send order) and the run's duration in seconds.
 
@@ -192,7 +195,8 @@ async def run_load(
     flight when the run ends are recorded as errors ("cancelled: ..."), with the chunks that came.
 
     `pool_sample_interval_s` > 0: GET /pools that often (see `sample_pools`) from the start until the
-    run ends, into `pool_samples` (same clock as the records)."""
+    run ends, into `pool_samples` (same clock as the records). `server_parts`, if given, gets the
+    server's TTFT parts for this run under "ttft_parts" (pdserve/bench/server_parts.py)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(target.request_timeout_s, connect=30.0)
     records = records if records is not None else []
@@ -202,6 +206,7 @@ async def run_load(
     async with httpx.AsyncClient(
         base_url=target.base_url, limits=limits, timeout=timeout, headers=headers
     ) as client:
+        parts_before = await server_parts_scrape(client) if server_parts is not None else None
         start = time.perf_counter()
         sampler = None
         if pool_sample_interval_s > 0 and pool_samples is not None:
@@ -277,6 +282,12 @@ async def run_load(
                     if on_done is not None:
                         on_done(record)
             records.sort(key=lambda r: r.sent_s)
+            if server_parts is not None and parts_before is not None:
+                with contextlib.suppress(Exception):  # a run's end is never lost to it
+                    after = await server_parts_scrape(client)
+                    section = summary_section(parts_before, after)
+                    if section:
+                        server_parts["ttft_parts"] = section
             if on_end is not None:
                 on_end(elapsed)
     return records, elapsed

@@ -193,11 +193,12 @@ class StartedServer:
 
 def run_one(
     label: str, url: str, model: str, requests: list[PreparedRequest], args: argparse.Namespace
-) -> tuple[list[RequestRecord], float, list[dict[str, Any]]]:
-    """The records, the duration and the pool samples of one run."""
+) -> tuple[list[RequestRecord], float, list[dict[str, Any]], dict[str, Any]]:
+    """The records, the duration, the pool samples and the server's TTFT parts of one run."""
     print(f"[{label}] {len(requests)} requests against {url}", file=sys.stderr, flush=True)
     records: list[RequestRecord] = []
     samples: list[dict[str, Any]] = []
+    parts: dict[str, Any] = {}
     target = Target(url, model, api_key=args.api_key, admin_key=args.admin_key)
     _, elapsed = asyncio.run(
         run_load(
@@ -208,9 +209,10 @@ def run_one(
             records=records,
             pool_sample_interval_s=args.pool_sample_interval,
             pool_samples=samples,
+            server_parts=parts,
         )
     )
-    return records, elapsed, samples
+    return records, elapsed, samples, parts
 
 
 def run(args: argparse.Namespace) -> int:
@@ -248,9 +250,9 @@ def run(args: argparse.Namespace) -> int:
 
     def measure(label: str, url: str, model: str, scale: float, r: int) -> None:
         tag = name(label, scale) + (f" run {r + 1}/{args.repeats}" if args.repeats > 1 else "")
-        records, elapsed, samples = run_one(tag, url, model, requests[scale, r], args)
+        records, elapsed, samples, parts = run_one(tag, url, model, requests[scale, r], args)
         runs.setdefault(name(label, scale), []).append(records)
-        repeat_summaries.setdefault(name(label, scale), []).append(summarize(records, elapsed, slos))
+        repeat_summaries.setdefault(name(label, scale), []).append(summarize(records, elapsed, slos) | parts)
         timeline = build_timeline(
             records,
             elapsed,

@@ -162,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
     pool_samples: list[dict[str, Any]] = []
     progress = None if args.no_progress else Progress(len(requests))
     ended: list[float] = []  # the run's duration, from run_load, however it ended
+    parts: dict[str, Any] = {}  # the server's TTFT parts (a pdserve endpoint)
     interrupted = False
     try:
         asyncio.run(
@@ -176,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
                 records=records,
                 pool_sample_interval_s=args.pool_sample_interval,
                 pool_samples=pool_samples,
+                server_parts=parts,
             )
         )
     except KeyboardInterrupt:
@@ -188,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     if interrupted:
         print("interrupted: summarizing what was measured", file=sys.stderr)
     elapsed = ended[0] if ended else max((max([r.sent_s, *r.chunk_times_s]) for r in records), default=0.0)
-    summary = summarize(records, elapsed, slos)
+    summary = summarize(records, elapsed, slos) | parts
     timeline = build_timeline(
         records,
         elapsed,

@@ -275,16 +275,14 @@ class EngineCore(Generic[AnyRunner]):
         """One step. `between_layers` (prefill role on CPU; else ignored): called between two
         layers of the step, where the caller may add requests and call `step_between_layers`."""
         started = time.perf_counter()
-        out = self.scheduler.schedule()
-        self._kv_to_receive.extend(out.kv_to_receive)
-        if out.is_empty:
+        out = self.begin_step()
+        if out is None:
             return []
         hook = None
-        if between_layers is not None and self.interrupts_steps and out.num_batched_tokens > 1:
-            num_layers = self.limits.num_layers
+        if between_layers is not None and self.interruptible(out):
 
             def hook(layers_done: int) -> None:
-                self._in_flight = (out, layers_done / num_layers)
+                self.at_layer(out, layers_done)
                 between_layers()
 
         self._nested_seconds = 0.0
@@ -294,6 +292,27 @@ class EngineCore(Generic[AnyRunner]):
             self._in_flight = None
         # The steps run between its layers are steps of their own (the cost model sees each).
         return self._finish(out, result, time.perf_counter() - started - self._nested_seconds)
+
+    # `step` in parts, for a caller that runs the step's layers itself, in its own time (the
+    # simulator: pdserve/sim/worker.py): begin_step, then at_layer / step_between_layers between
+    # two of its layers if `interruptible`, then finish_step with what the runner returned.
+    def begin_step(self) -> SchedulerOutput | None:
+        """Schedules the next step; None when there is nothing to run."""
+        out = self.scheduler.schedule()
+        self._kv_to_receive.extend(out.kv_to_receive)
+        return None if out.is_empty else out
+
+    def interruptible(self, out: SchedulerOutput) -> bool:
+        """Whether short prompts may run between two layers of this step."""
+        return self.interrupts_steps and out.num_batched_tokens > 1
+
+    def at_layer(self, out: SchedulerOutput, layers_done: int) -> None:
+        """The step `out` has run `layers_done` of its layers (what `step_between_layers` reads)."""
+        self._in_flight = (out, layers_done / self.limits.num_layers)
+
+    def finish_step(self, out: SchedulerOutput, result: RunnerOutput, seconds: float) -> list[EngineOutput]:
+        self._in_flight = None
+        return self._finish(out, result, seconds)
 
     @property
     def interrupts_steps(self) -> bool:

@@ -40,6 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transports", default="shm,tcp", help="the KV transports to measure, comma-separated")
     p.add_argument("--no-serve", action="store_true", help="skip the serving-overhead probe (assume none)")
     p.add_argument("--quick", action="store_true", help="a small sweep (a check, not a profile to plan with)")
+    p.add_argument(
+        "--no-neighbour",
+        action="store_true",
+        help="skip the second sweep beside a busy engine on another CPU (steps when the host is busy)",
+    )
     p.add_argument("--hardware", default=None, help="derive from a roofline instead: h200, h100, a100, l40s")
     p.add_argument("--model-shape", default=None, help="with --hardware: a built-in shape or a config.json")
 
@@ -72,8 +77,17 @@ def describe(profile: Profile) -> list[str]:
         fit = getattr(step, "median_error", None)
         error = f" (fit error: median {fit:.1%}, p90 {step.p90_error:.1%})" if fit is not None else ""  # type: ignore[union-attr]
         lines.append(f"  {role} step: {step.to_json()}{error}")
+    for role, step in profile.steps_busy.items():
+        lines.append(f"  {role} step beside a busy neighbour: {step.to_json()}")
     for name, t in profile.transfers.items():
         lines.append(f"  {name} pull: {t.base_s * 1000:.3f} ms + {t.per_block_s * 1000:.4f} ms per block")
+    if profile.host is not None:
+        h = profile.host
+        lines.append(
+            f"  host: {h.cpus} CPUs shared with the router ({h.router_request_s * 1000:.2f} ms CPU a request, "
+            f"{h.router_token_s * 1000:.3f} ms a token, {h.router_idle:.1%} idle) and a client on the host "
+            f"({h.client_request_s * 1000:.2f} ms, {h.client_token_s * 1000:.3f} ms)"
+        )
     lines.append(
         f"  overhead: {profile.overhead.request_s * 1000:.2f} ms a request, {profile.overhead.step_s * 1000:.3f} ms a step; "
         f"start {profile.start_s:.1f} s; KV blocks {profile.kv_blocks}"
@@ -117,19 +131,30 @@ def measured(args: argparse.Namespace) -> Profile:
     from pdserve.measure import overhead as overhead_probe
     from pdserve.measure import steps, transfer
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    if hasattr(os, "sched_setaffinity") and args.threads == 1:
-        # One CPU, as `pdserve serve --cluster local` pins each worker.
-        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if allowed is not None and args.threads == 1:
+        # One CPU, as `pdserve serve --cluster local` pins each worker, for the engine's steps; the
+        # transfers (two workers' threads) and the serving probe (its server would inherit the
+        # one CPU) get every CPU back.
+        os.sched_setaffinity(0, {min(allowed)})
     plan = steps.QUICK if args.quick else steps.Sweep()
     probe = steps.StepProbe(args.model, args.dtype, args.threads, plan.chunk, None)
     model_config = probe.engine.runner.config
     samples = steps.sweep(probe, plan)
     roles = steps.fit_roles(samples)
+    busy_roles = None
+    others = sorted(allowed - {min(allowed)}) if allowed is not None and args.threads == 1 else []
+    if others and not args.no_neighbour:
+        # The same sweep with another worker busy on the next CPU: what the host's shared caches
+        # and memory cost a worker's steps when its neighbours work too.
+        with steps.busy_neighbour(args.model, args.dtype, others[0]):
+            busy_roles = steps.fit_roles(steps.sweep(probe, plan))
     dtype = probe.engine.runner.dtype
     kv_blocks = probe.num_blocks
     block_size = probe.block_size
     del probe
+    if allowed is not None:
+        os.sched_setaffinity(0, allowed)
     shape = transfer.cache_shape(
         model_config.num_layers, 300, block_size, model_config.num_kv_heads, model_config.head_dim
     )
@@ -137,14 +162,14 @@ def measured(args: argparse.Namespace) -> Profile:
     transfers = {
         name: transfer.measure(name, shape, dtype, counts) for name in args.transports.split(",") if name
     }
-    overhead, start_s, notes = Overhead(), 0.0, []
+    overhead, start_s, host, notes = Overhead(), 0.0, None, []
     if args.no_serve:
         notes.append("no serving overhead measured (--no-serve): the router and the worker loop cost nothing")
     else:
         probed = overhead_probe.measure(
             args.model, roles["colocated"], threads=args.threads, vocab_size=model_config.vocab_size
         )
-        overhead, start_s = probed.overhead, probed.start_s
+        overhead, start_s, host = probed.overhead, probed.start_s, probed.host
     if args.quick:
         notes.append("--quick: a small sweep, for a check; not a profile to plan with")
     profile = Profile(
@@ -159,5 +184,7 @@ def measured(args: argparse.Namespace) -> Profile:
         start_s=round(start_s, 2),
         meta={"device": "cpu", "dtype": str(dtype).removeprefix("torch."), "threads": args.threads},
         assumptions=notes,
+        host=host,
+        steps_busy=dict(busy_roles) if busy_roles is not None else {},
     )
     return _stamped(profile, _machine() | {"torch": torch.__version__, "samples": len(samples)})

@@ -7,7 +7,10 @@ and ITL set against the step time the profile predicts for the same steps.
 
 The first is the worker loop's work around a step (sending tokens, load reports) and the router's
 per-token path; the second is HTTP, tokenization, admission and dispatch. Also measured: the time
-from `pdserve serve` to a ready worker (the profile's start time; a scale-up takes about this).
+from `pdserve serve` to a ready worker (the profile's start time; a scale-up takes about this),
+and the CPU the router process and this client spend per request and per token (two probes, long
+and short outputs; the router's idle rate measured apart): on a host where they share the workers'
+cores, that is CPU the workers' steps wait for (pdserve/sim/host.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -31,7 +35,7 @@ from pdserve.bench.client import PreparedRequest, Target, run_load
 from pdserve.bench.summary import RequestRecord
 from pdserve.costmodel import Step, chunk_attention
 from pdserve.errors import PdserveError
-from pdserve.sim.profile import Overhead, StepTime
+from pdserve.sim.profile import HostCpu, Overhead, StepTime
 
 logger = logging.getLogger("pdserve.measure")
 
@@ -43,12 +47,27 @@ class OverheadResult:
     overhead: Overhead
     start_s: float
     requests: int
+    host: HostCpu | None = None
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _cpu_seconds(pid: int) -> float:
+    """A process's CPU time so far (user + system), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class _Probe:
+    records: list[RequestRecord]
+    router_cpu_s: float
+    client_cpu_s: float
+    seconds: float
 
 
 def measure(
@@ -72,19 +91,56 @@ def measure(
         url = f"http://127.0.0.1:{port}"
         _wait_ready(server, url)
         start_s = time.perf_counter() - started
-        prompts = [
-            PreparedRequest(i, "probe", None, [(i * 31 + k) % (vocab_size - 2) + 1 for k in range(prompt_tokens)],
-                            prompt_tokens, output_tokens)
-            for i in range(requests + 2)
-        ]  # fmt: skip
-        records, _ = asyncio.run(
-            run_load(
-                Target(url, model, request_timeout_s=120.0), prompts, concurrency=1, drain_timeout_s=300.0
+
+        def probe(count: int, outputs: int) -> _Probe:
+            prompts = [
+                PreparedRequest(i, "probe", None, [(i * 31 + k) % (vocab_size - 2) + 1 for k in range(prompt_tokens)],
+                                prompt_tokens, outputs)
+                for i in range(count)
+            ]  # fmt: skip
+            router, client, wall = _cpu_seconds(server.pid), time.process_time(), time.perf_counter()
+            records, _ = asyncio.run(
+                run_load(
+                    Target(url, model, request_timeout_s=120.0), prompts, concurrency=1, drain_timeout_s=300.0
+                )
             )
-        )
+            return _Probe(
+                records,
+                _cpu_seconds(server.pid) - router,
+                time.process_time() - client,
+                time.perf_counter() - wall,
+            )
+
+        probe(2, output_tokens)  # warm-up: the first requests' paths are cold
+        router_idle = _cpu_seconds(server.pid)
+        time.sleep(IDLE_PROBE_S)  # the router's own background work (load reports, keepers)
+        idle_rate = (_cpu_seconds(server.pid) - router_idle) / IDLE_PROBE_S
+        long = probe(requests, output_tokens)
+        short = probe(requests, SHORT_OUTPUT)
     finally:
         _stop(server)
-    return OverheadResult(_overhead(records[2:], step_time, prompt_tokens), start_s, len(records) - 2)
+    host = _host_cpu(long, short, requests, output_tokens, idle_rate)
+    return OverheadResult(_overhead(long.records, step_time, prompt_tokens), start_s, requests, host)
+
+
+IDLE_PROBE_S = 2.0
+SHORT_OUTPUT = 2
+
+
+def _host_cpu(long: _Probe, short: _Probe, requests: int, outputs: int, idle_rate: float) -> HostCpu:
+    """Per request and per token, the router's CPU (less its idle rate) and the client's: two
+    probes with the same prompts and different outputs separate the two."""
+
+    def split(long_s: float, short_s: float) -> tuple[float, float]:
+        per_token = max(0.0, (long_s - short_s) / (requests * (outputs - SHORT_OUTPUT)))
+        per_request = max(0.0, short_s / requests - per_token * SHORT_OUTPUT)
+        return round(per_request, 6), round(per_token, 7)
+
+    router = split(
+        long.router_cpu_s - idle_rate * long.seconds, short.router_cpu_s - idle_rate * short.seconds
+    )
+    client = split(long.client_cpu_s, short.client_cpu_s)
+    return HostCpu(os.cpu_count() or 1, *router, *client, router_idle=round(idle_rate, 5))
 
 
 def _overhead(records: list[RequestRecord], step_time: StepTime, prompt_tokens: int) -> Overhead:

@@ -16,7 +16,10 @@ colocated roles to all of them. The fit's error on its own samples is kept with 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ from pdserve import slo
 from pdserve.config import EngineConfig, Role
 from pdserve.costmodel import Step, fit_step_time
 from pdserve.engine.factory import build_engine
+from pdserve.errors import PdserveError
 from pdserve.sampling_params import SamplingParams
 from pdserve.sim.profile import LinearStep
 
@@ -181,3 +185,31 @@ def fit_roles(samples: list[Sample]) -> dict[str, LinearStep]:
     prompt_only = [s for s in samples if s.step.decode_streams == 0 and s.step.prefill_tokens > 0]
     everything = fit(samples)
     return {"prefill": fit(prompt_only), "decode": everything, "colocated": everything}
+
+
+@contextlib.contextmanager
+def busy_neighbour(model: str, dtype: str, cpu: int) -> Iterator[None]:
+    """A second engine decoding without end on `cpu` meanwhile (pdserve/measure/neighbour.py)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.measure.neighbour", model, str(cpu), dtype],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        if process.stdout.readline().strip() != "ready":  # it loads a model: a readline, no timeout race
+            raise PdserveError(
+                f"the busy neighbour exited with {process.wait(timeout=30)} before it was ready"
+            )
+        yield
+    finally:
+        if process.stdin is not None:
+            process.stdin.close()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
+        if process.stdout is not None:
+            process.stdout.close()

@@ -2,7 +2,8 @@
 profile's start time, so the real pool manager and planner scale simulated pools as they scale
 real ones. No torch, no process.
 
-A worker's step time is the profile's for its pool role, plus the worker loop's per-step overhead;
+A worker's step time is the profile's for its pool role, plus the worker loop's per-step overhead,
+stretched by the CPU the router takes from the workers on a shared host (pdserve/sim/host.py);
 a pull takes the profile's time for the deployment's transport; its KV cache has the profile's
 blocks for its role. The engine settings (chunk size, step budget, batch limits) are the worker
 configuration's, as `pdserve serve` builds it from the same flags.
@@ -17,6 +18,7 @@ from pdserve.config import WorkerConfig
 from pdserve.engine.core import step_features
 from pdserve.engine.sched import SchedulerOutput
 from pdserve.router.channel import ChannelEvents
+from pdserve.sim.host import HostLoad
 from pdserve.sim.profile import Profile, ProfileError
 from pdserve.sim.worker import SimConnector, SimWorker, WorkerFactory
 
@@ -26,9 +28,11 @@ class SimCluster:
 
     name = "sim"
 
-    def __init__(self, profile: Profile, connector: SimConnector) -> None:
+    def __init__(self, profile: Profile, connector: SimConnector, host: HostLoad | None = None) -> None:
+        """`host`: the CPUs the workers share with the router, whose load stretches their steps."""
         self.profile = profile
         self.connector = connector
+        self.host = host
         self.device_type = str(profile.meta.get("device", "cpu"))
         self._alive: dict[str, WorkerHandle] = {}
         self._on_exit: ExitCallback | None = None
@@ -43,8 +47,21 @@ class SimCluster:
         per_step = self.profile.overhead.step_s
         transfer = self.profile.transfer(config.transport) if pool != "prefill" else None
 
+        host = self.host
+        busy_time = self.profile.busy_step_time(pool)
+        worker_id = config.worker_id
+
         def step_seconds(out: SchedulerOutput) -> float:
-            return step_time.seconds(step_features(out)) + per_step
+            features = step_features(out)
+            seconds = step_time.seconds(features) + per_step
+            if host is None:
+                return seconds
+            if busy_time is not None:  # its neighbours' work slows it, as far as they were busy
+                busy = busy_time.seconds(features) + per_step
+                seconds += max(0.0, busy - seconds) * host.others_busy(worker_id)
+            seconds *= host.stretch()
+            host.worked(worker_id, seconds)
+            return seconds
 
         # The profile counts blocks of its own size: a deployment's other block size is converted.
         scale = config.engine.block_size / self.profile.block_size

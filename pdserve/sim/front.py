@@ -26,6 +26,7 @@ from pdserve.router.dispatch import Dispatcher, RequestFailed, RequestInvalid, R
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import Unavailable
 from pdserve.signals import Signals
+from pdserve.sim.host import HostLoad
 
 
 def error_text(exc: Exception) -> str:
@@ -49,8 +50,10 @@ class Front:
         request_overhead_s: float,
         vocab_size: int,
         max_model_len: Callable[[], int | None],
+        host: HostLoad | None = None,
     ) -> None:
         self.dispatcher = dispatcher
+        self.host = host  # charged the router's (and client's) CPU per request and per token
         self.metrics = metrics
         self.signals = signals
         self.request_overhead_s = request_overhead_s
@@ -69,6 +72,8 @@ class Front:
     async def serve(self, spec: RequestSpec, start: float, record: RequestRecord) -> None:
         """One request, as the router serves it; fills `record` (times after `start`)."""
         arrived = clock.monotonic()
+        if self.host is not None:
+            self.host.request()
         try:
             if self.request_overhead_s > 0:
                 await asyncio.sleep(self.request_overhead_s)
@@ -95,6 +100,8 @@ class Front:
                 now = clock.monotonic()
                 latency.token_arrived(now, event, self.metrics, self.signals)
                 if event.token_ids:
+                    if self.host is not None:
+                        self.host.tokens(len(event.token_ids))
                     record.chunk_times_s.append(now - start)
                     record.output_tokens += len(event.token_ids)
                 if event.finish_reason is not None:

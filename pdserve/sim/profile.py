@@ -110,6 +110,19 @@ class Overhead:
 
 
 @dataclass(frozen=True)
+class HostCpu:
+    """The CPUs of the host the workers share with the router (and, in a benchmark, the client),
+    and what those two spend per request and per token (pdserve/sim/host.py)."""
+
+    cpus: int
+    router_request_s: float = 0.0
+    router_token_s: float = 0.0
+    client_request_s: float = 0.0
+    client_token_s: float = 0.0
+    router_idle: float = 0.0  # CPU-seconds a second the router spends with no request (keepers, reports)
+
+
+@dataclass(frozen=True)
 class Profile:
     source: str  # measured | roofline
     model: str
@@ -122,6 +135,10 @@ class Profile:
     start_s: float = 0.0  # a worker's start, from asked to ready
     meta: dict[str, Any] = field(default_factory=dict)  # machine, versions, date, engine settings
     assumptions: list[str] = field(default_factory=list)
+    host: HostCpu | None = None  # None: the workers' CPUs (or GPUs) are theirs alone
+    # Per role, the step time measured beside a busy engine on another CPU of the host (empty:
+    # not measured; the steps cost the same whatever the neighbours do).
+    steps_busy: dict[str, StepTime] = field(default_factory=dict)
 
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_hf_dict(self.model_shape)
@@ -132,6 +149,12 @@ class Profile:
         if role == "colocated" and "decode" in self.steps:  # a mixed worker steps like a decode one
             return self.steps["decode"]
         raise ProfileError(f"the profile has no step time for the {role} role (it has {sorted(self.steps)})")
+
+    def busy_step_time(self, role: str) -> StepTime | None:
+        """The role's step time beside busy neighbours, if measured."""
+        if role in self.steps_busy:
+            return self.steps_busy[role]
+        return self.steps_busy.get("decode") if role == "colocated" else None
 
     def transfer(self, transport: str) -> TransferTime:
         if transport not in self.transfers:
@@ -161,6 +184,8 @@ class Profile:
             "overhead": asdict(self.overhead),
             "steps": {role: step.to_json() for role, step in self.steps.items()},
             "transfers": {name: asdict(t) for name, t in self.transfers.items()},
+            "host": asdict(self.host) if self.host is not None else None,
+            "steps_busy": {role: step.to_json() for role, step in self.steps_busy.items()},
         }
 
     def save(self, path: Path) -> None:
@@ -216,6 +241,8 @@ def load(path: Path) -> Profile:
             start_s=float(body.get("start_s", 0.0)),
             meta=dict(body.get("meta", {})),
             assumptions=list(body.get("assumptions", [])),
+            host=HostCpu(**body["host"]) if body.get("host") else None,
+            steps_busy={role: _step_from_json(role, s) for role, s in body.get("steps_busy", {}).items()},
         )
         profile.model_config()  # a shape the engine cannot take fails here
     except ProfileError:

@@ -37,6 +37,7 @@ from pdserve.errors import PdserveError
 from pdserve.sim import profile as profiles
 from pdserve.sim.cluster import SimCluster
 from pdserve.sim.front import Front, drive
+from pdserve.sim.host import HostLoad
 from pdserve.sim.worker import SimConnector
 
 logger = logging.getLogger("pdserve.sim")
@@ -72,6 +73,12 @@ def add_simulation_arguments(p: argparse.ArgumentParser) -> None:
         default=120.0,
         help="seconds (simulated) for requests in flight after the last is sent",
     )
+    p.add_argument(
+        "--client-on-host",
+        action="store_true",
+        help="the load's client shares the workers' host (as `pdserve bench` on the serving machine): "
+        "its CPU per request and token, from the profile, slows their steps too",
+    )
     p.add_argument("--timeline-window", type=float, default=DEFAULT_WINDOW_S)
     p.add_argument(
         "--pool-sample-interval",
@@ -87,6 +94,12 @@ def resolve(args: argparse.Namespace, profile: profiles.Profile) -> dict[str, An
     profile's device instead of this host's."""
     o = serve_options.layered(args)
     o["model"] = o["model"] or profile.model
+    return checked(o, profile)
+
+
+def checked(o: dict[str, Any], profile: profiles.Profile) -> dict[str, Any]:
+    """`o` on the profile's device, checked as serve checks it, and against what the profile has."""
+    o = dict(o)
     o["device_type"] = str(profile.meta.get("device", "cpu"))
     o["pool_gpus"] = {}
     if o["transport"] is None:
@@ -105,7 +118,7 @@ class SimResult:
     duration_s: float
     pool_samples: list[dict[str, Any]] = field(default_factory=list)
     workers_started: int = 0
-    worker_seconds: dict[str, float] = field(default_factory=dict)  # per pool, from start to end
+    ttft_parts: dict[str, Any] = field(default_factory=dict)  # the router's, as bench reads a server's
     wall_s: float = 0.0
 
 
@@ -116,11 +129,16 @@ def simulate(
     *,
     finish_timeout_s: float = 120.0,
     pool_sample_interval_s: float = 1.0,
+    client_on_host: bool = False,
 ) -> SimResult:
-    """Runs the deployment `o` on `workload` in virtual time."""
+    """Runs the deployment `o` on `workload` in virtual time. The router shares the workers' CPUs
+    when the profile says they are a host's (`profile.host`: a CPU deployment on one machine), and
+    so does the load's client with `client_on_host`."""
     started = time.perf_counter()
     result: SimResult = clock.run_virtual(
-        functools.partial(_simulate, o, profile, workload, finish_timeout_s, pool_sample_interval_s)
+        functools.partial(
+            _simulate, o, profile, workload, finish_timeout_s, pool_sample_interval_s, client_on_host
+        )
     )  # type: ignore[assignment]
     result.wall_s = time.perf_counter() - started
     return result
@@ -132,10 +150,14 @@ async def _simulate(
     workload: Workload,
     finish_timeout_s: float,
     pool_sample_interval_s: float,
+    client_on_host: bool,
 ) -> SimResult:
     # The router's parts, built as `pdserve serve` builds them, over simulated workers.
+    from prometheus_client import generate_latest
+
+    from pdserve.bench import server_parts
     from pdserve.planner.loop import Planner
-    from pdserve.pools.manager import PoolManager, PoolSettings
+    from pdserve.pools.manager import PoolManager
     from pdserve.router.dispatch import Dispatcher
     from pdserve.router.metrics import RouterMetrics
     from pdserve.router.recorder import WorkerRecorder
@@ -147,18 +169,18 @@ async def _simulate(
     connector = SimConnector()
     workers = WorkerSet(connector, stall_timeout=o["stall_timeout"])
     signals = Signals()
-    backend = SimCluster(profile, connector)
+    host = (
+        HostLoad(profile.host, client_on_host)
+        if profile.host is not None and o["cluster"] == "local"
+        else None
+    )
+    backend = SimCluster(profile, connector, host)
     pools = PoolManager(
         backend,
         workers,
         metrics,
         serve.pool_specs(o, EOS),
-        PoolSettings(
-            start_timeout=o["ready_timeout"],
-            drain_timeout=o["drain_timeout"],
-            rebalance_on_start=o["rebalance_on_start"],
-            replace_failed=o["replace_failed"],
-        ),
+        serve.pool_settings(o),
     )
     planner = Planner(serve.planner_settings(o), signals, workers, pools, metrics)
     dispatcher = Dispatcher(workers, router_config, metrics, signals, at_bounds=planner.at_bounds)
@@ -173,6 +195,7 @@ async def _simulate(
         max_model_len=lambda: min(
             (w.ready.max_model_len for w in workers.views() if w.connected and w.ready), default=None
         ),
+        host=host,
     )
     samples: list[dict[str, Any]] = []
     records: list[RequestRecord] = []
@@ -193,7 +216,8 @@ async def _simulate(
         )
         if sampler is not None:
             sampler.cancel()
-        return SimResult(records, duration, samples, backend.started)
+        totals = server_parts.totals(generate_latest(metrics.registry).decode())
+        return SimResult(records, duration, samples, backend.started, server_parts.parts({}, totals))
     finally:
         await planner.close()
         await pools.close()
@@ -232,8 +256,11 @@ def run(args: argparse.Namespace) -> int:
         workload,
         finish_timeout_s=args.finish_timeout,
         pool_sample_interval_s=args.pool_sample_interval,
+        client_on_host=args.client_on_host,
     )
     summary = summarize(result.records, result.duration_s, slos)
+    if result.ttft_parts:
+        summary["ttft_parts"] = result.ttft_parts
     timeline = build_timeline(
         result.records,
         result.duration_s,

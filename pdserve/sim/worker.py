@@ -96,7 +96,10 @@ class SimWorker:
         )
         self.pull_seconds = pull_seconds
         self.closed = False
-        self._inbox: list[wire.Message | KVDone] = []
+        self._inbox: list[tuple[wire.Message | KVDone, float]] = []  # with when it came
+        # As the real worker: a prefill worker on a CPU runs short prompts between two layers of a
+        # long step (the step's time is spread evenly over its layers).
+        self.interrupts = config.prefill_interrupts and self.engine.interrupts_steps
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._loop(), name=f"sim-{config.worker_id}")
 
@@ -105,10 +108,12 @@ class SimWorker:
         if self.closed:
             return False
         if data == b"":  # the router's hello: answered with Ready at once
-            ready = self.core.ready(f"sim://{self.config.worker_id}", "sim", prefill_interrupts=False)
+            ready = self.core.ready(
+                f"sim://{self.config.worker_id}", "sim", prefill_interrupts=self.interrupts
+            )
             asyncio.get_running_loop().call_soon(self._send, ready, False)
             return True
-        self._inbox.append(wire.decode(data))
+        self._inbox.append((wire.decode(data), clock.monotonic()))  # its wait counts from here
         self._wake.set()
         return True
 
@@ -141,16 +146,19 @@ class SimWorker:
             core.hand_over()
             stepped = False
             if engine.has_unfinished:
-                before = engine.last_step
-                outputs = engine.step()
-                step = engine.last_step
-                stepped = step is not before  # nothing to schedule (KV still arriving): no step
-                if stepped and step is not None and step.step_seconds > 0:
-                    await asyncio.sleep(step.step_seconds)  # the step takes its time; then its tokens leave
-                for out in outputs:
-                    core.emit(out)
-                core.record_step()
-                core.hand_over()
+                out = engine.begin_step()
+                stepped = out is not None  # nothing to schedule (KV still arriving): no step
+                if out is not None:
+                    result = engine.runner.execute(out, engine.kv)
+                    seconds = result.seconds or 0.0
+                    if self.interrupts and engine.interruptible(out):
+                        await self._layers(out, seconds)
+                    elif seconds > 0:
+                        await asyncio.sleep(seconds)  # the step takes its time; then its tokens leave
+                    for output in engine.finish_step(out, result, seconds):
+                        core.emit(output)
+                    core.record_step()
+                    core.hand_over()
             core.expire_leases(clock.monotonic())
             now = clock.monotonic()
             if now - last_load >= self.config.load_interval:
@@ -159,13 +167,39 @@ class SimWorker:
             if not stepped and not self._inbox:  # idle, or waiting on a pull: until something comes
                 await self._wait(self.config.load_interval)
 
-    def _apply_inbox(self) -> None:
+    def _apply_inbox(self, prompts_only: bool = False) -> bool:
+        """Applies what came (with `prompts_only`, new requests only: the rest waits for the step's
+        end, as on the real worker); returns whether a request was added."""
         items, self._inbox = self._inbox, []
-        for item in items:
+        added = False
+        for item, received_at in items:
             if isinstance(item, wire.AddRequest):
-                self.core.add(item, clock.monotonic())
+                self.core.add(item, received_at)
+                added = True
+            elif prompts_only:
+                self._inbox.append((item, received_at))
             else:
                 self.core.apply(item)
+        return added
+
+    async def _layers(self, out: SchedulerOutput, seconds: float) -> None:
+        """A step's layers, one after another; between two of them, new prompts short enough run
+        in a step of their own (`EngineCore.step_between_layers`), which the step waits for."""
+        engine = self.engine
+        layers = engine.limits.num_layers
+        for done in range(1, layers):
+            await asyncio.sleep(seconds / layers)
+            if not self._apply_inbox(prompts_only=True):
+                continue
+            engine.at_layer(out, done)
+            nested = engine.step_between_layers()
+            step = engine.last_step
+            if nested and step is not None:
+                await asyncio.sleep(step.step_seconds)
+                for output in nested:
+                    self.core.emit(output)
+                self.core.record_step()
+        await asyncio.sleep(seconds / layers)
 
     async def _wait(self, seconds: float, until: Callable[[], bool] | None = None) -> None:
         """Until a message comes (and `until` holds, if given), or `seconds` pass."""
@@ -187,7 +221,7 @@ class SimWorker:
         done = KVDone(order.request_id, True, None, 0, seconds, False, order.transport)
 
         def arrived() -> None:
-            self._inbox.append(done)
+            self._inbox.append((done, clock.monotonic()))
             self._wake.set()
 
         asyncio.get_running_loop().call_later(seconds, arrived)

@@ -1,0 +1,217 @@
+"""The simulator's fidelity (issue 33): the same deployments and workloads measured here
+(`pdserve bench compare`, real servers) and simulated (`pdserve sim` with a profile measured here),
+side by side: TTFT and ITL p50/p90, goodput and the knee, per load band.
+
+    python benchmarks/sim_fidelity.py --profile profiles/cpu.json --out runs/fidelity \\
+        --workload "chat: poisson(0.5) prompt=lognormal(96,0.4,32,256) output=uniform(24,48)" \\
+        --rate-scales 1,2,4 --duration 90 --slo ttft=2000,itl=250 \\
+        --config "dpd=--prefill 1 --decode 1" --config "colocated=--colocated 2"
+
+`--measured DIR`: reuse a finished `bench compare` folder instead of measuring again. Writes
+`fidelity.md` (the table) and `fidelity.json` into --out. Run on a quiet machine: the servers and
+the client share its cores, which the profile (one worker alone on a CPU) does not see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("itl_ms", "p50"), ("itl_ms", "p90"))
+PARTS = ("prefill_queue", "prefill_compute", "kv_transfer", "first_decode")
+
+
+def measure(args: argparse.Namespace, folder: Path) -> None:
+    command = [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--model", args.model]
+    for config in args.config:
+        command += ["--config", config]
+    command += [
+        "--workload",
+        args.workload,
+        "--rate-scales",
+        args.rate_scales,
+        "--duration",
+        str(args.duration),
+    ]
+    command += [
+        "--slo",
+        args.slo,
+        "--repeats",
+        str(args.repeats),
+        "--seed",
+        str(args.seed),
+        "--out",
+        str(folder),
+        "--drain-timeout",
+        str(args.drain_timeout),
+    ]
+    subprocess.run(command, check=True, cwd=ROOT)
+
+
+def simulate(
+    args: argparse.Namespace, label: str, serve_args: str, scale: float, seed: int
+) -> dict[str, Any]:
+    from pdserve.bench.summary import parse_slos, summarize
+    from pdserve.bench.timeline import build_timeline
+    from pdserve.bench.workload import parse_workload
+    from pdserve.sim import profile as profiles
+    from pdserve.sim import run as sim
+
+    parser = argparse.ArgumentParser()
+    sim.add_arguments(parser)
+    sim_args = parser.parse_args(
+        ["--profile", str(args.profile), "--model", args.model, *shlex.split(serve_args), "--slo", args.slo]
+    )
+    profile = profiles.load(args.profile)
+    o = sim.resolve(sim_args, profile)
+    workload = parse_workload(args.workload, seed, None, args.duration, scale)
+    # The bench client ran on this host, beside the servers: its CPU is charged too.
+    result = sim.simulate(
+        o,
+        profile,
+        workload,
+        finish_timeout_s=args.drain_timeout,
+        pool_sample_interval_s=1.0,
+        client_on_host=True,
+    )
+    slos = parse_slos(args.slo)
+    summary = summarize(result.records, result.duration_s, slos)
+    timeline = build_timeline(
+        result.records, result.duration_s, slos, 10.0, result.pool_samples, workload.steps, 1.0
+    )
+    summary["worker_seconds"] = timeline["worker_seconds"]["total"]
+    summary["wall_s"] = result.wall_s
+    summary["ttft_parts"] = result.ttft_parts
+    return summary
+
+
+def value(summary: dict[str, Any], metric: str, stat: str) -> float | None:
+    v = summary.get("overall", {}).get(metric, {}).get(stat)
+    return float(v) if v is not None else None
+
+
+def knee(scales: list[float], goodput_share: dict[float, float], threshold: float = 0.9) -> float | None:
+    """The first rate scale at which less than `threshold` of the requests met the SLO."""
+    for scale in scales:
+        if goodput_share[scale] < threshold:
+            return scale
+    return None
+
+
+def share(summary: dict[str, Any]) -> float:
+    overall = summary["overall"]
+    total = overall["requests"]
+    return overall["good_requests"] / total if total else 0.0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", type=Path, required=True)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--workload", required=True)
+    p.add_argument("--rate-scales", default="1,2,4")
+    p.add_argument("--duration", type=float, default=90.0)
+    p.add_argument("--slo", default="ttft=2000,itl=250")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument(
+        "--drain-timeout", type=float, default=120.0, help="seconds for requests in flight at the end"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--config", action="append", required=True, metavar="LABEL=SERVE_ARGS")
+    p.add_argument("--measured", type=Path, default=None, help="a finished bench compare folder")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    measured_dir = args.measured or args.out / "measured"
+    if args.measured is None:
+        measure(args, measured_dir)
+    compared = json.loads((measured_dir / "summaries.json").read_text())
+    measured = compared["runs"]
+    timelines = compared["timelines"]
+    scales = [float(s) for s in args.rate_scales.split(",")]
+    rows = []
+    parts_rows: list[str] = []
+    result: dict[str, Any] = {
+        "workload": args.workload,
+        "slo": args.slo,
+        "profile": str(args.profile),
+        "cases": {},
+    }
+    for config in args.config:
+        label, serve_args = config.split("=", 1)
+        shares: dict[str, dict[float, float]] = {"measured": {}, "sim": {}}
+        for scale in scales:
+            name = label if len(scales) == 1 else f"{label}@{scale:g}"
+            real = measured[name]
+            simulated = [simulate(args, label, serve_args, scale, args.seed + r) for r in range(args.repeats)]
+            case: dict[str, Any] = {}
+            for metric, stat in METRICS:
+                m = statistics.median(v for s in real if (v := value(s, metric, stat)) is not None)
+                s = statistics.median(v for s in simulated if (v := value(s, metric, stat)) is not None)
+                case[f"{metric[:-3]}_{stat}"] = {"measured": m, "sim": s, "error": (s - m) / m if m else None}
+            gm = statistics.median(s["overall"]["goodput"] for s in real)
+            gs = statistics.median(s["overall"]["goodput"] for s in simulated)
+            case["goodput"] = {"measured": gm, "sim": gs, "error": (gs - gm) / gm if gm else None}
+            shares["measured"][scale] = statistics.median(share(s) for s in real)
+            shares["sim"][scale] = statistics.median(share(s) for s in simulated)
+            case["slo_share"] = {"measured": shares["measured"][scale], "sim": shares["sim"][scale]}
+            case["sim_wall_s"] = statistics.median(s["wall_s"] for s in simulated)
+            case["worker_seconds"] = {
+                "measured": statistics.median(t["worker_seconds"]["total"] for t in timelines[name]),
+                "sim": statistics.median(s["worker_seconds"] for s in simulated),
+            }
+            for part in PARTS:
+                m_parts = [s["ttft_parts"][part]["mean_ms"] for s in real if part in s.get("ttft_parts", {})]
+                s_parts = [
+                    s["ttft_parts"][part]["mean_ms"] for s in simulated if part in s.get("ttft_parts", {})
+                ]
+                if m_parts and s_parts:
+                    m, s_ = statistics.median(m_parts), statistics.median(s_parts)
+                    case[part] = {"measured": m, "sim": s_, "error": (s_ - m) / m if m else None}
+                    parts_rows.append(
+                        f"| {label} | x{scale:g} | {part} | {m:.1f} | {s_:.1f} | "
+                        + (f"{(s_ - m) / m:+.0%}" if m else "-")
+                        + " |"
+                    )
+            result["cases"][name] = case
+            cells = [f"{label}", f"x{scale:g}"]
+            for key in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "goodput"):
+                c = case[key]
+                error = f"{c['error']:+.0%}" if c["error"] is not None else "-"
+                cells.append(f"{c['measured']:.1f} / {c['sim']:.1f} ({error})")
+            cells.append(f"{case['slo_share']['measured']:.0%} / {case['slo_share']['sim']:.0%}")
+            ws = case["worker_seconds"]
+            cells.append(f"{ws['measured']:.0f} / {ws['sim']:.0f}")
+            rows.append("| " + " | ".join(cells) + " |")
+        knees = {k: knee(scales, v) for k, v in shares.items()}
+        result["cases"][f"{label}:knee"] = knees
+        rows.append(
+            f"| {label} | knee | measured x{knees['measured']} / simulated x{knees['sim']} | | | | | |"
+        )
+    header = (
+        "| config | load | TTFT p50 ms meas / sim | TTFT p90 | ITL p50 | ITL p90 | goodput req/s | in SLO | worker-s |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    )
+    table = f"workload: `{args.workload}`, SLO {args.slo}, {args.duration:g} s, profile {args.profile}\n\n"
+    table += header + "\n" + "\n".join(rows) + "\n"
+    if parts_rows:
+        table += "\nTTFT by part (remotely prefilled requests; mean ms, the router's own breakdown):\n\n"
+        table += (
+            "| config | load | part | measured | simulated | error |\n| --- | --- | --- | --- | --- | --- |\n"
+        )
+        table += "\n".join(parts_rows) + "\n"
+    (args.out / "fidelity.md").write_text(table)
+    (args.out / "fidelity.json").write_text(json.dumps(result, indent=2))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Where a pdserve server says a run's TTFT went: the parts of its remotely prefilled requests'
+first tokens (`pdserve_ttft_breakdown_seconds{part}`: prefill_queue, prefill_compute, kv_transfer,
+first_decode), scraped from /metrics before and after the run, so a server that served several
+runs gives each run its own. No torch. Another server (no such metric, or no /metrics) gives none.
+`pdserve sim` reads the same metric from its router's registry, so the two compare part by part."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+logger = logging.getLogger("pdserve.bench")
+
+METRIC = "pdserve_ttft_breakdown_seconds"
+Totals = dict[str, tuple[float, float]]  # part -> (sum of seconds, count)
+
+
+def totals(text: str) -> Totals:
+    """Each part's running sum and count in a /metrics answer."""
+    found: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != METRIC:
+            continue
+        for sample in family.samples:
+            part = sample.labels.get("part")
+            if part is None:
+                continue
+            slot = found.setdefault(part, [0.0, 0.0])
+            if sample.name == f"{METRIC}_sum":
+                slot[0] = sample.value
+            elif sample.name == f"{METRIC}_count":
+                slot[1] = sample.value
+    return {part: (s, c) for part, (s, c) in found.items()}
+
+
+def parts(before: Totals, after: Totals) -> dict[str, dict[str, float]]:
+    """Each part's mean (milliseconds) and count over what happened between two scrapes."""
+    out = {}
+    for part, (total, count) in after.items():
+        base_total, base_count = before.get(part, (0.0, 0.0))
+        n = count - base_count
+        if n > 0:
+            out[part] = {"mean_ms": round((total - base_total) / n * 1000, 3), "count": int(n)}
+    return out
+
+
+async def scrape(client: httpx.AsyncClient, headers: dict[str, str] | None = None) -> Totals | None:
+    """The server's totals now; None when it has no /metrics to read (or refuses it)."""
+    try:
+        response = await client.get("/metrics", timeout=10.0, headers=headers)
+    except httpx.HTTPError as exc:
+        logger.info("GET /metrics failed (%s): no TTFT parts for this run", exc)
+        return None
+    if response.status_code != 200:
+        return None
+    try:
+        return totals(response.text)
+    except ValueError:
+        return None
+
+
+def summary_section(before: Totals | None, after: Totals | None) -> dict[str, Any] | None:
+    if before is None or after is None:
+        return None
+    return parts(before, after) or None

@@ -1,0 +1,48 @@
+"""`pdserve profile`: a measured profile of a model here, usable by `pdserve sim` as it comes; a
+roofline profile; the flags it refuses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.cli import main
+from pdserve.sim import profile as profiles
+
+
+def test_a_quick_measured_profile_drives_a_simulation(tmp_path: Path, tiny_llama: Path) -> None:
+    out = tmp_path / "tiny.json"
+    flags = ["--quick", "--no-serve", "--transports", "shm,tcp", "--dtype", "float32"]
+    assert main(["profile", "--model", str(tiny_llama), *flags, "--out", str(out)]) == 0
+    profile = profiles.load(out)
+    assert profile.source == "measured" and profile.meta["device"] == "cpu"
+    assert set(profile.steps) == {"prefill", "decode", "colocated"} and set(profile.transfers) == {
+        "shm",
+        "tcp",
+    }
+    assert profile.meta["samples"] > 10 and "date" in profile.meta and "machine" in profile.meta
+    assert any("--no-serve" in a for a in profile.assumptions)
+    assert profile.model_config().vocab_size == 320
+    run = tmp_path / "run"
+    code = main([
+        "sim", "--profile", str(out), "--prefill", "1", "--decode", "1",
+        "--workload", "poisson(2) prompt=fixed(100) output=fixed(20)", "--max-requests", "10", "--out", str(run),
+    ])  # fmt: skip
+    assert code == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["overall"]["completed"] == 10
+
+
+def test_flags_that_do_not_go_together_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = ["--out", str(tmp_path / "p.json")]
+    assert main(["profile", *out]) == 2
+    assert "give --model" in capsys.readouterr().err
+    assert main(["profile", "--hardware", "h200", *out]) == 2
+    assert "needs --hardware and --model-shape" in capsys.readouterr().err
+    assert main(["profile", "--hardware", "h200", "--model-shape", "llama-3.1-8b", "--model", "x", *out]) == 2
+    assert main(["profile", "--model", "smollm2-135m", "--threads", "0", *out]) == 2
+    assert "--threads must be >= 1" in capsys.readouterr().err
