@@ -89,7 +89,8 @@ def describe(profile: Profile) -> list[str]:
             f"({h.client_request_s * 1000:.2f} ms, {h.client_token_s * 1000:.3f} ms)"
         )
     lines.append(
-        f"  overhead: {profile.overhead.request_s * 1000:.2f} ms a request, {profile.overhead.step_s * 1000:.3f} ms a step; "
+        f"  overhead: {profile.overhead.request_s * 1000:.2f} ms a request, {profile.overhead.step_s * 1000:.3f} ms a step "
+        f"+ {profile.overhead.stream_s * 1000:.3f} ms a stream; "
         f"start {profile.start_s:.1f} s; KV blocks {profile.kv_blocks}"
     )
     return lines

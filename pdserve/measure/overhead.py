@@ -6,7 +6,8 @@ and ITL set against the step time the profile predicts for the same steps.
     per-request overhead = median(TTFT - predicted prompt step) - per-step overhead
 
 The first is the worker loop's work around a step (sending tokens, load reports) and the router's
-per-token path; the second is HTTP, tokenization, admission and dispatch. Also measured: the time
+per-token path (split into a part per step and a part per stream of the step, from a second
+probe of 8 streams at once); the second is HTTP, tokenization, admission and dispatch. Also measured: the time
 from `pdserve serve` to a ready worker (the profile's start time; a scale-up takes about this),
 and the CPU the router process and this client spend per request and per token (two probes, long
 and short outputs; the router's idle rate measured apart): on a host where they share the workers'
@@ -26,7 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -92,7 +93,7 @@ def measure(
         _wait_ready(server, url)
         start_s = time.perf_counter() - started
 
-        def probe(count: int, outputs: int) -> _Probe:
+        def probe(count: int, outputs: int, concurrency: int = 1) -> _Probe:
             prompts = [
                 PreparedRequest(i, "probe", None, [(i * 31 + k) % (vocab_size - 2) + 1 for k in range(prompt_tokens)],
                                 prompt_tokens, outputs)
@@ -117,14 +118,39 @@ def measure(
         idle_rate = (_cpu_seconds(server.pid) - router_idle) / IDLE_PROBE_S
         long = probe(requests, output_tokens)
         short = probe(requests, SHORT_OUTPUT)
+        # STREAMS requests at once, twice: steps of STREAMS streams, each sending its token.
+        batched = [r for _ in range(2) for r in probe(STREAMS, output_tokens, STREAMS).records]
     finally:
         _stop(server)
     host = _host_cpu(long, short, requests, output_tokens, idle_rate)
-    return OverheadResult(_overhead(long.records, step_time, prompt_tokens), start_s, requests, host)
+    overhead = _overhead(long.records, step_time, prompt_tokens)
+    overhead = _per_stream(overhead, batched, step_time, prompt_tokens)
+    return OverheadResult(overhead, start_s, requests, host)
 
 
 IDLE_PROBE_S = 2.0
 SHORT_OUTPUT = 2
+STREAMS = 8  # the batched probe's streams
+
+
+def _per_stream(
+    overhead: Overhead, records: list[RequestRecord], step_time: StepTime, prompt_tokens: int
+) -> Overhead:
+    """The worker loop's cost per stream of a step (each stream's token sent), from ITLs at
+    STREAMS streams beyond the predicted step, against the one-stream overhead: a + b x streams."""
+    excess = []
+    for r in records:
+        if r.error:
+            raise PdserveError(f"the overhead probe's requests failed: {r.error}")
+        gaps = list(itertools.pairwise(r.chunk_times_s))
+        for k, (before, after) in enumerate(gaps[2:], start=2):  # the batch's prompts are in by then
+            context = STREAMS * (prompt_tokens + k + 1)
+            excess.append((after - before) - step_time.seconds(Step(0, 0, STREAMS, context)))
+    if not excess:
+        return overhead
+    per_stream = max(0.0, (statistics.median(excess) - overhead.step_s) / (STREAMS - 1))
+    base = max(0.0, overhead.step_s - per_stream)
+    return replace(overhead, step_s=round(base, 6), stream_s=round(per_stream, 7))
 
 
 def _host_cpu(long: _Probe, short: _Probe, requests: int, outputs: int, idle_rate: float) -> HostCpu:

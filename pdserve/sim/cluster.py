@@ -51,13 +51,16 @@ class SimCluster:
         busy_time = self.profile.busy_step_time(pool)
         worker_id = config.worker_id
 
+        per_stream = self.profile.overhead.stream_s
+
         def step_seconds(out: SchedulerOutput) -> float:
             features = step_features(out)
-            seconds = step_time.seconds(features) + per_step
+            loop = per_step + per_stream * sum(1 for c in out.chunks if c.sample)
+            seconds = step_time.seconds(features) + loop
             if host is None:
                 return seconds
             if busy_time is not None:  # its neighbours' work slows it, as far as they were busy
-                busy = busy_time.seconds(features) + per_step
+                busy = busy_time.seconds(features) + loop
                 seconds += max(0.0, busy - seconds) * host.others_busy(worker_id)
             seconds *= host.stretch()
             host.worked(worker_id, seconds)

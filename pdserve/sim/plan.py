@@ -149,7 +149,12 @@ def evaluate(
         args.workload, args.seed, args.max_requests, args.duration, args.rate_scale * scale
     )
     result = sim.simulate(
-        o, profile, workload, finish_timeout_s=args.finish_timeout, pool_sample_interval_s=0
+        o,
+        profile,
+        workload,
+        finish_timeout_s=args.finish_timeout,
+        pool_sample_interval_s=0,
+        client_on_host=args.client_on_host,
     )
     summary = summarize(result.records, result.duration_s, slos)["overall"]
     percentile = o["slo_percentile"]

@@ -107,6 +107,7 @@ class Overhead:
 
     request_s: float = 0.0
     step_s: float = 0.0
+    stream_s: float = 0.0  # per token the step samples (each goes out in a message of its own)
 
 
 @dataclass(frozen=True)
