@@ -31,7 +31,7 @@ def step_seconds(out: SchedulerOutput) -> float:
     return BASE + PER_PROMPT_TOKEN * prompt + PER_STREAM * decodes
 
 
-def sim_workers(pools: dict[str, int]) -> tuple[WorkerSet, SimConnector]:
+def sim_workers(pools: dict[str, int], device_type: str = "cuda") -> tuple[WorkerSet, SimConnector]:
     connector = SimConnector()
     workers = WorkerSet(connector)
     for pool, count in pools.items():
@@ -40,8 +40,9 @@ def sim_workers(pools: dict[str, int]) -> tuple[WorkerSet, SimConnector]:
             engine = EngineConfig("modelled", role=POOL_ROLES[pool], block_size=16)
             config = WorkerConfig(worker_id, pool, engine, transport="tcp")
             connector.factories[worker_id] = lambda events, c=config: SimWorker(
-                c, MODEL, 256, events, step_seconds=step_seconds, pull_seconds=lambda _blocks: PULL
-            )
+                c, MODEL, 256, events, step_seconds=step_seconds, pull_seconds=lambda _blocks: PULL,
+                device_type=device_type,
+            )  # fmt: skip
             workers.add_worker(worker_id, pool, f"sim://{worker_id}", "sim")
     return workers, connector
 
@@ -55,9 +56,11 @@ async def timed_stream(dispatcher: Dispatcher, prompt: int, max_tokens: int) -> 
     ]
 
 
-def run(body: Callable[[WorkerSet, SimConnector], object], pools: dict[str, int]) -> object:
+def run(
+    body: Callable[[WorkerSet, SimConnector], object], pools: dict[str, int], device_type: str = "cuda"
+) -> object:
     async def main() -> object:
-        workers, connector = sim_workers(pools)
+        workers, connector = sim_workers(pools, device_type)
         try:
             while len(workers.up(*pools)) < sum(pools.values()):  # their Ready, at once
                 await asyncio.sleep(0.001)
@@ -98,6 +101,32 @@ def test_a_short_prompt_is_prefilled_on_the_decode_worker_itself() -> None:
     first = BASE + PER_PROMPT_TOKEN * prompt
     expected = [first + k * (BASE + PER_STREAM) for k in range(tokens)]
     assert [t for t, _ in timeline] == pytest.approx(expected, abs=1e-9)  # type: ignore[union-attr]
+
+
+def test_a_short_prompt_runs_between_two_layers_of_a_long_prompts_step_on_a_cpu_prefill_worker() -> None:
+    """As on a real CPU prefill worker: a short prompt that arrives during a long prompt's step
+    runs at the next layer boundary (MODEL has 2 layers: half way), and the long step waits for it."""
+    long_step = BASE + PER_PROMPT_TOKEN * 240  # one step (the prefill chunk is 256)
+    short_step = BASE + PER_PROMPT_TOKEN * 20
+
+    async def body(workers: WorkerSet, connector: SimConnector) -> object:
+        dispatcher = Dispatcher(workers, RouterConfig(local_prefill_threshold=16), RouterMetrics())
+        start = clock.monotonic()
+        first: dict[str, float] = {}
+
+        async def one(name: str, prompt: int, delay: float) -> None:
+            await asyncio.sleep(delay)
+            params = wire.WireSamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+            async for event in dispatcher.generate(RequestState(name), list(range(prompt)), params):
+                if event.token_ids and name not in first:
+                    first[name] = clock.monotonic() - start
+
+        await asyncio.gather(one("long", 240, 0.0), one("short", 20, 0.005))
+        assert connector.workers["prefill-0"].engine.steps_between_layers == 1
+        return first
+
+    first = run(body, {"prefill": 1, "decode": 1}, device_type="cpu")
+    assert first == pytest.approx({"short": long_step / 2 + short_step, "long": long_step + short_step}, abs=1e-9)
 
 
 class RecordingRunner:
