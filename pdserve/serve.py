@@ -13,14 +13,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import ipaddress
 import logging
 import os
 import signal
 import socket
-import stat
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from pdserve import devices, serve_options
@@ -39,9 +35,9 @@ from pdserve.planner.law import LawSettings
 from pdserve.planner.loop import MODES, PlannerSettings
 from pdserve.pools.manager import PoolSettings, PoolSpec
 from pdserve.router.app import RouterSettings
-from pdserve.router.auth import AccessKeys
 from pdserve.router.config import PATH_CHOICES, RouterConfig
 from pdserve.security import DeploymentSecrets
+from pdserve.serve_keys import access_keys, warn_if_exposed
 from pdserve.slo import SLO, parse_slo
 
 logger = logging.getLogger("pdserve.serve")
@@ -158,67 +154,6 @@ def _check(o: dict[str, Any]) -> None:
             raise PdserveError(str(exc)) from None
 
 
-KEY_ENV = {"api": "PDSERVE_API_KEY", "admin": "PDSERVE_ADMIN_KEY", "metrics": "PDSERVE_METRICS_KEY"}
-_SHORT_KEY = 16  # characters; shorter keys are accepted with a warning
-
-
-def access_keys(o: dict[str, Any], environ: Mapping[str, str] = os.environ) -> AccessKeys:
-    """Each route kind's keys: its flags, then its key file, then its environment variable."""
-    found: dict[str, tuple[str, ...]] = {}
-    for kind, env in KEY_ENV.items():
-        keys = list(o[f"{kind}_key"] or [])
-        if o[f"{kind}_key_file"] is not None:
-            keys += _read_key_file(Path(o[f"{kind}_key_file"]), kind)
-        keys += [k.strip() for k in environ.get(env, "").split(",") if k.strip()]
-        for key in keys:
-            if not key or not all(33 <= ord(c) < 127 for c in key):
-                raise PdserveError(
-                    f"a {kind} key must be printable ASCII without spaces (it goes in a header)"
-                )
-            if len(key) < _SHORT_KEY:
-                logger.warning(
-                    "a %s key has only %d characters: a guessable key protects little", kind, len(key)
-                )
-        found[kind] = tuple(dict.fromkeys(keys))
-    shared = set(found["admin"]) & (set(found["api"]) | set(found["metrics"]))
-    if shared:
-        raise PdserveError("an admin key must not also be an API or metrics key: give the admin API its own")
-    return AccessKeys(**found)
-
-
-def _read_key_file(path: Path, kind: str) -> list[str]:
-    try:
-        text = path.read_text()
-        mode = path.stat().st_mode
-    except OSError as exc:
-        raise PdserveError(f"cannot read the {kind} key file {path}: {exc}") from exc
-    if mode & (stat.S_IRGRP | stat.S_IROTH):
-        logger.warning("the %s key file %s is readable by other users: chmod 600 it", kind, path)
-    keys = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-    if not keys:
-        raise PdserveError(f"the {kind} key file {path} holds no key")
-    return keys
-
-
-def warn_if_exposed(host: str, keys: AccessKeys) -> None:
-    """Say it loudly when the API is reachable from other hosts without a key."""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False  # a hostname: it may resolve to anything
-    if loopback:
-        return
-    if not keys.api:
-        logger.warning(
-            "SERVING ON %s WITHOUT AN API KEY: anyone who can reach this address can use the model "
-            "and, without --admin-key, scale and drain its pools. Give --api-key-file and "
-            "--admin-key-file (docs/security.md), or listen on 127.0.0.1.",
-            host,
-        )
-    elif not keys.admin:
-        logger.info("the admin API is closed (API keys but no admin key)")
-
-
 def pool_replicas(o: dict[str, Any]) -> dict[str, int]:
     """Each pool's workers at start."""
     if o["colocated"]:
@@ -301,7 +236,6 @@ def pool_bounds(o: dict[str, Any], pool: str) -> tuple[int, int]:
 
 
 def max_workers(o: dict[str, Any]) -> int:
-    import os
 
     return o["max_workers"] if o["max_workers"] is not None else max(1, os.cpu_count() or 1)
 

@@ -126,7 +126,9 @@ def test_a_short_prompt_runs_between_two_layers_of_a_long_prompts_step_on_a_cpu_
         return first
 
     first = run(body, {"prefill": 1, "decode": 1}, device_type="cpu")
-    assert first == pytest.approx({"short": long_step / 2 + short_step, "long": long_step + short_step}, abs=1e-9)
+    assert first == pytest.approx(
+        {"short": long_step / 2 + short_step, "long": long_step + short_step}, abs=1e-9
+    )
 
 
 class RecordingRunner:
