@@ -90,8 +90,8 @@ def test_the_planner_scales_the_decode_pool_when_its_itl_goes_over_the_slo(tmp_p
     profile = fixed_profile(step=0.005, per_token=2e-5, per_stream=0.004, start_s=5.0)
     run = sim(
         tmp_path, profile, "--prefill", "1", "--decode", "1", "--planner", "slo", "--max-workers", "6",
-        "--slo", "ttft=2000,itl=60", "--workload", "poisson(2) step(60,120,5) prompt=fixed(200) output=fixed(100)",
-        "--duration", "240", "--planner-interval", "5", "--pool-sample-interval", "5",
+        "--slo", "ttft=2000,itl=60", "--workload", "poisson(2) step(30,60,5) prompt=fixed(200) output=fixed(100)",
+        "--duration", "100", "--planner-interval", "5", "--pool-sample-interval", "5",
     )  # fmt: skip
     assert run["simulation"]["workers_started"] > 2
     decode_active = [s["pools"]["decode"]["active"] for s in run["timeline"]["pool_samples"]]
