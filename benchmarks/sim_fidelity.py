@@ -88,7 +88,7 @@ def simulate(
     )
     summary["worker_seconds"] = timeline["worker_seconds"]["total"]
     summary["wall_s"] = result.wall_s
-    summary["ttft_parts"] = result.ttft_parts
+    summary |= result.server
     return summary
 
 
@@ -180,6 +180,15 @@ def main() -> int:
                         + (f"{(s_ - m) / m:+.0%}" if m else "-")
                         + " |"
                     )
+            for path in ("local", "remote"):  # prompts per path: the routers' choices, side by side
+                m_paths = [s["paths"].get(path, 0) for s in real if "paths" in s]
+                s_paths = [s.get("paths", {}).get(path, 0) for s in simulated]
+                if m_paths:
+                    m, s_ = statistics.median(m_paths), statistics.median(s_paths)
+                    case[f"{path}_prefills"] = {"measured": m, "sim": s_}
+                    parts_rows.append(
+                        f"| {label} | x{scale:g} | {path} prefills (count) | {m:g} | {s_:g} | |"
+                    )
             result["cases"][name] = case
             cells = [f"{label}", f"x{scale:g}"]
             for key in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "goodput"):
@@ -202,7 +211,7 @@ def main() -> int:
     table = f"workload: `{args.workload}`, SLO {args.slo}, {args.duration:g} s, profile {args.profile}\n\n"
     table += header + "\n" + "\n".join(rows) + "\n"
     if parts_rows:
-        table += "\nTTFT by part (remotely prefilled requests; mean ms, the router's own breakdown):\n\n"
+        table += "\nTTFT by part (remotely prefilled requests; mean ms, the router's own breakdown) and prompts by path:\n\n"
         table += (
             "| config | load | part | measured | simulated | error |\n| --- | --- | --- | --- | --- | --- |\n"
         )

@@ -74,6 +74,7 @@ def test_a_run_records_every_request_with_exact_lengths(
     parts = summary["ttft_parts"]
     assert {"prefill_queue", "prefill_compute", "kv_transfer", "first_decode"} <= set(parts)
     assert 1 <= parts["prefill_compute"]["count"] <= 24 and parts["kv_transfer"]["mean_ms"] > 0
+    assert sum(summary["paths"].values()) == 24  # every prompt took one path, counted once
     assert "TTFT ms" in done.stdout
     for plot in ("ttft_cdf.png", "itl_cdf.png", "itl_timeline.png"):
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -3,7 +3,7 @@ nothing from a server without the metric."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from pdserve.bench import server_parts
 
@@ -30,7 +30,22 @@ def test_the_parts_of_a_run_are_what_happened_between_the_scrapes() -> None:
     }  # kv_transfer: nothing new in this run
 
 
+def test_the_paths_of_a_run_are_counted_between_the_scrapes() -> None:
+    def exposition_of(local: int, remote: int) -> str:
+        registry = CollectorRegistry()
+        counter = Counter(server_parts.PATHS, "paths", ("path", "reason"), registry=registry)
+        counter.labels("local", "cost_model").inc(local)
+        counter.labels("remote", "cost_model").inc(remote)
+        counter.labels("remote", "cold").inc(2)
+        return generate_latest(registry).decode()
+
+    section = server_parts.summary_section(exposition_of(1, 10), exposition_of(4, 10))
+    assert section == {"paths": {"local": 3}}  # every reason summed; remote: none in this run
+    assert server_parts.summary_section(None, exposition_of(1, 1)) == {}
+
+
 def test_an_answer_without_the_metric_gives_no_parts() -> None:
     assert server_parts.totals("# nothing here\n") == {}
     assert server_parts.parts({}, {}) == {}
-    assert server_parts.summary_section(None, {}) is None  # a server that had no /metrics to read
+    assert server_parts.summary_section(None, "") == {}  # a server that had no /metrics to read
+    assert server_parts.summary_section("", "not the exposition format {") == {}

@@ -196,7 +196,7 @@ async def run_load(
 
     `pool_sample_interval_s` > 0: GET /pools that often (see `sample_pools`) from the start until the
     run ends, into `pool_samples` (same clock as the records). `server_parts`, if given, gets the
-    server's TTFT parts for this run under "ttft_parts" (pdserve/bench/server_parts.py)."""
+    server's TTFT parts and path counts for this run ("ttft_parts", "paths": pdserve/bench/server_parts.py)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(target.request_timeout_s, connect=30.0)
     records = records if records is not None else []
@@ -284,10 +284,7 @@ async def run_load(
             records.sort(key=lambda r: r.sent_s)
             if server_parts is not None and parts_before is not None:
                 with contextlib.suppress(Exception):  # a run's end is never lost to it
-                    after = await server_parts_scrape(client)
-                    section = summary_section(parts_before, after)
-                    if section:
-                        server_parts["ttft_parts"] = section
+                    server_parts.update(summary_section(parts_before, await server_parts_scrape(client)))
             if on_end is not None:
                 on_end(elapsed)
     return records, elapsed

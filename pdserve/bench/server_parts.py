@@ -1,8 +1,10 @@
 """Where a pdserve server says a run's TTFT went: the parts of its remotely prefilled requests'
 first tokens (`pdserve_ttft_breakdown_seconds{part}`: prefill_queue, prefill_compute, kv_transfer,
-first_decode), scraped from /metrics before and after the run, so a server that served several
-runs gives each run its own. No torch. Another server (no such metric, or no /metrics) gives none.
-`pdserve sim` reads the same metric from its router's registry, so the two compare part by part."""
+first_decode), and how many prompts took each path (`pdserve_path_choices{path}`: remote or a
+local prefill on the decode worker), scraped from /metrics before and after the run, so a server
+that served several runs gives each run its own. No torch. Another server (no such metrics, or no
+/metrics) gives none. `pdserve sim` reads the same metrics from its router's registry, so the two
+compare part by part and path by path."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 logger = logging.getLogger("pdserve.bench")
 
 METRIC = "pdserve_ttft_breakdown_seconds"
+PATHS = "pdserve_path_choices"
 Totals = dict[str, tuple[float, float]]  # part -> (sum of seconds, count)
 
 
@@ -47,22 +50,47 @@ def parts(before: Totals, after: Totals) -> dict[str, dict[str, float]]:
     return out
 
 
-async def scrape(client: httpx.AsyncClient, headers: dict[str, str] | None = None) -> Totals | None:
-    """The server's totals now; None when it has no /metrics to read (or refuses it)."""
+def path_totals(text: str) -> dict[str, float]:
+    """Prompts per path so far (every reason together) in a /metrics answer."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != PATHS:
+            continue
+        for sample in family.samples:
+            if sample.name == f"{PATHS}_total" and "path" in sample.labels:
+                found[sample.labels["path"]] = found.get(sample.labels["path"], 0.0) + sample.value
+    return found
+
+
+def paths(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """Prompts per path between two scrapes."""
+    return {
+        path: int(n - before.get(path, 0.0)) for path, n in after.items() if n - before.get(path, 0.0) > 0
+    }
+
+
+async def scrape(client: httpx.AsyncClient, headers: dict[str, str] | None = None) -> str | None:
+    """The server's /metrics now; None when it has none to read (or refuses it)."""
     try:
         response = await client.get("/metrics", timeout=10.0, headers=headers)
     except httpx.HTTPError as exc:
         logger.info("GET /metrics failed (%s): no TTFT parts for this run", exc)
         return None
-    if response.status_code != 200:
-        return None
-    try:
-        return totals(response.text)
-    except ValueError:
-        return None
+    return response.text if response.status_code == 200 else None
 
 
-def summary_section(before: Totals | None, after: Totals | None) -> dict[str, Any] | None:
+def summary_section(before: str | None, after: str | None) -> dict[str, Any]:
+    """{"ttft_parts": ..., "paths": ...} of what happened between two scrapes, where they say."""
     if before is None or after is None:
-        return None
-    return parts(before, after) or None
+        return {}
+    try:
+        section: dict[str, Any] = {}
+        found = parts(totals(before), totals(after))
+        if found:
+            section["ttft_parts"] = found
+        taken = paths(path_totals(before), path_totals(after))
+        if taken:
+            section["paths"] = taken
+        return section
+    except ValueError:  # not the exposition format: another server
+        return {}

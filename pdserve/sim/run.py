@@ -118,7 +118,8 @@ class SimResult:
     duration_s: float
     pool_samples: list[dict[str, Any]] = field(default_factory=list)
     workers_started: int = 0
-    ttft_parts: dict[str, Any] = field(default_factory=dict)  # the router's, as bench reads a server's
+    # The router's TTFT parts and path counts, as bench reads a server's (pdserve/bench/server_parts.py).
+    server: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
 
 
@@ -216,8 +217,10 @@ async def _simulate(
         )
         if sampler is not None:
             sampler.cancel()
-        totals = server_parts.totals(generate_latest(metrics.registry).decode())
-        return SimResult(records, duration, samples, backend.started, server_parts.parts({}, totals))
+        exposition = generate_latest(metrics.registry).decode()
+        return SimResult(
+            records, duration, samples, backend.started, server_parts.summary_section("", exposition)
+        )
     finally:
         await planner.close()
         await pools.close()
@@ -259,8 +262,7 @@ def run(args: argparse.Namespace) -> int:
         client_on_host=args.client_on_host,
     )
     summary = summarize(result.records, result.duration_s, slos)
-    if result.ttft_parts:
-        summary["ttft_parts"] = result.ttft_parts
+    summary |= result.server
     timeline = build_timeline(
         result.records,
         result.duration_s,
