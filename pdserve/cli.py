@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 from pdserve.errors import PdserveError
 
@@ -43,65 +45,54 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
 
     from pdserve import serve
-
-    srv = sub.add_parser(
-        "serve",
-        help="serve a model over an OpenAI-compatible HTTP API (router + workers on this host)",
-        description=serve.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    serve.add_arguments(srv)
-
-    from pdserve.pools import cli as pools
-
-    pools_parser = sub.add_parser(
-        "pools",
-        help="show, scale, drain and rebalance a running server's pools (its admin API)",
-        description=pools.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    pools.add_arguments(pools_parser)
-
     from pdserve.bench import run as bench
-
-    bench_parser = sub.add_parser(
-        "bench",
-        help="benchmark an OpenAI-compatible server (TTFT, ITL, TPOT, goodput); "
-        "`pdserve bench compare --help`: configurations side by side",
-        description=bench.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench.add_arguments(bench_parser)
-
+    from pdserve.measure import cli as profile_cli
+    from pdserve.pools import cli as pools
+    from pdserve.sim import plan
     from pdserve.sim import run as sim
 
-    sim_parser = sub.add_parser(
-        "sim",
-        help="simulate a deployment (serve's flags) on a workload (bench's) from a profile, in virtual time",
-        description=sim.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sim.add_arguments(sim_parser)
-
-    from pdserve.sim import plan
-
-    plan_parser = sub.add_parser(
-        "plan",
-        help="the pool sizes that meet an SLO at the best goodput per worker, by simulating each candidate",
-        description=plan.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    plan.add_arguments(plan_parser)
-
-    from pdserve.measure import cli as profile_cli
-
-    profile_parser = sub.add_parser(
-        "profile",
-        help="measure what a model costs on this machine (or derive it from a roofline), for sim and plan",
-        description=profile_cli.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    profile_cli.add_arguments(profile_parser)
+    # The subcommands whose module adds its flags and runs them (each raises PdserveError on bad input).
+    commands: dict[str, tuple[Any, str, Callable[[argparse.Namespace], int]]] = {
+        "serve": (
+            serve,
+            "serve a model over an OpenAI-compatible HTTP API (router + workers on this host)",
+            lambda args: serve.run(serve.resolve_options(args)),
+        ),
+        "pools": (
+            pools,
+            "show, scale, drain and rebalance a running server's pools (its admin API)",
+            pools.run,
+        ),
+        "bench": (
+            bench,
+            "benchmark an OpenAI-compatible server (TTFT, ITL, TPOT, goodput); "
+            "`pdserve bench compare --help`: configurations side by side",
+            bench.run,
+        ),
+        "sim": (
+            sim,
+            "simulate a deployment (serve's flags) on a workload (bench's) from a profile, in virtual time",
+            sim.run,
+        ),
+        "plan": (
+            plan,
+            "the pool sizes that meet an SLO at the best goodput per worker, by simulating each candidate",
+            plan.run,
+        ),
+        "profile": (
+            profile_cli,
+            "measure what a model costs on this machine (or derive it from a roofline), for sim and plan",
+            profile_cli.run,
+        ),
+    }
+    for name, (module, help_text, _) in commands.items():
+        command_parser = sub.add_parser(
+            name,
+            help=help_text,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(command_parser)
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "compare"]:
@@ -120,39 +111,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
     args = parser.parse_args(argv)
-    if args.command == "bench":
+    if args.command in commands:
         try:
-            return bench.run(args)
-        except PdserveError as exc:
-            print(f"pdserve: error: {exc}", file=sys.stderr)
-            return 2
-    if args.command == "pools":
-        try:
-            return pools.run(args)
-        except PdserveError as exc:
-            print(f"pdserve: error: {exc}", file=sys.stderr)
-            return 2
-    if args.command == "profile":
-        try:
-            return profile_cli.run(args)
-        except PdserveError as exc:
-            print(f"pdserve: error: {exc}", file=sys.stderr)
-            return 2
-    if args.command == "plan":
-        try:
-            return plan.run(args)
-        except PdserveError as exc:
-            print(f"pdserve: error: {exc}", file=sys.stderr)
-            return 2
-    if args.command == "sim":
-        try:
-            return sim.run(args)
-        except PdserveError as exc:
-            print(f"pdserve: error: {exc}", file=sys.stderr)
-            return 2
-    if args.command == "serve":
-        try:
-            return serve.run(serve.resolve_options(args))
+            return commands[args.command][2](args)
         except PdserveError as exc:
             print(f"pdserve: error: {exc}", file=sys.stderr)
             return 2
