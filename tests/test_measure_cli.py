@@ -46,3 +46,5 @@ def test_flags_that_do_not_go_together_are_refused(
     assert main(["profile", "--hardware", "h200", "--model-shape", "llama-3.1-8b", "--model", "x", *out]) == 2
     assert main(["profile", "--model", "smollm2-135m", "--threads", "0", *out]) == 2
     assert "--threads must be >= 1" in capsys.readouterr().err
+    assert main(["profile", "--model", "smollm2-135m", "--transports", "shm,nixl", *out]) == 2
+    assert "cannot measure nixl here" in capsys.readouterr().err

@@ -102,3 +102,5 @@ def test_plan_without_an_slo_or_budget_is_refused(tmp_path: Path, capsys: pytest
     assert "needs an SLO" in capsys.readouterr().err
     assert main([*flags, "--budget", "0", "--slo", "ttft=100"]) == 2
     assert "--budget must be >= 1" in capsys.readouterr().err
+    assert main([*flags, "--budget", "2", "--slo", "ttft=100", "--rate-scales", "1,x"]) == 2
+    assert "--rate-scales must be numbers" in capsys.readouterr().err

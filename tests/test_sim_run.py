@@ -117,6 +117,8 @@ def test_bad_input_is_said_plainly(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "no transfer time for --transport nixl" in capsys.readouterr().err
     assert main([*flags, "--colocated", "1", "--prefill", "1"]) == 2
     assert "either --colocated N or --prefill P --decode D" in capsys.readouterr().err
+    assert main([*flags, "--colocated", "1", "--timeline-window", "0"]) == 2
+    assert "--timeline-window must be" in capsys.readouterr().err
     assert (
         main(["sim", "--profile", str(tmp_path / "none.json"), "--max-requests", "1", "--colocated", "1"])
         == 2

@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     configs, urls = columns(args.config, args.url)
     check_timeline_options(args)
     slos = parse_slos(args.slo)
-    scales = _scales(args.rate_scales) if args.rate_scales else [args.rate_scale]
+    scales = rate_scales(args.rate_scales) if args.rate_scales else [args.rate_scale]
     repeats = range(args.repeats)
     # Repeat r draws its workload from seed + r: every column gets the identical requests within a
     # repeat, and the medians over repeats average over both machine noise and the luck of one draw.
@@ -343,7 +343,8 @@ def run(args: argparse.Namespace) -> int:
     return 130 if interrupted else 0
 
 
-def _scales(text: str) -> list[float]:
+def rate_scales(text: str) -> list[float]:
+    """`--rate-scales 0.5,1,2`: positive numbers (`bench compare` and `pdserve plan`)."""
     try:
         scales = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:

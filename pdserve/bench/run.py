@@ -65,15 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="where the server's tokenizer is (built-in name, .gguf file or Hugging Face folder); "
         "default: --model. Prompt token counts are exact for this tokenizer.",
     )
-    p.add_argument(
-        "--workload",
-        default="chat",
-        help=f"a workload spec or a preset ({', '.join(NAMED_MIXES)}); see pdserve/bench/workload.py",
-    )
-    p.add_argument("--max-requests", type=int, default=None)
-    p.add_argument("--duration", type=float, default=None, help="seconds; no request is sent after it")
-    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply every class's rate by this")
-    p.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(p)
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument(
         "--prompt-format",
@@ -102,6 +94,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", type=Path, default=None, help="folder for records.jsonl and summary.json")
     p.add_argument("--no-progress", action="store_true")
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The workload's flags: `pdserve bench`'s, and `pdserve sim`'s and `pdserve plan`'s."""
+    p.add_argument(
+        "--workload",
+        default="chat",
+        help=f"a workload spec or a preset ({', '.join(NAMED_MIXES)}); see pdserve/bench/workload.py",
+    )
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--duration", type=float, default=None, help="seconds; no request is sent after it")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply every class's rate by this")
+    p.add_argument("--seed", type=int, default=0)
 
 
 def prepare(

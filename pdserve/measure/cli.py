@@ -29,6 +29,8 @@ from typing import Any
 from pdserve.errors import PdserveError
 from pdserve.sim.profile import Overhead, Profile
 
+MEASURED_TRANSPORTS = ("shm", "tcp")  # nixl moves a GPU's or a remote node's KV: not measured here
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="where to write the profile (JSON)")
@@ -63,6 +65,11 @@ def run(args: argparse.Namespace) -> int:
             raise PdserveError("give --model (measure it here) or --hardware and --model-shape (a roofline)")
         if args.threads < 1:
             raise PdserveError("--threads must be >= 1")
+        unknown = sorted(set(args.transports.split(",")) - set(MEASURED_TRANSPORTS) - {""})
+        if unknown:  # said now, not after minutes of sweeping
+            raise PdserveError(
+                f"--transports: cannot measure {', '.join(unknown)} here (it measures {', '.join(MEASURED_TRANSPORTS)})"
+            )
         profile = measured(args)
     profile.save(args.out)
     print("\n".join(describe(profile)))

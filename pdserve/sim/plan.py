@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import serve_options
+from pdserve.bench.compare import rate_scales
 from pdserve.bench.summary import parse_slos, summarize
 from pdserve.bench.workload import parse_workload
 from pdserve.errors import PdserveError
@@ -242,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     slos = parse_slos(args.report_slo if args.report_slo is not None else base["slo"])
     if not slos:
         raise PdserveError("pdserve plan needs an SLO to plan for: --slo ttft=MS,itl=MS")
-    scales = [float(s) for s in args.rate_scales.split(",")] if args.rate_scales else [1.0]
+    scales = rate_scales(args.rate_scales) if args.rate_scales else [1.0]
     tried = candidates(args.budget, kinds, parse_vary(args.vary))
     percentile = base["slo_percentile"]
     report: dict[str, Any] = {

@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import clock, serve, serve_options
+from pdserve.bench.run import add_workload_arguments, check_timeline_options
 from pdserve.bench.summary import RequestRecord, format_summary, parse_slos, redacted_command, summarize
 from pdserve.bench.timeline import DEFAULT_WINDOW_S, build_timeline, format_timeline, pool_counts
-from pdserve.bench.workload import NAMED_MIXES, Workload, parse_workload
+from pdserve.bench.workload import Workload, parse_workload
 from pdserve.errors import PdserveError
 from pdserve.sim import profile as profiles
 from pdserve.sim.cluster import SimCluster
@@ -53,15 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_simulation_arguments(p: argparse.ArgumentParser) -> None:
     """What `pdserve sim` and `pdserve plan` take beyond serve's flags: the profile and the workload."""
     p.add_argument("--profile", type=Path, required=True, help="a profile from `pdserve profile` (JSON)")
-    p.add_argument(
-        "--workload",
-        default="chat",
-        help=f"a workload spec or a preset ({', '.join(NAMED_MIXES)}), as for `pdserve bench`",
-    )
-    p.add_argument("--max-requests", type=int, default=None)
-    p.add_argument("--duration", type=float, default=None, help="seconds; no request is sent after it")
-    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply every class's rate by this")
-    p.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(p)
     p.add_argument(
         "--report-slo",
         default=None,
@@ -239,6 +232,7 @@ def load_inputs(args: argparse.Namespace) -> tuple[profiles.Profile, Workload]:
         raise PdserveError("give --max-requests or --duration (or both): a simulation must end by itself")
     if not args.finish_timeout > 0:
         raise PdserveError("--finish-timeout must be > 0")
+    check_timeline_options(args)
     profile = profiles.load(args.profile)
     workload = parse_workload(args.workload, args.seed, args.max_requests, args.duration, args.rate_scale)
     return profile, workload
