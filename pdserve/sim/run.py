@@ -242,10 +242,20 @@ def report_slos(args: argparse.Namespace, o: dict[str, Any]) -> dict[str, float]
     return parse_slos(args.report_slo if args.report_slo is not None else o["slo"])
 
 
+class _SimulatedTimeFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        record.simulated = f"t={clock.monotonic():10.4f}"
+        return super().format(record)
+
+
 def run(args: argparse.Namespace) -> int:
     profile, workload = load_inputs(args)
     o = resolve(args, profile)
     slos = report_slos(args, o)
+    # serve's --log-level, with each line stamped in simulated seconds (the wall clock says nothing)
+    handler = logging.StreamHandler()
+    handler.setFormatter(_SimulatedTimeFormatter("%(simulated)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=o["log_level"], handlers=[handler])
     print(f"workload ({len(workload.requests)} requests):\n{workload.describe()}", file=sys.stderr)
     result = simulate(
         o,
