@@ -69,8 +69,15 @@ def simulate(
     # The SLO is the report's, as bench compare's --slo is: the measured server got only the
     # config's flags (its own --slo, if any, which sets its ITL budget and so its path choice).
     sim_args = parser.parse_args(
-        ["--profile", str(args.profile), "--model", args.model, *shlex.split(serve_args)]
-        + ["--report-slo", args.slo]
+        [
+            "--profile",
+            str(args.profile),
+            "--model",
+            args.model,
+            *shlex.split(serve_args),
+            "--report-slo",
+            args.slo,
+        ]
     )
     profile = profiles.load(args.profile)
     o = sim.resolve(sim_args, profile)

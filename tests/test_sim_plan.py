@@ -4,15 +4,18 @@ that meet the SLO, a plain sentence for colocated, the rate sweep, and a rooflin
 
 from __future__ import annotations
 
+import argparse
 import json
+import shlex
 from pathlib import Path
 
 import pytest
 from test_sim_profile import fixed_profile
 
+from pdserve import serve_options
 from pdserve.cli import main
 from pdserve.errors import PdserveError
-from pdserve.sim.plan import Candidate, candidates, parse_vary
+from pdserve.sim.plan import Candidate, candidates, parse_vary, serve_command
 
 
 def test_the_candidates_are_every_split_and_every_colocated_size() -> None:
@@ -28,7 +31,7 @@ def test_the_candidates_are_every_split_and_every_colocated_size() -> None:
         "colocated 1, max_num_seqs=8, prefill_chunk_size=256", "colocated 1, max_num_seqs=16, prefill_chunk_size=256",
         "colocated 2, max_num_seqs=8, prefill_chunk_size=256", "colocated 2, max_num_seqs=16, prefill_chunk_size=256",
     ]  # fmt: skip
-    for bad in ("nonsense=1", "max_num_seqs=", "max_num_seqs=many"):
+    for bad in ("nonsense=1", "max_num_seqs=", "max_num_seqs=many", "pin_cpus=true,false", "metrics_key=a,b"):
         with pytest.raises(PdserveError, match="--vary"):
             parse_vary([bad])
 
@@ -61,6 +64,41 @@ def test_the_choice_meets_the_slo_with_the_best_goodput_per_worker(
         if not o["meets"]:
             assert o["within_slo"] < 0.9 or o["errors"] > 0
     assert "| deployment | workers |" in printed
+    # The command it prints serves what was simulated: serve's own parser reads the same options.
+    line = next(x for x in printed.splitlines() if x.startswith("Serve it as simulated: "))
+    words = shlex.split(line.removeprefix("Serve it as simulated: "))
+    assert words[:2] == ["pdserve", "serve"] and report["serve"] == shlex.join(words)
+    parser = argparse.ArgumentParser()
+    serve_options.add_arguments(parser)
+    served = serve_options.layered(parser.parse_args(words[2:]))
+    pools = Candidate(**chosen["candidate"] | {"settings": ()})
+    assert (served["prefill"], served["decode"], served["colocated"]) == (
+        pools.prefill or None, pools.decode or None, pools.colocated or None,
+    )  # fmt: skip
+    assert served["slo"] == "ttft=300,itl=100"  # the server's ITL budget, as simulated
+    assert served["model"] == "tiny"  # the profile's model, as simulated
+
+
+def test_the_serve_command_carries_the_varied_settings_and_the_options_given() -> None:
+    base = {name: default for name, (_, default, _) in serve_options.OPTIONS.items()}
+    base |= {
+        "model": "m",
+        "transport": "tcp",
+        "slo": "ttft=500,itl=50",
+        "pin_cpus": False,
+        "metrics_key": ["s3cret"],
+    }
+    command = serve_command(
+        Candidate(2, 3, settings=(("prefill_chunk_size", 256),)), base, Path("pools.toml")
+    )
+    parser = argparse.ArgumentParser()
+    serve_options.add_arguments(parser)
+    args = parser.parse_args(shlex.split(command)[2:])
+    assert args.config == Path("pools.toml")
+    assert (args.prefill, args.decode, args.prefill_chunk_size) == (2, 3, 256)
+    assert (args.transport, args.slo, args.pin_cpus, args.model) == ("tcp", "ttft=500,itl=50", False, "m")
+    assert "s3cret" not in command  # a key is never printed
+    assert "--port" not in command  # defaults are left out
 
 
 def test_a_roofline_plan_for_an_8b_model_on_h200_says_its_assumptions(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -123,6 +124,8 @@ def parse_vary(texts: list[str]) -> dict[str, list[Any]]:
                 f"--vary takes OPTION=V1,V2 with a serve option (such as prefill_chunk_size), got {text!r}"
             )
         kind = serve_options.OPTIONS[key][0]
+        if kind not in (int, float, str):  # bool("false") is True; a list or a file is no setting
+            raise PdserveError(f"--vary takes a number or a word setting, and {key} is a {kind.__name__}")
         try:
             vary[key] = [kind(v.strip()) for v in values.split(",") if v.strip()]
         except ValueError:
@@ -231,6 +234,32 @@ def verdict(outcomes: list[Outcome], budget: int, percentile: float) -> str:
     return sentence
 
 
+# Not printed in a command line: the pools come from the candidate, and a key is a secret.
+_NOT_IN_COMMAND = {"prefill", "decode", "colocated", "pools", "metrics_key"}
+
+
+def serve_command(candidate: Candidate, base: dict[str, Any], config: Path | None) -> str:
+    """The `pdserve serve` command line of a candidate as it was simulated: its pools and settings,
+    and every serve option given to plan that is not the default (the SLO among them: it is the
+    server's ITL budget for its path choice, and it moves the result)."""
+    words = ["pdserve", "serve"] + (["--config", str(config)] if config is not None else [])
+    pools = (
+        {"colocated": candidate.colocated}
+        if candidate.colocated
+        else {"prefill": candidate.prefill, "decode": candidate.decode}
+    )
+    chosen = dict(candidate.settings)
+    for name, (_, default, _) in serve_options.OPTIONS.items():
+        value = pools.get(name, chosen.get(name, base.get(name)))
+        if name in pools or name in chosen or (name not in _NOT_IN_COMMAND and value != default):
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool):
+                words.append(flag if value else "--no-" + name.replace("_", "-"))
+            elif value is not None:
+                words += [flag, str(value)]
+    return shlex.join(words)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.budget < 1:
         raise PdserveError("--budget must be >= 1")
@@ -261,12 +290,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n== load x{scale:g} of {args.workload}: {len(outcomes)} deployments simulated\n")
         print(table(outcomes, percentile))
         print("\n" + verdict(outcomes, args.budget, percentile))
+        chosen = best(outcomes)
+        if chosen is not None:
+            print(f"Serve it as simulated: {serve_command(chosen.candidate, base, args.config)}")
         dpd, coloc = fewest(outcomes, "disaggregated"), fewest(outcomes, "colocated")
         sweep_rows.append((scale, dpd, coloc))
         report["scales"][f"{scale:g}"] = {
             "outcomes": [asdict(o) | {"per_worker": o.per_worker} for o in outcomes],
             "choice": str(best(outcomes).candidate) if best(outcomes) else None,  # type: ignore[union-attr]
             "verdict": verdict(outcomes, args.budget, percentile),
+            "serve": serve_command(chosen.candidate, base, args.config) if chosen else None,
         }
     if len(scales) > 1:
         print("\n== the fewest workers that meet the SLO, by load\n")
