@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import signal
@@ -78,6 +79,45 @@ def test_a_run_records_every_request_with_exact_lengths(
     assert "TTFT ms" in done.stdout
     for plot in ("ttft_cdf.png", "itl_cdf.png", "itl_timeline.png"):
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_conversations_resend_the_conversation_and_the_workers_find_its_prefix(
+    server: Server, tiny_llama: Path, tmp_path: Path
+) -> None:
+    hits_before = server.metric("pdserve_prefix_cache_hits_total")
+    done = bench(
+        server.url,
+        tiny_llama,
+        tmp_path,
+        "--workload",
+        "talk: poisson(rate=4) prompt=fixed(140) output=fixed(6) turns=fixed(3) followup=fixed(12) think=fixed(30)",
+        "--max-requests",
+        "12",
+    )
+    assert done.returncode == 0, done.stderr
+    records = read_records(tmp_path / "records.jsonl")
+    assert len(records) == 12 and all(r.ok for r in records), [r.error for r in records]
+    sessions: dict[int, list] = {}
+    for r in records:
+        assert r.session is not None
+        sessions.setdefault(r.session, []).append(r)
+    assert len(sessions) == 4
+    for turns in sessions.values():
+        turns.sort(key=lambda r: r.turn)
+        assert [r.turn for r in turns] == [0, 1, 2] and turns[0].prompt_tokens == 140
+        for before, after in itertools.pairwise(turns):
+            # The whole conversation again (the answer re-encoded) and the 12 new tokens...
+            assert after.prompt_tokens >= before.prompt_tokens + 12
+            # ... sent after the answer before it ended, and the think time.
+            assert after.sent_s >= max([before.sent_s, *before.chunk_times_s]) + 0.03
+            assert after.scheduled_s is None
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [summary["turns"][t]["completed"] for t in ("1", "2", "3")] == [4, 4, 4]
+    assert "conversations, by turn" in done.stdout
+    # Each later turn found at least the first turn's two full 64-token blocks in a worker's cache.
+    assert server.metric("pdserve_prefix_cache_hits_total") - hits_before >= 8 * 128
+    assert server.metric("pdserve_worker_prefix_cache_blocks") > 0
+    server.wait_kv_free()  # cached blocks no request holds are free blocks
 
 
 def test_chat_with_text_prompts_and_a_duration_bound(

@@ -93,3 +93,24 @@ def test_a_recorded_command_line_never_holds_a_key() -> None:
     shown = redacted_command(argv)
     assert "secret" not in shown
     assert shown == "pdserve bench --api-key <redacted> --admin-key=<redacted> --model m --url u"
+
+
+def test_conversations_get_ttft_by_turn_and_old_records_still_read(tmp_path: Path) -> None:
+    records = []
+    for session in (0, 10):
+        for turn in range(5):
+            r = record(session + turn, float(turn), [turn + 0.1 * (turn + 1)], 2)
+            r.session, r.turn, r.prompt_tokens = session, turn, 100 * (turn + 1)
+            records.append(r)
+    records.append(record(20, 0.0, [0.9], 2))  # not a conversation: not in the turns
+    turns = summarize(records, 10.0)["turns"]
+    assert list(turns) == ["1", "2", "3", "4+"]
+    assert turns["1"]["ttft_ms"]["p50"] == pytest.approx(100.0) and turns["1"]["completed"] == 2
+    assert turns["4+"]["completed"] == 4 and turns["4+"]["prompt_tokens_mean"] == 450
+    assert "turn  2:    2 done" in format_summary(summarize(records, 10.0))
+    # records.jsonl written before conversations existed has no session or turn: still read.
+    (tmp_path / "old.jsonl").write_text(
+        '{"index": 0, "cls": "c", "scheduled_s": 0, "sent_s": 0, "prompt_tokens": 3, "output_tokens": 1, '
+        '"chunk_times_s": [0.5], "error": null}\n'
+    )
+    assert read_records(tmp_path / "old.jsonl")[0].session is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import itertools
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -392,3 +393,62 @@ def test_bad_steps_are_clear_errors(tmp_path: Path) -> None:
         with pytest.raises(WorkloadError) as error:
             parse_workload(spec, 0, 10, 30.0)
         assert message in str(error.value), (spec, str(error.value))
+
+
+# -- conversations ----------------------------------------------------------------------------------
+CONVERSATIONS = (
+    "chat: poisson(1) prompt=fixed(200) output=uniform(10,20) turns=uniform(2,4) "
+    "followup=uniform(5,30) think=fixed(1500)"
+)
+
+
+def test_a_conversation_class_draws_whole_conversations_with_later_turns_unscheduled() -> None:
+    w = parse_workload(
+        CONVERSATIONS + "; docs: poisson(0.2) prompt=fixed(50) output=fixed(4)", seed=3, duration_s=30
+    )
+    chats = [r for r in w.requests if r.cls == "chat"]
+    starts = [r for r in chats if r.turn == 0]
+    assert starts and all(r.arrival_s is not None and r.session == r.index for r in starts)
+    for first in starts:
+        turns = [r for r in chats if r.session == first.session]
+        assert [r.turn for r in turns] == list(range(len(turns))) and 2 <= len(turns) <= 4
+        assert turns[0].prompt_tokens == 200
+        for later in turns[1:]:  # sent after the turn before, not at a planned time
+            assert later.arrival_s is None and later.think_s == 1.5 and 5 <= later.prompt_tokens <= 30
+            assert 10 <= later.output_tokens <= 20 and isinstance(later.output_tokens, int)
+    # Each conversation's turns follow its first; the other class is as it would be alone.
+    assert [r.index for r in w.requests] == list(range(len(w.requests)))
+    alone = parse_workload("docs: poisson(0.2) prompt=fixed(50) output=fixed(4)", seed=3, duration_s=30)
+    docs = [(r.arrival_s, r.prompt_tokens) for r in w.requests if r.cls == "docs"]
+    assert docs == [(r.arrival_s, r.prompt_tokens) for r in alone.requests]
+    assert w == parse_workload(w.spec, seed=3, duration_s=30)  # the same seed, the same conversations
+    assert "turns=uniform(lo=2, hi=4)" in w.describe()
+
+
+def test_max_requests_counts_turns() -> None:
+    w = parse_workload(CONVERSATIONS, seed=0, max_requests=7)
+    assert len(w.requests) == 7
+    assert w.requests[0].turn == 0 and w.requests[-1].session is not None
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("poisson(1) prompt=fixed(9) output=fixed(9) turns=fixed(2)", "missing followup= and think="),
+        (
+            "concurrency(2) prompt=fixed(9) output=fixed(9) turns=fixed(2) followup=fixed(3) think=fixed(9)",
+            "closed loop",
+        ),
+        (
+            "poisson(1) prompt=fixed(9) output=fixed(9) turns=fixed(2) followup=fixed(3) think=fixed(9) turns=fixed(3)",
+            "two turns=",
+        ),
+        (
+            "poisson(1) prompt=fixed(9) output=fixed(9) chats=fixed(2)",
+            "known: prompt, output, turns, followup, think",
+        ),
+    ],
+)
+def test_bad_conversation_specs_are_clear_errors(spec: str, message: str) -> None:
+    with pytest.raises(WorkloadError, match=re.escape(message)):
+        parse_workload(spec, max_requests=4)

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from pdserve.bench.conversations import History
 from pdserve.bench.server_parts import scrape as server_parts_scrape
 from pdserve.bench.server_parts import summary_section
 from pdserve.bench.summary import RequestRecord
@@ -53,12 +54,20 @@ class PreparedRequest:
     index: int
     cls: str
     arrival_s: float | None
-    prompt: str | list[int]
+    prompt: str | list[int]  # a later turn of a conversation: its new part
     prompt_tokens: int
     output_tokens: int
+    session: int | None = None  # see RequestSpec (pdserve/bench/conversations.py)
+    turn: int = 0
+    think_s: float = 0.0
 
 
-def request_body(target: Target, req: PreparedRequest) -> dict[str, Any]:
+Prompt = str | list[int] | list[dict[str, str]]  # text, token ids, or chat messages
+
+
+def request_body(target: Target, req: PreparedRequest, prompt: Prompt | None = None) -> dict[str, Any]:
+    """The JSON body of `req`; `prompt` (a conversation's turn: all of it so far) replaces its own."""
+    prompt = req.prompt if prompt is None else prompt
     body: dict[str, Any] = {
         "model": target.model,
         "max_tokens": req.output_tokens,
@@ -69,21 +78,28 @@ def request_body(target: Target, req: PreparedRequest) -> dict[str, Any]:
         "ignore_eos": True,
     }
     if target.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": req.prompt}]
+        body["messages"] = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     else:
-        body["prompt"] = req.prompt
+        body["prompt"] = prompt
     return body | (target.extra_body or {})
 
 
 async def send_one(
-    client: httpx.AsyncClient, target: Target, req: PreparedRequest, start: float, record: RequestRecord
+    client: httpx.AsyncClient,
+    target: Target,
+    req: PreparedRequest,
+    start: float,
+    record: RequestRecord,
+    prompt: Prompt | None = None,
+    answer: list[str] | None = None,
 ) -> RequestRecord:
-    """Sends `req` and fills `record` as chunks arrive (times after `start`). The caller makes the
-    record: if this is cancelled, the record still holds the chunks that came and the error."""
+    """Sends `req` (with `prompt` in place of its own, if given) and fills `record` as chunks arrive
+    (times after `start`), and `answer` with the text pieces. The caller makes the record: if this
+    is cancelled, the record still holds the chunks that came and the error."""
     path = "/v1/chat/completions" if target.endpoint == "chat" else "/v1/completions"
     chunks = 0
     try:
-        async with client.stream("POST", path, json=request_body(target, req)) as response:
+        async with client.stream("POST", path, json=request_body(target, req, prompt)) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {text[:300]}"
@@ -120,6 +136,8 @@ async def send_one(
                     if piece:
                         record.chunk_times_s.append(now)
                         chunks += 1
+                        if answer is not None:
+                            answer.append(piece)
     except httpx.HTTPError as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     except asyncio.CancelledError:
@@ -185,6 +203,7 @@ async def run_load(
     pool_sample_interval_s: float = 0.0,
     pool_samples: list[dict[str, Any]] | None = None,
     server_parts: dict[str, Any] | None = None,
+    encode: Callable[[str], list[int]] | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Records of every request sent (in send order) and the run's duration in seconds.
 
@@ -196,11 +215,19 @@ async def run_load(
 
     `pool_sample_interval_s` > 0: GET /pools that often (see `sample_pools`) from the start until the
     run ends, into `pool_samples` (same clock as the records). `server_parts`, if given, gets the
-    server's TTFT parts and path counts for this run ("ttft_parts", "paths": pdserve/bench/server_parts.py)."""
+    server's TTFT parts and path counts for this run ("ttft_parts", "paths": pdserve/bench/server_parts.py).
+
+    A conversation's later turns (`req.turn` > 0) are sent `think_s` after the turn before ended
+    (bench/conversations.py), with the conversation so far; never after `duration_s`, never after
+    a failed turn. `encode` (text -> token ids) is needed for conversations sent as token ids."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(target.request_timeout_s, connect=30.0)
     records = records if records is not None else []
     tasks: list[tuple[PreparedRequest, asyncio.Task[RequestRecord]]] = []
+    # Conversations: each one so far, its turns after the first, and the tasks that send them.
+    histories: dict[int, History] = {}
+    later = {(r.session, r.turn): r for r in requests if r.turn > 0}
+    followers: list[asyncio.Task[None]] = []
     slots = asyncio.Semaphore(concurrency) if concurrency else None
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     async with httpx.AsyncClient(
@@ -218,8 +245,21 @@ async def run_load(
             record = RequestRecord(
                 req.index, req.cls, req.arrival_s, time.perf_counter() - start, req.prompt_tokens
             )
+            record.session, record.turn = req.session, req.turn
+            prompt: Prompt | None = None
+            answer: list[str] = []
+            history: History | None = None
             try:
-                await send_one(client, target, req, start, record)
+                if req.session is not None:
+                    history = histories.setdefault(req.session, History())
+                    prompt = history.prompt(target.endpoint, req.prompt)
+                    if isinstance(prompt, list) and not isinstance(req.prompt, str):
+                        record.prompt_tokens = len(prompt)  # ids: exact
+                await send_one(client, target, req, start, record, prompt, answer)
+                nxt = later.get((req.session, req.turn + 1))
+                if nxt is not None and history is not None and record.ok and not stopping:
+                    history.answered(prompt, "".join(answer), encode)
+                    followers.append(asyncio.create_task(follow(nxt)))
             except Exception as exc:  # not the server's doing: still an error, not a success
                 record.error = f"client error: {type(exc).__name__}: {exc}"
             finally:
@@ -233,8 +273,17 @@ async def run_load(
                     on_done(record)
             return record
 
+        async def follow(req: PreparedRequest) -> None:
+            """A conversation's next turn, after its think time (not after the run's end)."""
+            await asyncio.sleep(req.think_s)
+            if not stopping and (duration_s is None or time.perf_counter() - start < duration_s):
+                await fire(req)
+
+        stopping = False
         try:
             for req in requests:
+                if req.turn > 0:
+                    continue  # sent by `follow` when the turn before it has ended
                 if duration_s is not None and time.perf_counter() - start >= duration_s:
                     break
                 if slots is not None:
@@ -246,18 +295,26 @@ async def run_load(
                     if duration_s is not None and req.arrival_s >= duration_s:
                         break
                 tasks.append((req, asyncio.create_task(fire(req))))
-            if tasks:
-                _, pending = await asyncio.wait([task for _, task in tasks], timeout=drain_timeout_s)
-                for task in pending:
-                    task.cancel()
+            # Until every request is done, conversations' later turns included (they start while
+            # this waits), or the drain timeout after the last planned send.
+            deadline = time.perf_counter() + drain_timeout_s
+            while True:
+                running = [task for _, task in tasks if not task.done()] + [
+                    f for f in followers if not f.done()
+                ]
+                left = deadline - time.perf_counter()
+                if not running or left <= 0:
+                    break
+                await asyncio.wait(running, timeout=left, return_when=asyncio.FIRST_COMPLETED)
         finally:
             # The drain timeout or Ctrl-C (this coroutine cancelled: then what follows runs before
             # the KeyboardInterrupt, which is why it is all in `finally`): what is still running
-            # is cancelled, and recorded by `fire`.
-            for _, task in tasks:
+            # is cancelled, and recorded by `fire`; no conversation goes on.
+            stopping = True
+            for task in [task for _, task in tasks] + followers:
                 if not task.done():
                     task.cancel()
-            for _, task in tasks:
+            for task in [task for _, task in tasks] + followers:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
             elapsed = time.perf_counter() - start
@@ -277,6 +334,8 @@ async def run_load(
                         elapsed,
                         req.prompt_tokens,
                         error="cancelled before it was sent: the benchmark ended first",
+                        session=req.session,
+                        turn=req.turn,
                     )
                     records.append(record)
                     if on_done is not None:

@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ from pdserve.bench.report import (
     render_sweep,
     render_timelines,
 )
-from pdserve.bench.run import check_timeline_options, prepare
+from pdserve.bench.run import check_timeline_options, conversation_encoder, prepare
 from pdserve.bench.summary import RequestRecord, parse_slos, redacted_command, summarize, write_records
 from pdserve.bench.timeline import DEFAULT_POOL_SAMPLE_INTERVAL_S, DEFAULT_WINDOW_S, build_timeline
 from pdserve.bench.workload import NAMED_MIXES, parse_workload
@@ -192,7 +193,12 @@ class StartedServer:
 
 
 def run_one(
-    label: str, url: str, model: str, requests: list[PreparedRequest], args: argparse.Namespace
+    label: str,
+    url: str,
+    model: str,
+    requests: list[PreparedRequest],
+    args: argparse.Namespace,
+    encode: Callable[[str], list[int]] | None = None,
 ) -> tuple[list[RequestRecord], float, list[dict[str, Any]], dict[str, Any]]:
     """The records, the duration, the pool samples and the server's TTFT parts of one run."""
     print(f"[{label}] {len(requests)} requests against {url}", file=sys.stderr, flush=True)
@@ -210,6 +216,7 @@ def run_one(
             pool_sample_interval_s=args.pool_sample_interval,
             pool_samples=samples,
             server_parts=parts,
+            encode=encode,
         )
     )
     return records, elapsed, samples, parts
@@ -238,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
     requests = {
         key: prepare(w, tokenizer, "completions", "ids", args.seed + key[1]) for key, w in workloads.items()
     }
+    # Conversations go on with their answers, which come back as text: re-encoded for the next turn.
+    encode = conversation_encoder(next(iter(workloads.values())), tokenizer, "completions", "ids")
     args.out.mkdir(parents=True, exist_ok=True)
 
     def name(label: str, scale: float) -> str:
@@ -250,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
 
     def measure(label: str, url: str, model: str, scale: float, r: int) -> None:
         tag = name(label, scale) + (f" run {r + 1}/{args.repeats}" if args.repeats > 1 else "")
-        records, elapsed, samples, parts = run_one(tag, url, model, requests[scale, r], args)
+        records, elapsed, samples, parts = run_one(tag, url, model, requests[scale, r], args, encode)
         runs.setdefault(name(label, scale), []).append(records)
         repeat_summaries.setdefault(name(label, scale), []).append(summarize(records, elapsed, slos) | parts)
         timeline = build_timeline(

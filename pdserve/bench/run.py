@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,9 +125,32 @@ def prepare(
         else:
             prompt, count = builder.text(spec.prompt_tokens)
         prepared.append(
-            PreparedRequest(spec.index, spec.cls, spec.arrival_s, prompt, count, spec.output_tokens)
+            PreparedRequest(
+                spec.index,
+                spec.cls,
+                spec.arrival_s,
+                prompt,
+                count,
+                spec.output_tokens,
+                spec.session,
+                spec.turn,
+                spec.think_s,
+            )
         )
     return prepared
+
+
+def conversation_encoder(
+    workload: Workload, tokenizer_name: str, endpoint: str, prompt_format: str
+) -> Callable[[str], list[int]] | None:
+    """text -> token ids, for conversations sent as ids (their answers come back as text); None
+    when there is none to send so."""
+    if endpoint != "completions" or prompt_format != "ids" or not any(r.turn for r in workload.requests):
+        return None
+    from pdserve.text.tokenizer import load_router_tokenizer
+
+    tokenizer = load_router_tokenizer(tokenizer_name)
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)
 
 
 def check_timeline_options(args: argparse.Namespace) -> None:
@@ -183,6 +207,9 @@ def run(args: argparse.Namespace) -> int:
                 pool_sample_interval_s=args.pool_sample_interval,
                 pool_samples=pool_samples,
                 server_parts=parts,
+                encode=conversation_encoder(
+                    workload, args.tokenizer or args.model, args.endpoint, args.prompt_format
+                ),
             )
         )
     except KeyboardInterrupt:

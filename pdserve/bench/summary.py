@@ -35,6 +35,8 @@ class RequestRecord:
     output_tokens: int = 0  # from the server's usage when it sent one, else chunks counted
     chunk_times_s: list[float] = field(default_factory=list)  # arrival of each chunk with text
     error: str | None = None
+    session: int | None = None  # a conversation's turn: the index of its first turn
+    turn: int = 0
 
     @property
     def ok(self) -> bool:
@@ -142,7 +144,27 @@ def summarize(
     classes = sorted({r.cls for r in records})
     if len(classes) > 1:
         summary["classes"] = {c: one([r for r in records if r.cls == c]) for c in classes}
+    if any(r.session is not None for r in records):
+        summary["turns"] = by_turn([r for r in records if r.session is not None])
     return summary
+
+
+def by_turn(records: list[RequestRecord]) -> dict[str, dict[str, Any]]:
+    """Conversations' turns: TTFT and prompt length by turn ("1", "2", "3", "4+"): later turns
+    resend longer conversations, which a prefix cache does not have to compute again."""
+    groups: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        groups.setdefault(str(r.turn + 1) if r.turn < 3 else "4+", []).append(r)
+    result = {}
+    for name in sorted(groups):
+        done = [r for r in groups[name] if r.ok]
+        result[name] = {
+            "requests": len(groups[name]),
+            "completed": len(done),
+            "prompt_tokens_mean": sum(r.prompt_tokens for r in done) / len(done) if done else math.nan,
+            "ttft_ms": distribution([r.ttft for r in done if r.ttft is not None]),
+        }
+    return result
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -167,6 +189,14 @@ def format_summary(summary: dict[str, Any]) -> str:
         if "goodput" in s:
             slo = ", ".join(f"{k}<={v:g}ms" for k, v in s["slos_ms"].items())
             lines.append(f"goodput ({slo}): {s['goodput']:.2f} req/s ({s['good_requests']} requests)")
+    if "turns" in summary:
+        lines.append("==== conversations, by turn ====")
+        for turn, t in summary["turns"].items():
+            d = t["ttft_ms"]
+            lines.append(
+                f"turn {turn:>2}: {t['completed']:4d} done, prompt mean {t['prompt_tokens_mean']:7.0f} tokens, "
+                f"TTFT ms p50 {d['p50']:8.1f}  p90 {d['p90']:8.1f}"
+            )
     return "\n".join(lines)
 
 

@@ -12,6 +12,8 @@ The command-line spec (`parse_workload`):
     item  := poisson(rate) | gamma(rate, burstiness) | constant(rate) | concurrency(n)
            | step(at_s, for_s, factor)               repeatable; with poisson, gamma or constant
            | prompt=DIST | output=DIST
+           | turns=DIST followup=DIST think=DIST     conversations (pdserve/bench/conversations.py):
+                                                   turns each, followup new tokens a turn, think ms
            | lengths(path, order=sample|file, length_scale=1, max_prompt_tokens, max_output_tokens)
            | trace(path, time_scale | rate, length_scale=1, max_prompt_tokens, max_output_tokens, start_s=0)
     DIST  := fixed(n) | uniform(lo, hi) | lognormal(median, sigma, min=1, max=none)
@@ -43,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.bench.conversations import Session
 from pdserve.bench.distributions import (
     Arrival,
     Concurrency,
@@ -74,8 +77,11 @@ class RequestSpec:
     index: int
     cls: str  # the class name
     arrival_s: float | None  # seconds after the start; None in closed-loop (concurrency) mode
-    prompt_tokens: int
+    prompt_tokens: int  # a later turn of a conversation: its new tokens (the rest is the conversation)
     output_tokens: int
+    session: int | None = None  # a conversation's turn: the index of its first (bench/conversations.py)
+    turn: int = 0  # 0: the first (or only) turn; later turns have no planned send time
+    think_s: float = 0.0  # a later turn: sent this long after the answer before it ended
 
 
 # --- classes and workloads --------------------------------------------------------------------
@@ -88,6 +94,7 @@ class WorkloadClass:
     name: str
     arrival: Arrival
     lengths: Lengths
+    session: Session | None = None  # a class of conversations: the arrivals start them
 
     def __post_init__(self) -> None:
         require(re.fullmatch(_NAME, self.name) is not None, f"bad class name {self.name!r}")
@@ -96,7 +103,8 @@ class WorkloadClass:
         return replace(self, arrival=self.arrival.scaled(factor))
 
     def describe(self) -> str:
-        return f"{self.name}: {self.arrival.describe()} {self.lengths.describe()}"
+        session = f" {self.session.describe()}" if self.session else ""
+        return f"{self.name}: {self.arrival.describe()} {self.lengths.describe()}{session}"
 
 
 def class_rngs(seed: int, name: str) -> tuple[Rng, Rng, Rng]:
@@ -163,8 +171,8 @@ def build_workload(
         _, rng_prompt, rng_output = class_rngs(seed, first.name)
         prompts, outputs = first.lengths.draw(rng_prompt, rng_output, max_requests)
         pairs = zip(prompts.tolist(), outputs.tolist(), strict=True)
-        requests = [RequestSpec(i, first.name, None, p, o) for i, (p, o) in enumerate(pairs)]
-        return Workload(tuple(classes), seed, max_requests, duration_s, requests, spec)
+        closed = [RequestSpec(i, first.name, None, p, o) for i, (p, o) in enumerate(pairs)]
+        return Workload(tuple(classes), seed, max_requests, duration_s, closed, spec)
     # Each class draws as if it were alone (up to max_requests of its own): the merge only picks
     # which draws make the cut and never changes them.
     merged: list[tuple[float, int, int, int, int]] = []
@@ -176,10 +184,38 @@ def build_workload(
         n = times.size
         merged += zip(times.tolist(), [k] * n, range(n), prompts.tolist(), outputs.tolist(), strict=True)
     merged.sort()  # ties: class order, then draw order
-    requests = [
-        RequestSpec(i, classes[k].name, t, p, o) for i, (t, k, _, p, o) in enumerate(merged[:max_requests])
-    ]
-    return Workload(tuple(classes), seed, max_requests, duration_s, requests, spec)
+    later = _later_turns(classes, seed, merged)
+    requests: list[RequestSpec] = []
+    for t, k, n, p, o in merged:  # each conversation's later turns right after its first
+        session = len(requests) if (k, n) in later else None
+        requests.append(RequestSpec(len(requests), classes[k].name, t, p, o, session))
+        for turn, (followup, output, think_s) in enumerate(later.get((k, n), ()), start=1):
+            requests.append(
+                RequestSpec(len(requests), classes[k].name, None, followup, output, session, turn, think_s)
+            )
+    return Workload(tuple(classes), seed, max_requests, duration_s, requests[:max_requests], spec)
+
+
+def _later_turns(
+    classes: Sequence[WorkloadClass], seed: int, merged: list[tuple[float, int, int, int, int]]
+) -> dict[tuple[int, int], list[tuple[int, int, float]]]:
+    """(class, draw) of each conversation's first turn -> its later turns' (new prompt tokens,
+    output tokens, think seconds)."""
+    later: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
+    for k, c in enumerate(classes):
+        if c.session is None:
+            continue
+        firsts = sorted(n for _, kk, n, _, _ in merged if kk == k)
+        turns, followup_rng, think_rng = c.session.draw(seed, c.name, len(firsts))
+        count = sum(t - 1 for t in turns)
+        followups = c.session.followup.sample(followup_rng, count).tolist()
+        thinks = c.session.think_ms.sample(think_rng, count).tolist()
+        outputs = c.lengths.draw(followup_rng, think_rng, count)[1].tolist()
+        at = 0
+        for n, t in zip(firsts, turns, strict=True):
+            later[(k, n)] = [(followups[i], outputs[i], thinks[i] / 1000) for i in range(at, at + t - 1)]
+            at += t - 1
+    return later
 
 
 # --- the command-line spec --------------------------------------------------------------------
@@ -335,8 +371,9 @@ def _parse_class(text: str, name: str | None) -> WorkloadClass:
             steps.append(_make(call, _STEPS))
         elif call.key is None:
             raise _unknown("arrival process", call.fn, call, [*_ARRIVALS, *_SOURCES, *_STEPS])
-        elif call.key not in ("prompt", "output"):
-            raise WorkloadError(f"unknown key '{call.key}' in '{call.text}'; known: prompt, output")
+        elif call.key not in ("prompt", "output", *_SESSION_KEYS):
+            known = ", ".join(("prompt", "output", *_SESSION_KEYS))
+            raise WorkloadError(f"unknown key '{call.key}' in '{call.text}'; known: {known}")
         elif call.fn not in _DISTS:
             raise _unknown("distribution", call.fn, call, list(_DISTS))
         else:
@@ -348,13 +385,32 @@ def _parse_class(text: str, name: str | None) -> WorkloadClass:
         )
     if steps:
         arrival = _stepped(arrival, tuple(steps), given["arrival processes"])
+    session = _session(dists, arrival, where)
     if rows is not None:
-        drop = " and ".join(k + "=" for k in dists)
-        require(not dists, f"'{given['length sources']}' gives both lengths; drop {drop}")
-        return WorkloadClass(name, arrival, rows)
+        drop = " and ".join(k + "=" for k in dists if k in ("prompt", "output"))
+        require(not drop, f"'{given['length sources']}' gives both lengths; drop {drop}")
+        return WorkloadClass(name, arrival, rows, session)
     missing = " and ".join(k + "=" for k in ("prompt", "output") if k not in dists)
     require(not missing, f"missing {missing} in {where} (or use lengths(path))")
-    return WorkloadClass(name, arrival, SyntheticLengths(dists["prompt"], dists["output"]))
+    return WorkloadClass(name, arrival, SyntheticLengths(dists["prompt"], dists["output"]), session)
+
+
+_SESSION_KEYS = ("turns", "followup", "think")
+
+
+def _session(dists: dict[str, LengthDist], arrival: Arrival, where: str) -> Session | None:
+    given = [k for k in _SESSION_KEYS if k in dists]
+    if not given:
+        return None
+    missing = " and ".join(k + "=" for k in _SESSION_KEYS if k not in dists)
+    require(
+        not missing, f"conversations need turns=, followup= and think= together: missing {missing} in {where}"
+    )
+    require(
+        not isinstance(arrival, Concurrency | Replay),
+        f"conversations start at the arrivals of poisson, gamma or constant, not a closed loop or a trace: {where}",
+    )
+    return Session(dists["turns"], dists["followup"], dists["think"])
 
 
 def _stepped(arrival: Arrival, steps: tuple[Step, ...], source: str) -> Stepped:
