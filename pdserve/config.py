@@ -69,6 +69,9 @@ class EngineConfig:
     # place; its steps run eagerly for now). "auto" is the portable path until the kernel has been
     # measured on a GPU.
     attention_backend: str = "auto"
+    # Prefix caching (engine/kv.py): a prompt's leading blocks already computed here, by any request,
+    # are shared instead of computed again; blocks no request holds stay cached until evicted.
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

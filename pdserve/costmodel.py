@@ -148,6 +148,7 @@ class StepCostModel:
         decode_context: int = 0,
         max_steps: int = 400,
         interrupts: bool = False,
+        cached: int = 0,
     ) -> tuple[float, float]:
         """(seconds until a new prompt of `prompt_tokens` has its first token, the longest step on
         the way) on a worker with the prompts `ahead` (remaining tokens, oldest first) still to
@@ -157,26 +158,30 @@ class StepCostModel:
         first, within `budget` tokens; the prefill role (`short_first`) runs waiting prompts of at
         most one chunk in a step of their own first. The step in progress is half done, unless
         the worker `interrupts` it for such a prompt: between two layers, when the prompt is
-        shorter than what each prompt ahead still has left (then it waits for no step)."""
+        shorter than what each prompt ahead still has left (then it waits for no step). The
+        first `cached` tokens of the prompt are in the worker's prefix cache: only the rest is
+        computed (attending to them), as the engine does."""
         remaining = [t for t in ahead if t > 0]
         new = max(1, prompt_tokens)
+        cached = min(max(0, cached), new - 1)
+        todo = new - cached
         elapsed = longest = 0.0
         jumps_in = (
             interrupts
             and short_first
-            and new <= chunk
-            and all(t - min(chunk, t) / 2 > new for t in remaining)
+            and todo <= chunk
+            and all(t - min(chunk, t) / 2 > todo for t in remaining)
         )
         if (remaining or decode_streams) and not jumps_in:  # a step is running when the request arrives
             first = _first_step(remaining, chunk, budget, decode_streams, decode_context)
             elapsed = 0.5 * self.step_seconds(first)
-        if short_first and new <= chunk:
+        if short_first and todo <= chunk:
             shorts = [t for t in remaining if t <= chunk]  # short ones ahead go in the same step
-            step = Step(sum(shorts) + new, sum(chunk_attention(0, t) for t in [*shorts, new]))
-            seconds = self.step_seconds(step)
+            attention = sum(chunk_attention(0, t) for t in shorts) + chunk_attention(cached, todo)
+            seconds = self.step_seconds(Step(sum(shorts) + todo, attention))
             return elapsed + seconds, seconds
         queue = [*remaining, new]
-        progress = [0] * len(queue)
+        progress = [0] * len(remaining) + [cached]
         for _ in range(max_steps):
             tokens = attention = 0
             left = budget - decode_streams
@@ -199,11 +204,12 @@ class StepCostModel:
         left_tokens = sum(total - p for total, p in zip(queue, progress, strict=True))
         return elapsed + left_tokens / max(1, tokens) * seconds, longest
 
-    def prefill_alone_seconds(self, prompt_tokens: int, chunk: int, budget: int) -> float:
-        """A prompt's own prefill time on an idle worker: what no number of workers can shorten."""
-        return self.prefill_finish_seconds(prompt_tokens, (), chunk=chunk, budget=budget, short_first=False)[
-            0
-        ]
+    def prefill_alone_seconds(self, prompt_tokens: int, chunk: int, budget: int, cached: int = 0) -> float:
+        """A prompt's own prefill time on an idle worker (with `cached` of its tokens in its prefix
+        cache): what no number of workers can shorten."""
+        return self.prefill_finish_seconds(
+            prompt_tokens, (), chunk=chunk, budget=budget, short_first=False, cached=cached
+        )[0]
 
     def decode_step_seconds(self, streams: int, context_per_stream: float) -> float:
         return self.step_seconds(Step(0, 0, streams, round(streams * context_per_stream)))

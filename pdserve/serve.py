@@ -189,6 +189,7 @@ def worker_config(
         threads=o["threads"],
         cuda_graphs=o["cuda_graphs"],
         attention_backend=o["attention_backend"],
+        prefix_cache=o["prefix_cache"],
     )
     return WorkerConfig(
         worker_id=worker_id,

@@ -134,6 +134,12 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
         "on a GPU: portable (torch, decode steps in CUDA graphs), triton (the paged kernel, steps run "
         "eagerly) or auto (portable until the kernel is measured)",
     ),
+    "prefix_cache": (
+        bool,
+        _default(_E, "prefix_cache"),
+        "prefix caching on every worker: a prompt's blocks already computed there are reused, not "
+        "computed again (--no-prefix-cache to compare)",
+    ),
     "cuda_graphs": (
         bool,
         _default(_E, "cuda_graphs"),

@@ -153,6 +153,9 @@ class Ready(msgspec.Struct, frozen=True, tag="ready"):
     # Prefill role: a prompt of at most one chunk that arrives during a step runs between two of
     # its layers when it is shorter than what that step's prompts have left (it waits for no step).
     prefill_interrupts: bool = False
+    # Its prefix cache's salt (blockkeys.py): with the tokens, what its block keys hash; "" when
+    # prefix caching is off. Its load reports say which keys it stores and evicts.
+    prefix_salt: str = ""
 
 
 class Tokens(msgspec.Struct, frozen=True, tag="tokens"):
@@ -231,6 +234,14 @@ class Load(msgspec.Struct, frozen=True, tag="load"):
     # Since the worker started (prefill role): steps of short prompts run between two layers of
     # another step (wire.Ready.prefill_interrupts).
     steps_between_layers: int = 0
+    # Since the worker started, in tokens: looked up in its prefix cache as it admitted requests,
+    # and found there; and the blocks cached now.
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefix_cached_blocks: int = 0
+    # Block keys (blockkeys.py) cached, and no longer cached, since the last report.
+    prefix_stored: list[bytes] = []
+    prefix_evicted: list[bytes] = []
 
 
 Message = (

@@ -159,6 +159,24 @@ def test_a_long_prompt_shares_steps_with_the_prompts_ahead() -> None:
     assert behind_four > 3 * alone
 
 
+def test_a_cached_prefix_is_not_computed_again_but_still_attended_to() -> None:
+    model = fitted()
+    whole = model.prefill_alone_seconds(1024, 256, 2048)
+    rest = model.prefill_alone_seconds(1024, 256, 2048, cached=768)
+    # The last 256 tokens only, attending to the 768 before them: one step, dearer than a fresh
+    # 256-token prompt.
+    assert rest == pytest.approx(true_seconds(Step(256, chunk_attention(768, 256))), rel=0.05)
+    assert model.prefill_alone_seconds(256, 256, 2048) < rest < whole / 2
+    # All of it cached: the last token is still computed (the worker samples from its logits).
+    assert model.prefill_alone_seconds(1024, 256, 2048, cached=1024) == pytest.approx(
+        true_seconds(Step(1, chunk_attention(1023, 1))), rel=0.05
+    )
+    busy, _ = model.prefill_finish_seconds(
+        1024, (2048,), chunk=256, budget=2048, short_first=True, cached=768
+    )
+    assert busy < model.prefill_finish_seconds(1024, (2048,), chunk=256, budget=2048, short_first=True)[0]
+
+
 def test_a_local_prefill_stalls_the_decode_streams_by_its_chunk() -> None:
     model = fitted()
     quiet = model.decode_step_seconds(8, 500)

@@ -91,6 +91,28 @@ def test_preempted_and_recomputed_requests_give_identical_tokens(
     assert llm.engine.kv.num_free_blocks == 16  # nothing leaked
 
 
+def test_prefix_caching_gives_the_greedy_tokens_of_computing_every_turn_again(tiny_llama: Path) -> None:
+    # A conversation of four turns (each resends the whole conversation, then new tokens) and, in
+    # the same batches, prompts that share its prefix: the cache skips most of each prompt.
+    options = {"block_size": 4, "chunk_size": 16, "num_kv_blocks": 64}
+    cached = LLM(str(tiny_llama), dtype="float32", **options)  # on by default
+    computed = LLM(str(tiny_llama), dtype="float32", prefix_cache=False, **options)
+    results = []
+    for llm in (cached, computed):
+        conversation, turns = prompts()[4], []
+        for turn in range(4):
+            batch = [conversation, [*conversation[:10], 7, 8, 9], prompts()[5]]
+            outs = tokens(llm.generate(batch, GREEDY))
+            turns.append(outs)
+            conversation = conversation + outs[0] + [11 + turn, 12, 13]
+        results.append(turns)
+    assert results[0] == results[1]
+    kv = cached.engine.kv
+    assert kv.prefix_hits > kv.prefix_queries / 2  # most of every later turn was found
+    assert computed.engine.kv.prefix_hits == 0 and kv.num_free_blocks == 64  # held by none
+    kv.check_consistency()
+
+
 def test_text_prompts_chat_and_outputs(tiny_llama: Path) -> None:
     llm = LLM(str(tiny_llama), dtype="float32")
     out = llm.generate("hello world", SamplingParams(max_tokens=5, temperature=0))[0]

@@ -34,6 +34,24 @@ def test_decode_goes_to_the_least_loaded_worker_with_room() -> None:
     assert choose_decode([]) is None
 
 
+def test_a_prompt_goes_where_it_is_cached_unless_that_worker_is_much_busier() -> None:
+    # Prefill: queued tokens and the prompt's own uncached tokens weigh alike.
+    prefill = [PrefillView("p0", 300, 0, cached=512), PrefillView("p1", 0, 0, cached=0)]
+    assert choose_prefill(prefill).worker_id == "p0"  # type: ignore[union-attr]  # 300 - 512 < 0
+    prefill = [PrefillView("p0", 900, 0, cached=512), PrefillView("p1", 0, 0, cached=0)]
+    assert choose_prefill(prefill).worker_id == "p1"  # type: ignore[union-attr]
+    # Decode: the worker holding the conversation, within a few streams of the least loaded.
+    holder = DecodeView("d0", active_requests=4, kv_blocks_free=500, kv_blocks_total=1000, cached=1024)
+    idle = DecodeView("d1", active_requests=2, kv_blocks_free=500, kv_blocks_total=1000)
+    assert choose_decode([holder, idle]).worker_id == "d0"  # type: ignore[union-attr]
+    busy_holder = DecodeView("d0", active_requests=9, kv_blocks_free=500, kv_blocks_total=1000, cached=1024)
+    assert choose_decode([busy_holder, idle]).worker_id == "d1"  # type: ignore[union-attr]
+    assert policy.cache_stream_slack(2) == 2 and policy.cache_stream_slack(40) == 10
+    # Of two holders, the one with more of it.
+    other = DecodeView("d2", active_requests=2, kv_blocks_free=500, kv_blocks_total=1000, cached=256)
+    assert choose_decode([holder, idle, other]).worker_id == "d0"  # type: ignore[union-attr]
+
+
 def test_rebalance_moves_from_the_busiest_until_counts_differ_by_at_most_one() -> None:
     assert policy.plan_rebalance({"a": 16, "b": 0}) == {"a": 8}
     assert policy.plan_rebalance({"a": 9, "b": 0}) == {"a": 4}  # 5 and 4
@@ -87,6 +105,32 @@ def test_a_chat_goes_local_when_the_prefill_worker_is_busy_and_the_stall_fits() 
     assert choice.local_ttft is not None and choice.remote_ttft is not None
     assert choice.local_ttft < choice.remote_ttft
     assert choice.predicted_ttft == choice.local_ttft and choice.alone_s is not None
+
+
+def test_a_next_turn_goes_local_where_its_conversation_is_cached() -> None:
+    # A 1200-token conversation whose first 1152 tokens the decode worker holds (it decoded the
+    # last answer there): computing the rest there beats prefilling all of it on an idle prefill
+    # worker, and only the rest's steps count against the ITL budget.
+    model = _machine()
+    idle_prefill = policy.PrefillCandidate("p0", (), chunk=256, budget=2048)
+    holder = policy.DecodeCandidate("d0", 4, 300, (), chunk=512, budget=2048, cached=1152)
+    choice = policy.choose_path_by_cost(
+        model, 1200, idle_prefill, holder, itl_budget_s=1.0, local_prefill_threshold=16
+    )
+    assert (choice.path, choice.reason) == ("local", "cost_model")
+    cold = policy.choose_path_by_cost(
+        model, 1200, idle_prefill, _decode(4), itl_budget_s=1.0, local_prefill_threshold=16
+    )
+    assert cold.path == "remote"  # nothing cached there: all 1200 tokens beside its streams
+    assert (
+        choice.local_ttft is not None
+        and cold.remote_ttft is not None
+        and choice.local_ttft < cold.remote_ttft / 3
+    )
+    # The prefill worker's own cache counts for the remote path the same way.
+    warm_prefill = policy.PrefillCandidate("p0", (), chunk=256, budget=2048, cached=1152)
+    remote = policy.choose_path_by_cost(model, 1200, warm_prefill, _decode(4), None, 16)
+    assert remote.remote_ttft is not None and remote.remote_ttft < cold.remote_ttft / 3
 
 
 def test_a_chat_goes_remote_to_a_busy_prefill_worker_that_interrupts_its_steps_for_it() -> None:

@@ -1,5 +1,6 @@
 """Scheduler: pure Python, no torch. Every test ends with a leak check: every block free."""
 
+import random
 import subprocess
 import sys
 import time
@@ -22,10 +23,11 @@ def make(
     blocks: int = 64,
     block_size: int = 4,
     clock: Callable[[], float] = time.monotonic,
+    prefix_cache: bool = False,
     **kw: int,
 ) -> Scheduler:
     config = SchedulerConfig(max_model_len=kw.pop("max_model_len", 1024), role=role, **kw)
-    return Scheduler(config, KVCacheManager(blocks, block_size), clock)
+    return Scheduler(config, KVCacheManager(blocks, block_size, prefix_cache), clock)
 
 
 def req(rid: str, prompt_len: int, max_tokens: int = 4, **kw: object) -> Request:
@@ -543,4 +545,86 @@ def test_the_scheduler_keeps_the_time_of_the_clock_it_is_given() -> None:
     run_step(s)
     assert r.last_token_time == 103.0
     drain(s)
+    assert_no_leak(s)
+
+
+# -- prefix caching -------------------------------------------------------------------------------
+def test_a_prompt_whose_prefix_is_cached_computes_only_the_rest() -> None:
+    s = make(block_size=4, prefix_cache=True)
+    s.add_request(req("a", 10, max_tokens=2))  # tokens 1..10; its KV: 1..10 and its first output
+    drain(s)
+    s.add_request(req("b", 14))  # tokens 1..14: blocks [1..4] and [5..8] are cached
+    out, _ = run_step(s)
+    assert [(c.start, c.num_tokens) for c in out.chunks] == [(8, 6)]
+    stats = s.stats()
+    assert (stats.prefix_queries, stats.prefix_hits) == (10 + 14, 8)
+    drain(s)
+    assert_no_leak(s)
+    # A prompt all cached: its last block is computed again (a step must yield logits to sample).
+    s.add_request(req("c", 8))
+    out, _ = run_step(s)
+    assert [(c.start, c.num_tokens, c.sample) for c in out.chunks] == [(4, 4, True)]
+    drain(s)
+    assert_no_leak(s)
+
+
+def test_the_next_turn_of_a_conversation_finds_the_tokens_generated_in_the_last() -> None:
+    s = make(block_size=4, prefix_cache=True)
+    first = req("turn1", 6, max_tokens=8)
+    s.add_request(first)
+    drain(s)
+    conversation = first.prompt_token_ids + first.output_token_ids  # 14 tokens, 13 with KV
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    s.add_request(Request("turn2", [*conversation, 50, 51, 52], params, (EOS,)))
+    out, _ = run_step(s)
+    assert out.chunks[0].start == 12  # three blocks, two of them holding generated tokens
+    drain(s)
+    assert_no_leak(s)
+
+
+def test_kv_that_arrived_from_a_prefill_worker_is_this_decode_worker_s_cache() -> None:
+    s = make(role=Role.DECODE, block_size=4, prefix_cache=True)
+    s.add_request(remote("a", 10, max_tokens=3))
+    s.admit_remote_kv()
+    s.remote_kv_done("a", ok=True)
+    drain(s)
+    # Its next turn, prefilled here: 1..10 came by the pull, 42 and 7 were decoded here.
+    nxt = req("b", 10)
+    nxt.prompt_token_ids += [42, 7, 7, 60]
+    s.add_request(nxt)
+    out, _ = run_step(s)
+    assert out.chunks[0].start == 12
+    drain(s)
+    assert_no_leak(s)
+
+
+def test_under_pressure_a_shared_or_cached_block_is_never_written() -> None:
+    # Conversations that share prefixes, in a cache too small for all of them: blocks are shared,
+    # evicted and preempted. No step may write a block another request holds, and every request
+    # still gets its tokens.
+    rng = random.Random(3)
+    s = make(blocks=14, block_size=4, prefix_cache=True, max_num_batched_tokens=16, chunk_size=8)
+    prefixes = [[rng.randint(100, 200) for _ in range(rng.randint(4, 12))] for _ in range(3)]
+    requests = []
+    for n in range(24):
+        tokens = rng.choice(prefixes) + [rng.randint(1, 99) for _ in range(rng.randint(1, 10))]
+        r = Request(f"r{n}", tokens, SamplingParams(max_tokens=rng.randint(1, 6), temperature=0.0), (EOS,))
+        requests.append(r)
+        s.add_request(r)
+    for _ in range(2000):
+        if not s.has_unfinished:
+            break
+        out = s.schedule()
+        for chunk in out.chunks:
+            table = s.kv.block_table(chunk.request.request_id)
+            first, last = chunk.start // 4, (chunk.start + chunk.num_tokens - 1) // 4
+            for block in table[first : last + 1]:
+                assert s.kv._refs[block] == 1, f"{chunk.request.request_id} writes a shared block {block}"
+                assert block not in s.kv._key_of, f"{chunk.request.request_id} writes a cached block {block}"
+        s.update_from_output(out, {c.request.request_id: 7 for c in out.chunks if c.sample})
+        s.kv.check_consistency()
+    assert all(
+        r.status.finished and len(r.output_token_ids) == r.sampling_params.max_tokens for r in requests
+    )
+    assert s.stats().prefix_hits > 0 and s.kv.evictions > 0
     assert_no_leak(s)

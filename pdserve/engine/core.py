@@ -400,11 +400,14 @@ def engine_core(
     num_blocks: int,
     device_type: str,
     clock: Callable[[], float] = time.monotonic,
+    cache_salt: str = "",
 ) -> EngineCore[AnyRunner]:
     """An engine core as configured, over `num_blocks` KV blocks: its step budget (as configured,
     else the device's: a GPU's steps are far larger), its context (never more than the cache),
     the scheduler and its KV bookkeeping. `clock`: the scheduler's (arrival and token times, the
-    ITL budget's wait), monotonic seconds; a simulation gives a virtual one."""
+    ITL budget's wait), monotonic seconds; a simulation gives a virtual one. `cache_salt`: what
+    besides the tokens makes two blocks' KV differ (the model, the cache's dtype), in every key of
+    the prefix cache."""
     max_num_batched_tokens, chunk_size = config.step_budget(device_type)
     context = config.max_model_len or model_config.max_position_embeddings
     # A request can never need more than the whole cache, or it would preempt itself forever.
@@ -417,7 +420,7 @@ def engine_core(
             max_num_batched_tokens=max_num_batched_tokens,
             chunk_size=chunk_size,
         ),
-        KVCacheManager(num_blocks, config.block_size),
+        KVCacheManager(num_blocks, config.block_size, config.prefix_cache, cache_salt.encode()),
         clock,
     )
     limits = EngineLimits(model_config.vocab_size, model_config.num_layers, max_model_len, device_type)

@@ -138,7 +138,8 @@ def _engine_core(
     runner = ModelRunner(
         model, model_config, num_blocks, config.block_size, dtype, device, config.seed, kv_allocator
     )
-    engine = engine_core(config, model_config, runner, eos_ids, num_blocks, device.type)
+    salt = f"{config.model}|{str(dtype).removeprefix('torch.')}"
+    engine = engine_core(config, model_config, runner, eos_ids, num_blocks, device.type, cache_salt=salt)
     if device.type == "cuda" and model.ops.varlen and config.cuda_graphs:
         logger.info(
             "CUDA graphs off: the %s attention runs every step eagerly (not captured yet)", model.ops.name

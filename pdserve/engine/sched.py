@@ -119,6 +119,10 @@ class SchedulerStats:
     kv_blocks_used: int
     kv_blocks_free: int
     num_preemptions: int
+    # Since start, in tokens: looked up in the prefix cache when requests were admitted, and found.
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    cached_blocks: int = 0  # keyed blocks, findable by a new prompt
 
 
 class Scheduler:
@@ -228,6 +232,8 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_ERROR
             return request
         request.num_computed_tokens = request.num_tokens - 1  # all but the last sampled token
+        # What arrived is this engine's cache now: the conversation's next turn finds it here.
+        self.kv.commit(request_id, request.num_computed_tokens, request.token_ids_slice)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return request
@@ -300,12 +306,16 @@ class Scheduler:
                 if not self._start_receiving(request, out.kv_to_receive):
                     break
                 continue
+            hit = self._reuse_cached_prefix(request)
             num_new = min(request.num_tokens_to_compute, budget, self._chunk_limit(request))
             num_new = self._within_step_budget(request, num_new, decodes, prompts)
             if num_new == 0:
+                self._unreuse(request, hit)
                 break  # its turn comes in a step with room for it (arrival order kept)
             if self.kv.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
+                self._unreuse(request, hit)
                 break  # no room: wait for blocks to free up rather than preempt running work
+            self._admitted(request, hit)
             self.waiting.popleft()
             request.first_scheduled_time = request.first_scheduled_time or self.clock()
             request.status = RequestStatus.RUNNING
@@ -327,6 +337,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += chunk.num_tokens
+            self.kv.commit(request.request_id, request.num_computed_tokens, request.token_ids_slice)
             if not chunk.sample:
                 continue
             token = sampled[request.request_id]
@@ -355,6 +366,9 @@ class Scheduler:
             kv_blocks_used=self.kv.num_used_blocks,
             kv_blocks_free=self.kv.num_free_blocks,
             num_preemptions=self.num_preemptions,
+            prefix_queries=self.kv.prefix_queries,
+            prefix_hits=self.kv.prefix_hits,
+            cached_blocks=self.kv.num_cached_blocks,
         )
 
     # -- internals ----------------------------------------------------------------------------------
@@ -385,11 +399,17 @@ class Scheduler:
         which none is waiting). `budget`: at most this many tokens (default the step's budget)."""
         budget = min(self.config.max_num_batched_tokens, budget or self.config.max_num_batched_tokens)
         for request in [r for r in self.waiting if r.num_tokens_to_compute <= self.config.chunk_size]:
+            if len(self.running) + len(self.receiving) >= self.config.max_num_seqs:
+                break
+            hit = self._reuse_cached_prefix(request)
             num_new = request.num_tokens_to_compute
-            if num_new > budget or len(self.running) + len(self.receiving) >= self.config.max_num_seqs:
+            if num_new > budget:
+                self._unreuse(request, hit)
                 break
             if self.kv.allocate(request.request_id, request.num_computed_tokens + num_new) is None:
+                self._unreuse(request, hit)
                 break  # no room: wait for blocks to free up rather than preempt running work
+            self._admitted(request, hit)
             self.waiting.remove(request)
             request.first_scheduled_time = request.first_scheduled_time or self.clock()
             request.status = RequestStatus.RUNNING
@@ -397,6 +417,27 @@ class Scheduler:
             out.chunks.append(self._chunk(request, num_new))
             budget -= num_new
         return out
+
+    def _reuse_cached_prefix(self, request: Request) -> int:
+        """A request about to start here with nothing computed: the cached blocks of its longest
+        cached prefix become its own (shared), and their tokens count as computed. Returns how
+        many tokens they hold. At least its last token is left to compute (for the logits)."""
+        if request.num_computed_tokens or request.remote_kv or self.kv.has_blocks(request.request_id):
+            return 0
+        tokens = request.token_ids_slice(0, request.num_tokens)
+        hit = self.kv.match_prefix(request.request_id, tokens, request.num_tokens - 1)
+        request.num_computed_tokens = hit
+        return hit
+
+    def _unreuse(self, request: Request, hit: int) -> None:
+        """The request could not start after all: it lets go of the cached blocks it was given."""
+        if hit:
+            self.kv.free(request.request_id)
+            request.num_computed_tokens = 0
+
+    def _admitted(self, request: Request, hit: int) -> None:
+        if not request.remote_kv:
+            self.kv.count_lookup(request.num_tokens, hit)
 
     def _chunk_limit(self, request: Request) -> int:
         if request.num_tokens_to_compute == 1:

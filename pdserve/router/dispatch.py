@@ -35,6 +35,7 @@ from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import Placement, Unavailable
+from pdserve.router.prefix import PromptKeys
 from pdserve.router.workers import Leg, LegEvent, WorkerDown, WorkerSet, WorkerView
 from pdserve.signals import Signals
 from pdserve.slo import ms_text
@@ -140,8 +141,27 @@ class Dispatcher:
         self.config = config
         self.metrics = metrics
         self.signals = signals or Signals()
-        self.placement = Placement(workers, config, self.signals)
+        self.placement = Placement(workers, config, self.signals, self._kv_choice)
+        self._load_over_cache_logged = 0.0  # when the fallback was last logged (at most every 10 s)
+        self._load_over_cache_since = 0
         self.admission = Admission(workers, config, metrics, self.signals, self.placement, at_bounds)
+
+    def _kv_choice(self, pool: str, decision: str) -> None:
+        """A worker chosen with the prompt's cached blocks weighed (Placement's `on_kv_choice`):
+        counted; the fallback to load over a worker holding more of the prompt is logged too."""
+        self.metrics.kv_routing.labels(pool, decision).inc()
+        if decision != "load_over_cache":
+            return
+        self._load_over_cache_since += 1
+        now = clock.monotonic()
+        if now - self._load_over_cache_logged >= 10.0:
+            logger.info(
+                "KV-aware routing: %d request(s) sent to a less loaded %s worker than the one with more "
+                "of the prompt cached, whose streams were over the slack (pdserve_kv_routing_total)",
+                self._load_over_cache_since,
+                pool,
+            )
+            self._load_over_cache_logged, self._load_over_cache_since = now, 0
 
     async def generate(
         self, state: RequestState, prompt: list[int], params: wire.WireSamplingParams
@@ -204,7 +224,8 @@ class Dispatcher:
         tokens, leg_id = attempt.tokens, attempt.leg_id
         resumed = list(emitted)  # a retry's outputs so far: computed again with the prompt
         to_compute = len(tokens) + len(resumed)
-        choice, prefill, local = self.placement.choose_path(to_compute)
+        prompt_keys = PromptKeys([*tokens, *resumed])  # what each worker has cached of it
+        choice, prefill, local = self.placement.choose_path(to_compute, prompt=prompt_keys)
         self.metrics.path_choices.labels(choice.path, choice.reason).inc()
         self.metrics.stall_margin.set(choice.stall_margin)
         if logger.isEnabledFor(logging.DEBUG):
@@ -293,7 +314,8 @@ class Dispatcher:
             answer.token_ids, pool="prefill", logprobs=answer.logprobs
         )  # the first token goes to the client now
 
-        decode = self.placement.pick_decode(blocks_needed=len(answer.kv.block_ids) + 1)
+        # Where the conversation is cached (its next turn finds it there), load permitting.
+        decode = self.placement.pick_decode(blocks_needed=len(answer.kv.block_ids) + 1, prompt=prompt_keys)
         dleg = self._open(
             state,
             decode,

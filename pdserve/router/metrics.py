@@ -250,6 +250,32 @@ class RouterMetrics:
             worker_labels,
             registry=r,
         )
+        self.worker_prefix_cached = Gauge(
+            "pdserve_worker_prefix_cache_blocks",
+            "KV blocks in the worker's prefix cache (held by requests or not): what a new prompt can find",
+            worker_labels,
+            registry=r,
+        )
+        self.kv_routing = Counter(
+            "pdserve_kv_routing",
+            "Workers chosen with the prompt's cached blocks weighed: cache (chosen for what it has "
+            "cached over a less loaded one), load (the least loaded, none with more of it cached), "
+            "load_over_cache (the fallback: another had more of it cached but too many streams)",
+            ("pool", "decision"),
+            registry=r,
+        )
+        self.prefix_queries = Counter(
+            "pdserve_prefix_cache_queries",
+            "Tokens the pool's workers looked up in their prefix caches as they admitted requests",
+            ("pool",),
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "pdserve_prefix_cache_hits",
+            "Of those tokens, the ones found cached (their KV reused, not computed again)",
+            ("pool",),
+            registry=r,
+        )
 
         self._worker_gauges = (
             self.worker_up,
@@ -262,6 +288,7 @@ class RouterMetrics:
             self.worker_rpc_refused,
             self.worker_rpc_dropped,
             self.worker_steps_between_layers,
+            self.worker_prefix_cached,
         )
 
     def load_gauges(self) -> tuple[Gauge, ...]:

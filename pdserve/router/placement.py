@@ -8,15 +8,19 @@ turns the router's live links into the views those rules take.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Literal, overload
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Literal, TypeVar, overload
 
 from pdserve.costmodel import StepCostModel
 from pdserve.errors import PdserveError
 from pdserve.router import policy
 from pdserve.router.config import RouterConfig
+from pdserve.router.prefix import PromptKeys
 from pdserve.router.workers import WorkerSet, WorkerView
 from pdserve.signals import Signals
+
+_View = TypeVar("_View", policy.PrefillView, policy.DecodeView)
 
 # The pools whose workers stream tokens to clients (the decode pool, or colocated workers).
 STREAM_POOLS = ("decode", "colocated")
@@ -27,29 +31,44 @@ class Unavailable(PdserveError):
 
 
 class Placement:
-    def __init__(self, workers: WorkerSet, config: RouterConfig, signals: Signals) -> None:
+    def __init__(
+        self,
+        workers: WorkerSet,
+        config: RouterConfig,
+        signals: Signals,
+        on_kv_choice: Callable[[str, str], None] | None = None,
+    ) -> None:
+        """`on_kv_choice(pool, decision)`: each worker chosen with a prompt's tokens known, where
+        decision is "cache" (chosen for what it has cached, over a less loaded one), "load" (the
+        least loaded, with no other having more of it cached) or "load_over_cache" (another had
+        more of it cached but too many streams: the fallback, counted and logged)."""
         self.workers = workers
         self.config = config
         self.signals = signals
+        self.on_kv_choice = on_kv_choice
 
     def choose_path(
         self,
         prompt_tokens: int,
         cost: StepCostModel | None = None,
         reserved: Mapping[str, Sequence[int]] | None = None,
+        prompt: PromptKeys | None = None,
     ) -> tuple[policy.PathChoice, WorkerView | None, WorkerView | None]:
         """(the choice, the prefill worker for a remote prefill, the decode worker for a local one).
         `reserved`: pool -> prompts admitted there and not sent to a worker yet; each worker of
-        the pool is taken to get its share of them, ahead of this one. Raises Unavailable when no
-        decode worker is up."""
-        decode = self.pick_decode()
-        prefill = self.pick_prefill()
+        the pool is taken to get its share of them, ahead of this one. `prompt`: its tokens (with
+        any outputs to compute again), to weigh what each worker has cached of it. Raises
+        Unavailable when no decode worker is up."""
+        decode = self.pick_decode(prompt=prompt)
+        prefill = self.pick_prefill(prompt)
         reserved = reserved or {}
         choice = policy.choose_path_by_cost(
             cost or (self.signals.cost if self.config.path_choice == "cost" else NEVER_READY),
             prompt_tokens,
-            _prefill_candidate(prefill, self._share(reserved, "prefill")) if prefill is not None else None,
-            _decode_candidate(decode, self._share(reserved, decode.pool)),
+            _prefill_candidate(prefill, self._share(reserved, "prefill"), prefill.cached_tokens(prompt))
+            if prefill is not None
+            else None,
+            _decode_candidate(decode, self._share(reserved, decode.pool), decode.cached_tokens(prompt)),
             self.config.slo.itl_s,
             self.config.local_prefill_threshold,
             self.config.slo.percentile,
@@ -63,17 +82,38 @@ class Placement:
         prompts = reserved.get(pool, ())
         return tuple(prompts[:: max(1, self.workers.count_up(pool))])
 
-    def pick_prefill(self) -> WorkerView | None:
+    def pick_prefill(self, prompt: PromptKeys | None = None) -> WorkerView | None:
         views = {w.worker_id: w for w in self.workers.up("prefill")}
-        chosen = policy.choose_prefill(
-            [
-                policy.PrefillView(
-                    w.worker_id, w.queued_prompt_tokens, w.load.queued_prompt_tokens if w.load else 0
-                )
-                for w in views.values()
-            ]
-        )
+        candidates = [
+            policy.PrefillView(
+                w.worker_id,
+                w.queued_prompt_tokens,
+                w.load.queued_prompt_tokens if w.load else 0,
+                w.cached_tokens(prompt),
+            )
+            for w in views.values()
+        ]
+        chosen = policy.choose_prefill(candidates)
+        if chosen is not None and prompt is not None:
+            self._kv_choice("prefill", chosen, candidates, policy.choose_prefill(_uncached(candidates)))
         return views[chosen.worker_id] if chosen else None
+
+    def _kv_choice(
+        self,
+        pool: str,
+        chosen: policy.PrefillView | policy.DecodeView,
+        candidates: Sequence[policy.PrefillView | policy.DecodeView],
+        by_load: policy.PrefillView | policy.DecodeView | None,
+    ) -> None:
+        if self.on_kv_choice is None or by_load is None:
+            return
+        most = max(c.cached for c in candidates)
+        if chosen.worker_id != by_load.worker_id and chosen.cached > by_load.cached:
+            self.on_kv_choice(pool, "cache")
+        elif most > chosen.cached:
+            self.on_kv_choice(pool, "load_over_cache")
+        else:
+            self.on_kv_choice(pool, "load")
 
     @overload
     def pick_decode(
@@ -82,6 +122,7 @@ class Placement:
         pools: tuple[str, ...] = ...,
         blocks_needed: int = ...,
         required: Literal[True] = ...,
+        prompt: PromptKeys | None = ...,
     ) -> WorkerView: ...
 
     @overload
@@ -92,6 +133,7 @@ class Placement:
         blocks_needed: int = ...,
         *,
         required: Literal[False],
+        prompt: PromptKeys | None = ...,
     ) -> WorkerView | None: ...
 
     def pick_decode(
@@ -100,22 +142,28 @@ class Placement:
         pools: tuple[str, ...] = STREAM_POOLS,
         blocks_needed: int = 0,
         required: bool = True,
+        prompt: PromptKeys | None = None,
     ) -> WorkerView | None:
         """The worker to stream from (not the one whose id is `exclude`), preferring one whose last
-        report shows room for `blocks_needed` KV blocks; None, or Unavailable if `required`."""
+        report shows room for `blocks_needed` KV blocks, and one with `prompt` cached
+        (policy.choose_decode); None, or Unavailable if `required`."""
         views = {w.worker_id: w for w in self.workers.up(*pools) if w.worker_id != exclude}
-        chosen = policy.choose_decode(
-            [
-                policy.DecodeView(
-                    w.worker_id,
-                    w.streams,
-                    w.load.kv_blocks_free if w.load else None,
-                    (w.load.kv_blocks_free + w.load.kv_blocks_used) if w.load else None,
-                )
-                for w in views.values()
-            ],
-            blocks_needed,
-        )
+        candidates = [
+            policy.DecodeView(
+                w.worker_id,
+                w.streams,
+                w.load.kv_blocks_free if w.load else None,
+                (w.load.kv_blocks_free + w.load.kv_blocks_used) if w.load else None,
+                w.cached_tokens(prompt),
+            )
+            for w in views.values()
+        ]
+        chosen = policy.choose_decode(candidates, blocks_needed)
+        if chosen is not None and prompt is not None:
+            pool = views[chosen.worker_id].pool
+            self._kv_choice(
+                pool, chosen, candidates, policy.choose_decode(_uncached(candidates), blocks_needed)
+            )
         if chosen is None:
             if required:
                 raise Unavailable("no decode worker is up: the decode pool is empty")
@@ -126,14 +174,28 @@ class Placement:
 NEVER_READY = StepCostModel(min_samples=2**62)  # --path-choice threshold: always "cold"
 
 
-def _prefill_candidate(view: WorkerView, reserved: tuple[int, ...] = ()) -> policy.PrefillCandidate:
+def _uncached(candidates: Sequence[_View]) -> list[_View]:
+    """The same workers as if none had anything cached: whom load alone would choose."""
+    return [replace(c, cached=0) for c in candidates]
+
+
+def _prefill_candidate(
+    view: WorkerView, reserved: tuple[int, ...] = (), cached: int = 0
+) -> policy.PrefillCandidate:
     interrupts = bool(view.ready and view.ready.prefill_interrupts)
     return policy.PrefillCandidate(
-        view.worker_id, view.prompts_ahead() + reserved, view.chunk_size, view.token_budget, interrupts
+        view.worker_id,
+        view.prompts_ahead() + reserved,
+        view.chunk_size,
+        view.token_budget,
+        interrupts,
+        cached,
     )
 
 
-def _decode_candidate(view: WorkerView, reserved: tuple[int, ...] = ()) -> policy.DecodeCandidate:
+def _decode_candidate(
+    view: WorkerView, reserved: tuple[int, ...] = (), cached: int = 0
+) -> policy.DecodeCandidate:
     return policy.DecodeCandidate(
         view.worker_id,
         view.decoding,
@@ -141,4 +203,5 @@ def _decode_candidate(view: WorkerView, reserved: tuple[int, ...] = ()) -> polic
         view.prompts_ahead() + reserved,
         view.chunk_size,
         view.token_budget,
+        cached,
     )

@@ -22,6 +22,7 @@ class PrefillView:
     worker_id: str
     queued_prompt_tokens: int  # sent by this router and not prefilled yet (exact, not sampled)
     reported_queued_tokens: int  # what the worker last reported (other routers' work included)
+    cached: int = 0  # tokens of this prompt in its prefix cache (router/prefix.py)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class DecodeView:
     active_requests: int  # streams this router has on the worker
     kv_blocks_free: int | None  # from the worker's last Load; None before the first one
     kv_blocks_total: int | None
+    cached: int = 0  # tokens of this prompt in its prefix cache (router/prefix.py)
 
 
 def choose_path(prompt_tokens: int, local_prefill_threshold: int, prefill_available: bool) -> str:
@@ -40,15 +42,28 @@ def choose_path(prompt_tokens: int, local_prefill_threshold: int, prefill_availa
 
 
 def choose_prefill(workers: list[PrefillView]) -> PrefillView | None:
-    """Least predicted wait: the fewest prompt tokens queued ahead (prefill time grows with them)."""
+    """Least predicted wait for the first token: the fewest prompt tokens to compute, those queued
+    ahead and this prompt's own less what the worker has cached of it (prefill time grows with
+    tokens computed, so the two weigh alike)."""
     if not workers:
         return None
-    return min(workers, key=lambda w: (max(w.queued_prompt_tokens, w.reported_queued_tokens), w.worker_id))
+    return min(
+        workers, key=lambda w: (max(w.queued_prompt_tokens, w.reported_queued_tokens) - w.cached, w.worker_id)
+    )
+
+
+def cache_stream_slack(least_streams: int) -> int:
+    """How many more streams than the least loaded worker one may have and still be chosen for the
+    prefix it has cached: a few streams more lengthen its steps a little, recomputing (or moving)
+    a conversation's KV costs far more. Not tuned by measurement yet."""
+    return max(2, least_streams // 4)
 
 
 def choose_decode(workers: list[DecodeView], blocks_needed: int = 0) -> DecodeView | None:
-    """The least loaded worker with room: fewest streams, then most free KV. A worker whose last
-    report shows too few free blocks for this prompt is passed over while another has room."""
+    """The worker with the most of this prompt cached, unless it has more than
+    `cache_stream_slack` streams above the least loaded; else the least loaded with room: fewest
+    streams, then most free KV. A worker whose last report shows too few free blocks for this
+    prompt is passed over while another has room."""
     if not workers:
         return None
     roomy = [w for w in workers if w.kv_blocks_free is None or w.kv_blocks_free >= blocks_needed]
@@ -60,7 +75,13 @@ def choose_decode(workers: list[DecodeView], blocks_needed: int = 0) -> DecodeVi
             used = 1.0 - w.kv_blocks_free / w.kv_blocks_total
         return (w.active_requests, used, w.worker_id)
 
-    return min(candidates, key=load)
+    least = min(candidates, key=load)
+    holder = max(candidates, key=lambda w: (w.cached, -w.active_requests))
+    if holder.cached > least.cached and holder.active_requests <= least.active_requests + cache_stream_slack(
+        least.active_requests
+    ):
+        return holder
+    return least
 
 
 def plan_rebalance(streams: dict[str, int]) -> dict[str, int]:
@@ -102,6 +123,7 @@ class PrefillCandidate:
     # A prompt of at most one chunk runs between two layers of the step in progress there,
     # rather than after it (wire.Ready.prefill_interrupts).
     interrupts: bool = False
+    cached: int = 0  # tokens of this prompt in its prefix cache: not computed again
 
 
 @dataclass(frozen=True)
@@ -114,6 +136,7 @@ class DecodeCandidate:
     ahead: tuple[int, ...]  # prompts it is prefilling itself
     chunk: int
     budget: int
+    cached: int = 0  # tokens of this prompt in its prefix cache: not computed again
 
 
 @dataclass(frozen=True)
@@ -158,10 +181,11 @@ def choose_path_by_cost(
             short_first=False,
             decode_streams=decode.streams,
             decode_context=context,
+            cached=decode.cached,
         )
-        alone = cost.prefill_alone_seconds(prompt_tokens, decode.chunk, decode.budget)
+        alone = cost.prefill_alone_seconds(prompt_tokens, decode.chunk, decode.budget, decode.cached)
         return PathChoice("local", "no_prefill_worker", local, alone, None, local, longest)
-    alone = cost.prefill_alone_seconds(prompt_tokens, prefill.chunk, prefill.budget)
+    alone = cost.prefill_alone_seconds(prompt_tokens, prefill.chunk, prefill.budget, prefill.cached)
     remote, _ = cost.prefill_finish_seconds(
         prompt_tokens,
         prefill.ahead,
@@ -169,6 +193,7 @@ def choose_path_by_cost(
         budget=prefill.budget,
         short_first=True,
         interrupts=prefill.interrupts,
+        cached=prefill.cached,
     )
     quiet = cost.decode_step_seconds(decode.streams, decode.context_per_stream)
     if itl_budget_s is not None:
@@ -199,6 +224,7 @@ def choose_path_by_cost(
         short_first=False,
         decode_streams=decode.streams,
         decode_context=context,
+        cached=decode.cached,
     )
     # The prompts already prefilling there share its steps: the check is on the whole step. Also
     # on a worker with no stream now: those that arrive while it prefills stall just the same.

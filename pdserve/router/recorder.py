@@ -20,6 +20,9 @@ class WorkerRecorder:
         self.signals = signals
         workers.on_load = self.load
         workers.on_state = self.state
+        # Each worker's prefix-cache totals (queries, hits) at its last report: the pool's
+        # counters grow by what each report adds.
+        self._prefix_totals: dict[str, tuple[int, int]] = {}
 
     def load(self, link: WorkerView) -> None:
         load = link.load
@@ -36,6 +39,11 @@ class WorkerRecorder:
         m.worker_rpc_refused.labels(*labels).set(load.rpc_refused)
         m.worker_rpc_dropped.labels(*labels).set(load.rpc_dropped)
         m.worker_steps_between_layers.labels(*labels).set(load.steps_between_layers)
+        m.worker_prefix_cached.labels(*labels).set(load.prefix_cached_blocks)
+        queries, hits = self._prefix_totals.get(link.worker_id, (0, 0))
+        m.prefix_queries.labels(link.pool).inc(max(0, load.prefix_queries - queries))
+        m.prefix_hits.labels(link.pool).inc(max(0, load.prefix_hits - hits))
+        self._prefix_totals[link.worker_id] = (load.prefix_queries, load.prefix_hits)
         if load.steps and link.up_at is not None:
             self.signals.steps(load.steps, clock.monotonic() - link.up_at)
 
@@ -43,6 +51,7 @@ class WorkerRecorder:
         m = self.metrics
         if link.state is WorkerState.STOPPED:  # gone for good: so are its series
             m.remove_worker(link.pool, link.worker_id)
+            self._prefix_totals.pop(link.worker_id, None)
         else:
             m.worker_up.labels(link.pool, link.worker_id).set(1 if link.connected else 0)
             if not link.connected:  # a dead worker's last load report says nothing about now

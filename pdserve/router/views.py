@@ -20,6 +20,7 @@ import enum
 from dataclasses import dataclass
 
 from pdserve import wire
+from pdserve.router.prefix import CachedPrefixes, PromptKeys
 
 # Before a worker's Ready says them: the engine's defaults.
 DEFAULT_CHUNK, DEFAULT_BUDGET, DEFAULT_MAX_SEQS = 512, 2048, 64
@@ -63,6 +64,13 @@ class WorkerView:
     queued_prompts: tuple[int, ...]
     prefill_tokens_per_s: float | None  # measured: prompt tokens a second of its prompt steps
     longest_recent_step_s: float  # its longest step reported of late (0 if none)
+    prefixes: CachedPrefixes | None = None  # the block keys it has cached (the link's own, live)
+
+    def cached_tokens(self, prompt: PromptKeys | None) -> int:
+        """Tokens of that prompt it has cached (0 without prefix caching or before it says)."""
+        if prompt is None or self.prefixes is None or self.ready is None or self.load is None:
+            return 0
+        return prompt.cached_tokens(self.prefixes, self.ready.prefix_salt, self.load.block_size)
 
     @property
     def up(self) -> bool:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from pdserve import clock, wire
 from pdserve.router.channel import Channel, Connector
+from pdserve.router.prefix import CachedPrefixes
 from pdserve.router.views import DownCause, WorkerState, WorkerView
 
 __all__ = ["DownCause", "Leg", "WorkerDown", "WorkerLink", "WorkerSet", "WorkerState", "WorkerView"]
@@ -112,6 +113,7 @@ class WorkerLink:
         # Legs dropped when the link went down: aborted on the worker once it answers again, in
         # case the process is the same one and still holds them.
         self.abandoned: set[str] = set()
+        self.prefixes = CachedPrefixes()  # the block keys it has cached (router/prefix.py)
 
     @property
     def role(self) -> str | None:
@@ -156,6 +158,7 @@ class WorkerLink:
             queued_prompts=tuple(queued),
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             longest_recent_step_s=self.longest_recent_step_s(),
+            prefixes=self.prefixes,
         )
 
     def connect(self, address: str, server_key: str) -> None:
@@ -250,6 +253,7 @@ class WorkerLink:
                 self._come_back(self.ready.role)  # it was only slow: it reports again
             self.load = message
             self.load_at = clock.monotonic()
+            self.prefixes.apply(message.prefix_stored, message.prefix_evicted)
             self._measure_prefill(message.steps)
             self._note_steps(message, self.load_at)
             self._notify_load()
@@ -315,6 +319,7 @@ class WorkerLink:
         if not self.connected:
             return
         self._reachable, self.down_cause, self.load = False, cause, None
+        self.prefixes.clear()  # a process that comes back may be a new one, with nothing cached
         logger.error("worker %s is down: %s", self.worker_id, reason)
         self._end_legs(reason)
         # A draining worker stays draining (its drain sees it unreachable and ends).

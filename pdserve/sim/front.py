@@ -60,14 +60,20 @@ class Front:
         self.max_model_len = max_model_len
         # Token ids the workers accept (a modelled engine ignores their values).
         self._ids = [1 + i % (vocab_size - 1) for i in range(4096)]
+        self._vocab_size = vocab_size
         self._serial = itertools.count()
+        self._prompts = itertools.count()
 
     def prompt(self, tokens: int) -> list[int]:
+        """Ids that differ from every other prompt's in their first two (as the bench's prompts
+        differ from their first token): the workers' prefix caches find nothing in common."""
         ids = self._ids
-        while len(ids) < tokens:
+        while len(ids) < tokens + 2:
             ids = ids + ids
         self._ids = ids
-        return ids[:tokens]
+        n = next(self._prompts)
+        head = [n // self._vocab_size % self._vocab_size, n % self._vocab_size]
+        return (head + ids)[:tokens]
 
     async def serve(self, spec: RequestSpec, start: float, record: RequestRecord) -> None:
         """One request, as the router serves it; fills `record` (times after `start`)."""

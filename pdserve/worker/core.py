@@ -96,6 +96,8 @@ class WorkerCore:
         `takes_kv`: whether it takes requests whose KV is elsewhere (default: it has an importer)."""
         self.engine = engine
         self.config = config
+        # Its load reports tell the router which prefixes it has cached (KV-aware routing).
+        engine.kv.record_events = engine.kv.prefix_cache
         self._send = send
         self._forget = forget
         self.kv_address = kv_address
@@ -131,6 +133,7 @@ class WorkerCore:
             node_id=self.config.node_id,
             kv_shm_address=self.shm_address,
             prefill_interrupts=prefill_interrupts,
+            prefix_salt=engine.kv.salt.decode() if engine.kv.prefix_cache else "",
         )
 
     def _record(self, request_id: str) -> OnWorker:
@@ -385,6 +388,7 @@ class WorkerCore:
         stats = self.engine.stats()
         step = self.engine.last_step
         steps, self._steps = self._steps, []
+        stored, evicted = self.engine.kv.take_events()
         return wire.Load(
             worker_id=self.config.worker_id,
             num_running=stats.num_running,
@@ -400,4 +404,9 @@ class WorkerCore:
             rpc_refused=rpc_refused,
             rpc_dropped=rpc_dropped,
             steps_between_layers=self.engine.steps_between_layers,
+            prefix_queries=stats.prefix_queries,
+            prefix_hits=stats.prefix_hits,
+            prefix_cached_blocks=stats.cached_blocks,
+            prefix_stored=stored,
+            prefix_evicted=evicted,
         )
