@@ -68,7 +68,8 @@ def measure(
 def worker_pdserve(args: argparse.Namespace) -> dict[str, float]:
     from pdserve import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, threads=args.threads, kv_cache_memory_gib=2.0)
+    # Prefix caching off, as vLLM's is below: the same prompts run twice (prefill, then decode).
+    llm = LLM(args.model, dtype=args.dtype, threads=args.threads, kv_cache_memory_gib=2.0, prefix_cache=False)
 
     def generate(prompts: list[list[int]], new_tokens: int) -> float:
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)

@@ -141,6 +141,7 @@ def worker_pdserve(
         device=args.device,
         max_num_seqs=max(args.batch_sizes),
         kv_cache_memory_gib=args.kv_cache_gib,
+        prefix_cache=False,  # the same prompts run twice (prefill, then decode): compute both times
         **options,
     )
 

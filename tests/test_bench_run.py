@@ -117,6 +117,9 @@ def test_conversations_resend_the_conversation_and_the_workers_find_its_prefix(
     # Each later turn found at least the first turn's two full 64-token blocks in a worker's cache.
     assert server.metric("pdserve_prefix_cache_hits_total") - hits_before >= 8 * 128
     assert server.metric("pdserve_worker_prefix_cache_blocks") > 0
+    # The router saw where the conversations were cached: each later turn went there.
+    assert server.metric("pdserve_kv_routing_total", decision="cache") >= 8
+    assert server.metric("pdserve_kv_routing_total", decision="load_over_cache") == 0
     server.wait_kv_free()  # cached blocks no request holds are free blocks
 
 

@@ -44,6 +44,24 @@ def test_the_paths_of_a_run_are_counted_between_the_scrapes() -> None:
     assert server_parts.summary_section(None, exposition_of(1, 1)) == {}
 
 
+def test_the_prefix_caches_hit_rate_of_a_run_sums_the_pools() -> None:
+    def exposition_of(queries: dict[str, int], hits: dict[str, int]) -> str:
+        registry = CollectorRegistry()
+        q = Counter(server_parts.PREFIX_QUERIES, "queries", ("pool",), registry=registry)
+        h = Counter(server_parts.PREFIX_HITS, "hits", ("pool",), registry=registry)
+        for pool, n in queries.items():
+            q.labels(pool).inc(n)
+        for pool, n in hits.items():
+            h.labels(pool).inc(n)
+        return generate_latest(registry).decode()
+
+    before = exposition_of({"prefill": 100, "decode": 0}, {"prefill": 0, "decode": 0})
+    after = exposition_of({"prefill": 600, "decode": 500}, {"prefill": 256, "decode": 384})
+    section = server_parts.summary_section(before, after)
+    assert section["prefix_cache"] == {"queries": 1000, "hits": 640, "hit_rate": 0.64}
+    assert "prefix_cache" not in server_parts.summary_section(before, before)  # nothing looked up
+
+
 def test_an_answer_without_the_metric_gives_no_parts() -> None:
     assert server_parts.totals("# nothing here\n") == {}
     assert server_parts.parts({}, {}) == {}

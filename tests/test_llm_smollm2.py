@@ -86,3 +86,27 @@ def test_the_text_is_transformers_decode_of_the_tokens(llm: LLM) -> None:
         # A character cut by max_tokens (its first bytes only) is not shown, as in vLLM; transformers
         # shows U+FFFD for it.
         assert completion.text == decoded.removesuffix("\ufffd")
+
+
+def test_a_conversation_s_turns_are_the_same_with_the_prefix_cache_as_without(llm: LLM) -> None:
+    """Three chat turns, each resending the conversation: the cached engine (the module's, on by
+    default) reuses most of every later turn and answers token for token as one that computes it all."""
+    computed = LLM("smollm2-135m", dtype="float32", kv_cache_memory_gib=0.25, prefix_cache=False)
+    params = SamplingParams(max_tokens=24, temperature=0)
+    questions = [
+        "Name three planets of the solar system and say one thing about each of them, please.",
+        "Which of them is the largest?",
+        "And which is closest to the Sun?",
+    ]
+    answers: dict[str, list[list[int]]] = {"cached": [], "computed": []}
+    hits_before = llm.engine.kv.prefix_hits
+    for name, engine in (("cached", llm), ("computed", computed)):
+        messages: list[dict[str, str]] = []
+        for question in questions:
+            messages.append({"role": "user", "content": question})
+            out = engine.chat(messages, params)[0].outputs[0]
+            answers[name].append(out.token_ids)
+            messages.append({"role": "assistant", "content": out.text})
+    assert answers["cached"] == answers["computed"]
+    assert llm.engine.kv.prefix_hits - hits_before >= 64  # later turns found their conversation
+    assert computed.engine.kv.prefix_hits == 0

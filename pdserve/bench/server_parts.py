@@ -1,7 +1,8 @@
 """Where a pdserve server says a run's TTFT went: the parts of its remotely prefilled requests'
 first tokens (`pdserve_ttft_breakdown_seconds{part}`: prefill_queue, prefill_compute, kv_transfer,
-first_decode), and how many prompts took each path (`pdserve_path_choices{path}`: remote or a
-local prefill on the decode worker), scraped from /metrics before and after the run, so a server
+first_decode), how many prompts took each path (`pdserve_path_choices{path}`: remote or a
+local prefill on the decode worker), and the prefix caches' hit rate
+(`pdserve_prefix_cache_{queries,hits}`), scraped from /metrics before and after the run, so a server
 that served several runs gives each run its own. No torch. Another server (no such metrics, or no
 /metrics) gives none. `pdserve sim` reads the same metrics from its router's registry, so the two
 compare part by part and path by path."""
@@ -18,6 +19,8 @@ logger = logging.getLogger("pdserve.bench")
 
 METRIC = "pdserve_ttft_breakdown_seconds"
 PATHS = "pdserve_path_choices"
+PREFIX_QUERIES = "pdserve_prefix_cache_queries"
+PREFIX_HITS = "pdserve_prefix_cache_hits"
 Totals = dict[str, tuple[float, float]]  # part -> (sum of seconds, count)
 
 
@@ -79,8 +82,29 @@ async def scrape(client: httpx.AsyncClient, headers: dict[str, str] | None = Non
     return response.text if response.status_code == 200 else None
 
 
+def prefix_totals(text: str) -> dict[str, float]:
+    """Prefix-cache tokens looked up and found so far, every pool together, in a /metrics answer."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in (PREFIX_QUERIES, PREFIX_HITS):
+            for sample in family.samples:
+                if sample.name == f"{family.name}_total":
+                    found[family.name] = found.get(family.name, 0.0) + sample.value
+    return found
+
+
+def prefix_cache(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """{"queries", "hits" (tokens), "hit_rate"} between two scrapes; {} when none was looked up."""
+    queries = after.get(PREFIX_QUERIES, 0.0) - before.get(PREFIX_QUERIES, 0.0)
+    hits = after.get(PREFIX_HITS, 0.0) - before.get(PREFIX_HITS, 0.0)
+    if queries <= 0:
+        return {}
+    return {"queries": int(queries), "hits": int(hits), "hit_rate": round(hits / queries, 4)}
+
+
 def summary_section(before: str | None, after: str | None) -> dict[str, Any]:
-    """{"ttft_parts": ..., "paths": ...} of what happened between two scrapes, where they say."""
+    """{"ttft_parts": ..., "paths": ..., "prefix_cache": ...} of what happened between two
+    scrapes, where they say."""
     if before is None or after is None:
         return {}
     try:
@@ -91,6 +115,9 @@ def summary_section(before: str | None, after: str | None) -> dict[str, Any]:
         taken = paths(path_totals(before), path_totals(after))
         if taken:
             section["paths"] = taken
+        cache = prefix_cache(prefix_totals(before), prefix_totals(after))
+        if cache:
+            section["prefix_cache"] = cache
         return section
     except ValueError:  # not the exposition format: another server
         return {}

@@ -157,7 +157,8 @@ class Dispatcher:
         if now - self._load_over_cache_logged >= 10.0:
             logger.info(
                 "KV-aware routing: %d request(s) sent to a less loaded %s worker than the one with more "
-                "of the prompt cached, whose streams were over the slack (pdserve_kv_routing_total)",
+                "of the prompt cached, whose streams were over the slack (pdserve_kv_routing_total "
+                "decision=load_over_cache)",
                 self._load_over_cache_since,
                 pool,
             )

@@ -258,9 +258,9 @@ class RouterMetrics:
         )
         self.kv_routing = Counter(
             "pdserve_kv_routing",
-            "Workers chosen with the prompt's cached blocks weighed: cache (chosen for what it has "
-            "cached over a less loaded one), load (the least loaded, none with more of it cached), "
-            "load_over_cache (the fallback: another had more of it cached but too many streams)",
+            "Workers chosen with the prompt's cached blocks weighed: cache (it has the most of the "
+            "prompt cached), no_cache (no worker of the pool has any of it), load_over_cache (the "
+            "fallback to load: another had more of it cached but too many streams)",
             ("pool", "decision"),
             registry=r,
         )

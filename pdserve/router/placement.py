@@ -9,8 +9,7 @@ turns the router's live links into the views those rules take.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
-from typing import Literal, TypeVar, overload
+from typing import Literal, overload
 
 from pdserve.costmodel import StepCostModel
 from pdserve.errors import PdserveError
@@ -19,8 +18,6 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.prefix import PromptKeys
 from pdserve.router.workers import WorkerSet, WorkerView
 from pdserve.signals import Signals
-
-_View = TypeVar("_View", policy.PrefillView, policy.DecodeView)
 
 # The pools whose workers stream tokens to clients (the decode pool, or colocated workers).
 STREAM_POOLS = ("decode", "colocated")
@@ -39,13 +36,14 @@ class Placement:
         on_kv_choice: Callable[[str, str], None] | None = None,
     ) -> None:
         """`on_kv_choice(pool, decision)`: each worker chosen with a prompt's tokens known, where
-        decision is "cache" (chosen for what it has cached, over a less loaded one), "load" (the
-        least loaded, with no other having more of it cached) or "load_over_cache" (another had
-        more of it cached but too many streams: the fallback, counted and logged)."""
+        decision is "cache" (it has the most of the prompt cached), "no_cache" (no worker of the
+        pool has any of it) or "load_over_cache" (another had more of it cached but too many
+        streams: the fallback to load, counted and logged)."""
         self.workers = workers
         self.config = config
         self.signals = signals
         self.on_kv_choice = on_kv_choice
+        self._decision: str | None = None  # the last pick's KV-aware decision
 
     def choose_path(
         self,
@@ -59,8 +57,11 @@ class Placement:
         the pool is taken to get its share of them, ahead of this one. `prompt`: its tokens (with
         any outputs to compute again), to weigh what each worker has cached of it. Raises
         Unavailable when no decode worker is up."""
-        decode = self.pick_decode(prompt=prompt)
-        prefill = self.pick_prefill(prompt)
+        # Both candidates weigh the prompt's cached blocks; only the chosen path's worker counts.
+        decode = self.pick_decode(prompt=prompt, report=False)
+        decode_decision = self._decision
+        prefill = self.pick_prefill(prompt, report=False)
+        prefill_decision = self._decision
         reserved = reserved or {}
         choice = policy.choose_path_by_cost(
             cost or (self.signals.cost if self.config.path_choice == "cost" else NEVER_READY),
@@ -74,15 +75,23 @@ class Placement:
             self.config.slo.percentile,
         )
         if choice.path == "local":
+            self._report(decode.pool, decode_decision)
             return choice, None, decode
+        self._report("prefill", prefill_decision)
         return choice, prefill, None
+
+    def _report(self, pool: str, decision: str | None) -> None:
+        if decision is not None and self.on_kv_choice is not None:
+            self.on_kv_choice(pool, decision)
 
     def _share(self, reserved: Mapping[str, Sequence[int]], pool: str) -> tuple[int, ...]:
         """One worker's share of the prompts reserved for `pool` (every n-th, of n workers up)."""
         prompts = reserved.get(pool, ())
         return tuple(prompts[:: max(1, self.workers.count_up(pool))])
 
-    def pick_prefill(self, prompt: PromptKeys | None = None) -> WorkerView | None:
+    def pick_prefill(self, prompt: PromptKeys | None = None, report: bool = True) -> WorkerView | None:
+        """The prefill worker for `prompt` (policy.choose_prefill); with `report`, its KV-aware
+        decision goes to `on_kv_choice` (else it is kept in `_decision` for the caller)."""
         views = {w.worker_id: w for w in self.workers.up("prefill")}
         candidates = [
             policy.PrefillView(
@@ -94,26 +103,10 @@ class Placement:
             for w in views.values()
         ]
         chosen = policy.choose_prefill(candidates)
-        if chosen is not None and prompt is not None:
-            self._kv_choice("prefill", chosen, candidates, policy.choose_prefill(_uncached(candidates)))
+        self._decision = _kv_decision(chosen, candidates) if prompt is not None else None
+        if report:
+            self._report("prefill", self._decision)
         return views[chosen.worker_id] if chosen else None
-
-    def _kv_choice(
-        self,
-        pool: str,
-        chosen: policy.PrefillView | policy.DecodeView,
-        candidates: Sequence[policy.PrefillView | policy.DecodeView],
-        by_load: policy.PrefillView | policy.DecodeView | None,
-    ) -> None:
-        if self.on_kv_choice is None or by_load is None:
-            return
-        most = max(c.cached for c in candidates)
-        if chosen.worker_id != by_load.worker_id and chosen.cached > by_load.cached:
-            self.on_kv_choice(pool, "cache")
-        elif most > chosen.cached:
-            self.on_kv_choice(pool, "load_over_cache")
-        else:
-            self.on_kv_choice(pool, "load")
 
     @overload
     def pick_decode(
@@ -123,6 +116,7 @@ class Placement:
         blocks_needed: int = ...,
         required: Literal[True] = ...,
         prompt: PromptKeys | None = ...,
+        report: bool = ...,
     ) -> WorkerView: ...
 
     @overload
@@ -134,6 +128,7 @@ class Placement:
         *,
         required: Literal[False],
         prompt: PromptKeys | None = ...,
+        report: bool = ...,
     ) -> WorkerView | None: ...
 
     def pick_decode(
@@ -143,10 +138,12 @@ class Placement:
         blocks_needed: int = 0,
         required: bool = True,
         prompt: PromptKeys | None = None,
+        report: bool = True,
     ) -> WorkerView | None:
         """The worker to stream from (not the one whose id is `exclude`), preferring one whose last
         report shows room for `blocks_needed` KV blocks, and one with `prompt` cached
-        (policy.choose_decode); None, or Unavailable if `required`."""
+        (policy.choose_decode; the decision reported as `pick_prefill` does); None, or
+        Unavailable if `required`."""
         views = {w.worker_id: w for w in self.workers.up(*pools) if w.worker_id != exclude}
         candidates = [
             policy.DecodeView(
@@ -159,11 +156,9 @@ class Placement:
             for w in views.values()
         ]
         chosen = policy.choose_decode(candidates, blocks_needed)
-        if chosen is not None and prompt is not None:
-            pool = views[chosen.worker_id].pool
-            self._kv_choice(
-                pool, chosen, candidates, policy.choose_decode(_uncached(candidates), blocks_needed)
-            )
+        self._decision = _kv_decision(chosen, candidates) if prompt is not None else None
+        if report and chosen is not None:
+            self._report(views[chosen.worker_id].pool, self._decision)
         if chosen is None:
             if required:
                 raise Unavailable("no decode worker is up: the decode pool is empty")
@@ -174,9 +169,18 @@ class Placement:
 NEVER_READY = StepCostModel(min_samples=2**62)  # --path-choice threshold: always "cold"
 
 
-def _uncached(candidates: Sequence[_View]) -> list[_View]:
-    """The same workers as if none had anything cached: whom load alone would choose."""
-    return [replace(c, cached=0) for c in candidates]
+def _kv_decision(
+    chosen: policy.PrefillView | policy.DecodeView | None,
+    candidates: Sequence[policy.PrefillView | policy.DecodeView],
+) -> str | None:
+    """cache (the chosen one has the most of the prompt cached), no_cache (none has any of it),
+    load_over_cache (another had more: the fallback to load)."""
+    if chosen is None:
+        return None
+    most = max(c.cached for c in candidates)
+    if most == 0:
+        return "no_cache"
+    return "load_over_cache" if chosen.cached < most else "cache"
 
 
 def _prefill_candidate(
