@@ -300,18 +300,18 @@ class Checksummed:
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
-        self._digests: dict[tuple[int, ...], str] = {}
+        self._digests: dict[tuple[int, ...], list[str]] = {}
 
-    def digest(self, src: list[int]) -> str:
-        from pdserve.transfer.checksum import kv_digest
+    def digest(self, src: list[int]) -> list[str]:
+        from pdserve.transfer.checksum import kv_block_digests
 
         key = tuple(src)
-        if key not in self._digests:  # what the holder computed when it leased them
-            self._digests[key] = kv_digest(self.transport.expected, src)
+        if key not in self._digests:  # what the holder computed when it leased them: one per block
+            self._digests[key] = kv_block_digests(self.transport.expected, src)
         return self._digests[key]
 
     def run(self, src: list[int], dst: list[int]) -> None:
-        digest = self.digest(src)
+        digests = self.digest(src)
         t = self.transport
         t.importer.pull(
             t.child.address,
@@ -320,7 +320,7 @@ class Checksummed:
             timeout=60.0,
             request_id="bench",
             lease_token=t.child.token,
-            digest=digest,
+            block_digests=digests,
         )
 
     def close(self) -> None:
@@ -334,9 +334,9 @@ class HolderDigest:
         self.transport = transport
 
     def run(self, src: list[int], dst: list[int]) -> None:
-        from pdserve.transfer.checksum import kv_digest
+        from pdserve.transfer.checksum import kv_block_digests
 
-        kv_digest(self.transport.expected, src)
+        kv_block_digests(self.transport.expected, src)
 
     def close(self) -> None:
         pass

@@ -628,3 +628,23 @@ def test_under_pressure_a_shared_or_cached_block_is_never_written() -> None:
     )
     assert s.stats().prefix_hits > 0 and s.kv.evictions > 0
     assert_no_leak(s)
+
+
+def test_a_remote_request_receives_only_the_blocks_it_lacks() -> None:
+    s = make(role=Role.DECODE, block_size=4, prefix_cache=True)
+    s.add_request(remote("a", 10, max_tokens=3))
+    s.admit_remote_kv()
+    s.remote_kv_done("a", ok=True)
+    drain(s)  # 1..10, 42, 7 and the last 7 sampled: 12 tokens of KV, 3 full blocks
+    nxt = req("b", 10, remote_kv=True)
+    nxt.prompt_token_ids += [42, 7, 7, 60, 61]
+    nxt.output_token_ids.append(99)  # 15 tokens of KV to receive, in 4 blocks: 3 are here already
+    s.add_request(nxt)
+    ((request_id, blocks),) = s.admit_remote_kv()
+    assert request_id == "b" and len(blocks) == 1 and s.kv.block_table("b")[3] == blocks[0]
+    s.remote_kv_done("b", ok=True)
+    out, _ = run_step(s)
+    assert [(c.start, c.num_tokens) for c in out.chunks] == [(15, 1)]
+    assert s.stats().prefix_hits == 12
+    drain(s)
+    assert_no_leak(s)

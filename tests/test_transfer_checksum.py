@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdserve.transfer.base import ChecksumError, FaultInjector
-from pdserve.transfer.checksum import checksum_enabled, kv_digest
+from pdserve.transfer.checksum import checksum_enabled, kv_block_digests, kv_digest
 from pdserve.transfer.shm import OwnedSegment, ShmImporter
 
 SHAPE = (3, 2, 10, 4, 2, 8)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
@@ -31,6 +31,24 @@ def test_the_same_blocks_at_other_ids_hash_the_same(dtype: torch.dtype) -> None:
     before = kv_digest(holder, src)
     holder[:, :, 7] += 1
     assert kv_digest(holder, src) == before
+
+
+def test_per_block_digests_check_any_subset_of_a_lease() -> None:
+    holder = torch.randn(SHAPE)
+    puller = torch.zeros((3, 2, 16, 4, 2, 8))
+    src, dst = [3, 4, 5, 9, 0], [0, 7, 8, 1, 15]
+    digests = kv_block_digests(holder, src)
+    assert len(digests) == 5 and len(set(digests)) == 5
+    # A delta: the puller has the first two already (its own, maybe computed otherwise) and pulls
+    # the last three; their digests are the holder's last three.
+    copy_blocks(holder, src[2:], puller, dst[2:])
+    assert kv_block_digests(puller, dst[2:]) == digests[2:]
+    assert kv_block_digests(holder, [9]) == [digests[3]]
+    puller[1, 0, 8] += 1  # one plane of one block changed: that block's digest, and only it
+    changed = kv_block_digests(puller, dst[2:])
+    assert changed[0] != digests[2] and changed[1:] == digests[3:]
+    with pytest.raises(ValueError, match="outside"):
+        kv_block_digests(holder, [16])
 
 
 def test_every_single_bit_flip_changes_the_digest() -> None:

@@ -167,6 +167,50 @@ def test_an_abort_during_a_pull_frees_the_blocks_only_once_the_pull_is_over() ->
     assert w.messages(wire.KVPulled) == []  # nobody waits for it
 
 
+def test_a_decode_worker_pulls_only_the_blocks_its_prefix_cache_lacks() -> None:
+    w = Worker(Role.DECODE, importer=True)
+    first = wire.KVHandle("prefill-0", "tcp", "10.0.0.1:9", [0, 1, 2], 40, 30.0, "t1", "01" * 16)
+    w.core.apply(add("t1", 40, output_token_ids=[1040], kv=first))
+    w.engine.admit_remote_kv()
+    (order,) = w.core.pulls_to_start()
+    assert order.src_blocks == [0, 1, 2] and len(order.dst_blocks) == 3  # nothing cached yet
+    w.core.apply(KVDone("t1", True, None, 4096, 0.01))
+    while w.engine.has_unfinished:  # it decodes 1041..1044 here: 44 tokens of KV, 2 full blocks
+        w.step()
+    conversation = [*range(10, 50), 1040, 1041, 1042, 1043, 1044]
+    # The next turn, prefilled elsewhere: 48 tokens of KV in the holder's blocks 5, 6, 7, with a
+    # digest each. This worker has the first two blocks: it pulls the third only.
+    second = wire.KVHandle(
+        "prefill-0",
+        "tcp",
+        "10.0.0.1:9",
+        [5, 6, 7],
+        48,
+        30.0,
+        "t2",
+        "01" * 16,
+        kv_block_digests=["a", "b", "c"],
+    )
+    params = wire.WireSamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    w.core.apply(wire.AddRequest("t2", [*conversation, 7, 8, 9], params, output_token_ids=[2000], kv=second))
+    w.engine.admit_remote_kv()
+    (order,) = w.core.pulls_to_start()
+    assert (order.src_blocks, order.block_digests, len(order.dst_blocks)) == ([7], ["c"], 1)
+    w.core.apply(KVDone("t2", True, None, 2048, 0.01))
+    assert w.messages(wire.KVPulled)[-1].ok
+    # A turn whose KV this worker has in full (32 tokens: two whole blocks): no pull at all, and
+    # the prefill worker is still told it can let go of its lease.
+    third = wire.KVHandle("prefill-0", "tcp", "10.0.0.1:9", [8, 9], 32, 30.0, "t3", "01" * 16)
+    w.core.apply(wire.AddRequest("t3", conversation[:32], params, output_token_ids=[3000], kv=third))
+    w.engine.admit_remote_kv()
+    assert w.core.pulls_to_start() == []
+    assert w.messages(wire.KVPulled)[-1] == wire.KVPulled("t3", True, 0, 0.0, None, transport="tcp")
+    while w.engine.has_unfinished:
+        w.step()
+    assert [m.request_id for m in w.messages(wire.Tokens) if m.finish_reason] == ["t1", "t2", "t3"]
+    assert w.engine.stats().kv_blocks_used == 0 and w.engine.stats().prefix_hits == 32 + 32
+
+
 def test_a_failed_pull_is_reported_and_fails_the_request_never_recomputed_silently() -> None:
     w = Worker(Role.DECODE, importer=True)
     handle = wire.KVHandle("prefill-0", "tcp", "10.0.0.1:9", [0, 1], 20, 30.0, "r", "01" * 16)

@@ -8,8 +8,9 @@ One step at a time under a token budget. Three roles:
   sampled token and keeps its KV blocks (status PREFILLED) until `release()` says the decode side
   has them.
 - `decode`: decodes the running batch. A request whose KV comes from another worker gets
-  blocks first (`SchedulerOutput.kv_to_receive`); once the caller reports the KV arrived, those
-  tokens simply count as computed. Short prompts may still be prefilled locally.
+  blocks first (`SchedulerOutput.kv_to_receive`: only for what its prefix cache lacks); once the
+  caller reports the KV arrived, those tokens simply count as computed. Short prompts may still
+  be prefilled locally.
 
 A request that is decoding can be handed over to another engine (`hand_over`): it stops being
 scheduled here and keeps its blocks (status MIGRATED) until `release()`, exactly as a prefilled
@@ -256,14 +257,26 @@ class Scheduler:
         return admitted
 
     def _start_receiving(self, request: Request, kv_to_receive: list[tuple[str, list[int]]]) -> bool:
-        """Blocks for a remote-KV request at the head of the queue; False if there are none free."""
-        if self.kv.allocate(request.request_id, request.num_tokens - 1) is None:
+        """Blocks for a remote-KV request at the head of the queue; False if there are none free.
+
+        Its first blocks that this engine has cached (the conversation it decoded last turn, say)
+        are shared, not pulled: only the blocks after them are to receive (a delta), and the
+        caller pulls the handle's last blocks into them."""
+        request_id, have = request.request_id, request.num_tokens - 1  # KV of all but the last token
+        hit = 0
+        if not self.kv.has_blocks(request_id):
+            hit = self.kv.match_prefix(request_id, request.token_ids_slice(0, request.num_tokens), have)
+        new_blocks = self.kv.allocate(request_id, have)
+        if new_blocks is None:
+            if hit:
+                self.kv.free(request_id)
             return False
+        self.kv.count_lookup(have, hit)
         self.waiting.popleft()
         request.first_scheduled_time = request.first_scheduled_time or self.clock()
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.receiving[request.request_id] = request
-        kv_to_receive.append((request.request_id, self.kv.block_table(request.request_id)))
+        kv_to_receive.append((request_id, new_blocks))
         return True
 
     def schedule(self) -> SchedulerOutput:

@@ -11,7 +11,7 @@ import time
 import torch
 
 from pdserve.sim.profile import TransferTime
-from pdserve.transfer.checksum import kv_digest
+from pdserve.transfer.checksum import kv_block_digests
 
 BLOCK_COUNTS = (1, 4, 16, 64, 256)
 QUICK_BLOCK_COUNTS = (1, 4, 16)
@@ -29,7 +29,7 @@ def _timed_pulls(
     medians = []
     for n in counts:
         blocks = list(range(n))
-        digest = kv_digest(source, blocks)
+        digest = kv_block_digests(source, blocks)  # as a worker's lease carries them
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
@@ -60,7 +60,7 @@ def measure(
         try:
             samples = _timed_pulls(
                 lambda blocks, digest: importer.pull(
-                    segment.name, blocks, blocks, 30.0, digest=digest if checksum else ""
+                    segment.name, blocks, blocks, 30.0, block_digests=digest if checksum else ()
                 ),
                 counts,
                 repeats,
@@ -85,7 +85,7 @@ def measure(
                     30.0,
                     request_id="probe",
                     lease_token=token,
-                    digest=digest if checksum else "",
+                    block_digests=digest if checksum else (),
                 ),
                 counts,
                 repeats,

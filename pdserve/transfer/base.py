@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.errors import PdserveError
-from pdserve.transfer.checksum import kv_digest
+from pdserve.transfer.checksum import kv_block_digests, kv_digest
 
 
 class TransferError(PdserveError):
@@ -104,11 +104,13 @@ class KVImporter(abc.ABC):
         request_id: str = "",
         lease_token: bytes = b"",
         digest: str = "",
+        block_digests: Sequence[str] = (),
     ) -> int:
         """Copy `src_blocks` of the cache at `address` into `dst_blocks` here. Returns bytes moved.
 
-        With `digest` (the holder's `kv_digest` of `src_blocks`), what landed is hashed and a
-        difference is a ChecksumError: the blocks are not used.
+        With `digest` (the holder's `kv_digest` of `src_blocks`), or `block_digests` (its
+        `kv_block_digests` of them, one per block), what landed is hashed and a difference is a
+        ChecksumError: the blocks are not used.
 
         `request_id` names the prefill side's lease on `src_blocks` and `lease_token` proves the
         right to it (the holder made it, unguessable, and put it in the KVHandle); transports whose
@@ -135,6 +137,14 @@ class KVImporter(abc.ABC):
                     f"KV checksum mismatch on {len(landed)} blocks pulled from {address}: the "
                     f"holder's digest is {digest}, what arrived hashes to {got}"
                 )
+            if block_digests:
+                arrived = kv_block_digests(self.kv_cache, landed)
+                bad = [i for i, (a, b) in enumerate(zip(arrived, block_digests, strict=True)) if a != b]
+                if bad:
+                    raise ChecksumError(
+                        f"KV checksum mismatch on {len(bad)} of {len(landed)} blocks pulled from {address} "
+                        f"(the first: block {src_blocks[bad[0]]} there, {landed[bad[0]]} here)"
+                    )
         except ChecksumError:
             self.stats.record(0, time.perf_counter() - started, ok=False, checksum_failed=True)
             raise

@@ -46,8 +46,10 @@ class KVDone:
 
 @dataclass(frozen=True)
 class PullOrder:
-    """A pull for the server's pool to run: `handle`'s blocks into `dst_blocks` over `transport`
-    at `address`, to end before `lease_ends` (this host's monotonic clock)."""
+    """A pull for the server's pool to run: `src_blocks` of `handle`'s into `dst_blocks` over
+    `transport` at `address`, to end before `lease_ends` (this host's monotonic clock). The
+    source blocks are the handle's last ones: the first ones the engine found in its own prefix
+    cache are not pulled (a delta); `block_digests` are the handle's digests of those pulled."""
 
     request_id: str
     handle: wire.KVHandle
@@ -55,6 +57,8 @@ class PullOrder:
     lease_ends: float
     transport: str
     address: str
+    src_blocks: list[int]
+    block_digests: list[str]
 
 
 @dataclass
@@ -85,7 +89,7 @@ class WorkerCore:
         exporter: KVExporter | None = None,
         importer: KVImporter | None = None,
         same_node_importer: KVImporter | None = None,
-        digest: Callable[[list[int]], str] | None = None,
+        digest: Callable[[list[int]], list[str]] | None = None,
         takes_kv: bool | None = None,
     ) -> None:
         """`send`: a message to the peer that owns its request (every peer for a load report);
@@ -225,19 +229,33 @@ class WorkerCore:
     def pulls_to_start(self) -> list[PullOrder]:
         """The pulls the engine asks for now, each marked in flight (the server runs them)."""
         orders, failed = [], []
+        done_already = []
         for request_id, dst_blocks in self.engine.take_kv_to_receive():
             record = self.requests.get(request_id)
             handle = record.source if record is not None else None
             if record is None or handle is None or not self.takes_kv:
                 failed.append(KVDone(request_id, False, "no KV source for this request"))
                 continue
-            record.pulling = True
+            # The engine gave blocks for what it lacks: the handle's first blocks it has cached.
+            first = len(handle.block_ids) - len(dst_blocks)
+            if first < 0:
+                failed.append(
+                    KVDone(request_id, False, "the KV handle holds fewer blocks than the request needs")
+                )
+                continue
             transport, address = self._route(handle)
+            if not dst_blocks:  # every block was cached here: nothing to pull
+                done_already.append(KVDone(request_id, True, None, 0, 0.0, False, transport))
+                continue
+            record.pulling = True
             # shm: the holder is on this host, its deadline is exact here; else another host's
             # clock: its lease's length, from the handle's arrival here.
             lease_ends = handle.lease_ends_monotonic if transport == "shm" else record.source_lease_ends
-            orders.append(PullOrder(request_id, handle, dst_blocks, lease_ends, transport, address))
-        for done in failed:
+            src, digests = handle.block_ids[first:], handle.kv_block_digests[first:]
+            orders.append(
+                PullOrder(request_id, handle, dst_blocks, lease_ends, transport, address, src, digests)
+            )
+        for done in failed + done_already:
             self._pull_done(done)
         return orders
 
@@ -306,7 +324,7 @@ class WorkerCore:
         # On the engine thread, between steps: for 90 MiB (2k tokens of SmolLM2 in fp32) ~4 ms
         # if the blocks are contiguous, ~17 ms if scattered (docs/performance.md); a drain that
         # hands over many streams pays it once per stream.
-        digest = self.digest(block_ids) if self.digest is not None else ""
+        digests = self.digest(block_ids) if self.digest is not None else []
         return wire.KVHandle(
             worker_id=self.config.worker_id,
             transport=self.config.transport,
@@ -317,7 +335,7 @@ class WorkerCore:
             lease_ends_monotonic=now + self.config.lease_seconds,
             lease_id=request_id,
             lease_token=token.hex(),
-            kv_digest=digest,
+            kv_block_digests=digests,
             node_id=self.config.node_id,
             shm_address=self.shm_address,
         )

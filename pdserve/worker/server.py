@@ -33,7 +33,7 @@ from pdserve.engine.core import EngineCore
 from pdserve.engine.runner import ModelRunner
 from pdserve.security import WorkerSecrets
 from pdserve.transfer.base import ChecksumError, KVExporter, KVImporter, TransferError
-from pdserve.transfer.checksum import checksum_enabled, kv_digest
+from pdserve.transfer.checksum import checksum_enabled, kv_block_digests
 from pdserve.worker.core import KVDone, PullOrder, WorkerCore
 from pdserve.worker.rpc import FINAL, MORE, RpcEndpoint
 
@@ -105,7 +105,7 @@ class WorkerServer:
             exporter=exporter,
             importer=importer,
             same_node_importer=same_node_importer,
-            digest=(lambda block_ids: kv_digest(kv_cache, block_ids)) if self._checksum else None,
+            digest=(lambda block_ids: kv_block_digests(kv_cache, block_ids)) if self._checksum else None,
         )
 
     # -- threads -------------------------------------------------------------------------------------
@@ -267,7 +267,7 @@ class WorkerServer:
             error = f"the lease on worker {handle.worker_id} expires too soon"
             self._inbox.put(KVDone(request_id, False, error, transport=transport))
             return
-        if self._checksum and not handle.kv_digest and not self._warned_no_digest:
+        if self._checksum and not handle.kv_block_digests and not self._warned_no_digest:
             self._warned_no_digest = True  # once: a holder with --kv-checksum off, or a GPU one
             logger.warning(
                 "worker %s: KV from worker %s comes without a digest: it is not checked",
@@ -278,12 +278,12 @@ class WorkerServer:
         try:
             nbytes = importer.pull(
                 order.address,
-                handle.block_ids,
+                order.src_blocks,  # the handle's blocks this engine lacks (a delta)
                 order.dst_blocks,
                 self.config.kv_pull_timeout,
                 request_id=handle.lease_id,  # names the holder's lease (tcp, nixl check it) ...
                 lease_token=bytes.fromhex(handle.lease_token),  # ... and proves the right to it
-                digest=handle.kv_digest if self._checksum else "",
+                block_digests=order.block_digests if self._checksum else (),
             )
         except TransferError as exc:
             bad_sum = isinstance(exc, ChecksumError)
