@@ -70,6 +70,23 @@ def test_the_disaggregated_path_adds_the_prefill_step_and_the_pull(tmp_path: Pat
     assert chunk_times(record) == pytest.approx(expected, abs=1e-9)
 
 
+def test_a_conversation_s_next_turn_computes_only_what_the_cache_lacks(tmp_path: Path) -> None:
+    profile = fixed_profile(step=0.010, per_token=1e-4)
+    workload = "talk: poisson(1) prompt=fixed(200) output=fixed(4) turns=fixed(2) followup=fixed(20) think=fixed(1000)"
+    flags = ("--colocated", "1", "--workload", workload, "--max-requests", "2")
+    for cache, compute in (("--prefix-cache", 224 - 192), ("--no-prefix-cache", 224)):
+        run = sim(tmp_path / cache, profile, *flags, cache)
+        first, second = sorted(run["records"], key=lambda r: r["turn"])
+        assert chunk_times(first) == pytest.approx([0.030, 0.040, 0.050, 0.060], abs=1e-9)
+        # Sent a second after its answer ended, with the conversation so far (200 + 4) and 20 new
+        # tokens; with the cache, 12 blocks of 16 (the prompt and the first 3 answer tokens'
+        # KV, 203 tokens) are found, and only the last 32 tokens are computed.
+        assert second["sent_s"] == pytest.approx(first["chunk_times_s"][-1] + 1.0, abs=1e-9)
+        assert second["prompt_tokens"] == 224 and second["session"] == first["session"]
+        assert chunk_times(second)[0] == pytest.approx(0.010 + 1e-4 * compute, abs=1e-9)
+    assert run["turns"]["2"]["completed"] == 1
+
+
 def test_an_overloaded_deployment_queues_and_a_duration_bounds_the_run(tmp_path: Path) -> None:
     # 10 requests a second of 100-token prompts at 50 ms a step: the one worker cannot keep up.
     profile = fixed_profile(step=0.05, per_token=1e-3)

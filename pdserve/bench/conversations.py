@@ -16,6 +16,7 @@ differ where the text has several encodings, as a real client's would).
 A turn whose predecessor failed is never sent (nor recorded): the conversation ends there. Turns
 are drawn in the workload like any request (`RequestSpec.session`, `.turn`, `.think_s`), so a
 seed gives the same conversations; `max_requests` counts turns, whole conversations first.
+`pdserve sim` sends the same turns with the exact ids streamed as the answers (sim/front.py).
 """
 
 from __future__ import annotations

@@ -75,8 +75,18 @@ class Front:
         head = [n // self._vocab_size % self._vocab_size, n % self._vocab_size]
         return (head + ids)[:tokens]
 
-    async def serve(self, spec: RequestSpec, start: float, record: RequestRecord) -> None:
-        """One request, as the router serves it; fills `record` (times after `start`)."""
+    async def serve(
+        self,
+        spec: RequestSpec,
+        start: float,
+        record: RequestRecord,
+        prompt: list[int] | None = None,
+        answer: list[int] | None = None,
+    ) -> None:
+        """One request, as the router serves it; fills `record` (times after `start`) and `answer`
+        with the tokens it streamed. `prompt`: its ids (a conversation's turn: all of it so far),
+        else new ids of `spec.prompt_tokens`."""
+        ids = prompt if prompt is not None else self.prompt(spec.prompt_tokens)
         arrived = clock.monotonic()
         if self.host is not None:
             self.host.request()
@@ -88,19 +98,19 @@ class Front:
             context = self.max_model_len()
             if context is None:
                 raise Unavailable("no worker is ready")
-            if spec.prompt_tokens + spec.output_tokens > context:
+            if len(ids) + spec.output_tokens > context:
                 raise RequestInvalid(
                     f"this model's context is {context} tokens, but "
-                    f"{spec.prompt_tokens + spec.output_tokens} were asked for"
+                    f"{len(ids) + spec.output_tokens} were asked for"
                 )
             state = RequestState(f"sim-{next(self._serial)}", created_at=arrived)
-            state.reservation = admission.admit(spec.prompt_tokens)
+            state.reservation = admission.admit(len(ids))
         except (Unavailable, Overloaded, RequestInvalid) as exc:
             record.error = error_text(exc)
             return
         params = wire.WireSamplingParams(max_tokens=spec.output_tokens, temperature=0.0, ignore_eos=True)
         latency = Latency(arrived)
-        events = self.dispatcher.generate(state, self.prompt(spec.prompt_tokens), params)
+        events = self.dispatcher.generate(state, ids, params)
         try:
             async for event in events:
                 now = clock.monotonic()
@@ -110,6 +120,8 @@ class Front:
                         self.host.tokens(len(event.token_ids))
                     record.chunk_times_s.append(now - start)
                     record.output_tokens += len(event.token_ids)
+                    if answer is not None:
+                        answer.extend(event.token_ids)
                 if event.finish_reason is not None:
                     latency.finished(now, record.output_tokens, self.metrics)
         except (RequestFailed, Unavailable, Overloaded) as exc:
@@ -131,18 +143,33 @@ async def drive(
     records: list[RequestRecord],
 ) -> float:
     """Sends the workload as `pdserve bench`'s `run_load` does (open loop at the arrival times, or a
-    closed loop of `concurrency`), bounded the same way; returns the run's duration. Every request
-    whose time came is in `records` once (one still running at the end as an error)."""
+    closed loop of `concurrency`; a conversation's later turns `think_s` after the turn before,
+    with the conversation so far as token ids: its prompts and the tokens streamed), bounded the
+    same way; returns the run's duration. Every request whose time came is in `records` once (one
+    still running at the end as an error)."""
     start = clock.monotonic()
     slots = asyncio.Semaphore(concurrency) if concurrency else None
     tasks: list[asyncio.Task[None]] = []
+    later = {(r.session, r.turn): r for r in requests if r.turn > 0}
+    histories: dict[int, list[int]] = {}
+    stopping = False
 
     async def fire(spec: RequestSpec) -> None:
         record = RequestRecord(
             spec.index, spec.cls, spec.arrival_s, clock.monotonic() - start, spec.prompt_tokens
         )
+        record.session, record.turn = spec.session, spec.turn
+        prompt = None
+        answer: list[int] = []
+        if spec.session is not None:
+            prompt = histories.get(spec.session, []) + front.prompt(spec.prompt_tokens)
+            record.prompt_tokens = len(prompt)
         try:
-            await front.serve(spec, start, record)
+            await front.serve(spec, start, record, prompt, answer)
+            nxt = later.get((spec.session, spec.turn + 1))
+            if nxt is not None and prompt is not None and record.ok and not stopping:
+                histories[nxt.session] = prompt + answer  # type: ignore[index]
+                tasks.append(asyncio.create_task(follow(nxt)))
         except asyncio.CancelledError:
             record.error = f"cancelled: still running {finish_timeout_s:g} s after the last request was sent"
             raise
@@ -151,7 +178,14 @@ async def drive(
                 slots.release()
             records.append(record)
 
+    async def follow(spec: RequestSpec) -> None:
+        await asyncio.sleep(spec.think_s)
+        if not stopping and (duration_s is None or clock.monotonic() - start < duration_s):
+            await fire(spec)
+
     for spec in requests:
+        if spec.turn > 0:
+            continue  # sent by `follow` once the turn before it has ended
         if duration_s is not None and clock.monotonic() - start >= duration_s:
             break
         if slots is not None:
@@ -163,12 +197,19 @@ async def drive(
             if delay > 0:
                 await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(fire(spec)))
-    if tasks:
-        _, pending = await asyncio.wait(tasks, timeout=finish_timeout_s)
-        for task in pending:
-            task.cancel()
-        for task in pending:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    deadline = clock.monotonic() + finish_timeout_s
+    while True:  # conversations' later turns start meanwhile
+        running = [task for task in tasks if not task.done()]
+        left = deadline - clock.monotonic()
+        if not running or left <= 0:
+            break
+        await asyncio.wait(running, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+    stopping = True
+    pending = [task for task in tasks if not task.done()]
+    for task in pending:
+        task.cancel()
+    for task in pending:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     records.sort(key=lambda r: r.sent_s)
     return clock.monotonic() - start

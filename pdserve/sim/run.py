@@ -235,12 +235,6 @@ def load_inputs(args: argparse.Namespace) -> tuple[profiles.Profile, Workload]:
     check_timeline_options(args)
     profile = profiles.load(args.profile)
     workload = parse_workload(args.workload, args.seed, args.max_requests, args.duration, args.rate_scale)
-    if any(c.session is not None for c in workload.classes):
-        # A later turn's prompt is the conversation so far, and what the workers' prefix caches
-        # find of it is the point: the simulated driver does not build such prompts yet.
-        raise PdserveError(
-            "pdserve sim does not simulate conversations (turns=, followup=, think=) yet: measure them with pdserve bench"
-        )
     return profile, workload
 
 
