@@ -4,7 +4,9 @@ the bench's; the planner scales simulated pools; a run is reproducible."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 from test_sim_profile import fixed_profile
 
 from pdserve.cli import main
-from pdserve.sim.profile import HostCpu, Profile
+from pdserve.sim.profile import HostCpu, LinearStep, Profile
 
 
 def sim(tmp_path: Path, profile: Profile, *flags: str) -> dict:  # type: ignore[type-arg]
@@ -85,6 +87,24 @@ def test_a_conversation_s_next_turn_computes_only_what_the_cache_lacks(tmp_path:
         assert second["prompt_tokens"] == 224 and second["session"] == first["session"]
         assert chunk_times(second)[0] == pytest.approx(0.010 + 1e-4 * compute, abs=1e-9)
     assert run["turns"]["2"]["completed"] == 1
+
+
+def test_steps_spread_around_their_fit_as_the_profile_s_measured_steps_did(tmp_path: Path) -> None:
+    fitted = LinearStep((0.010, 0.0, 0.0, 0.0, 0.0), median_error=0.1)
+    profile = replace(fixed_profile(), steps={"prefill": fitted, "decode": fitted})
+    flags = (
+        "--colocated",
+        "1",
+        "--workload",
+        "constant(1) prompt=fixed(10) output=fixed(400)",
+        "--max-requests",
+        "1",
+    )
+    (record,) = sim(tmp_path / "a", profile, *flags)["records"]
+    gaps = [b - a for a, b in itertools.pairwise(record["chunk_times_s"])]
+    errors = sorted(abs(math.log(gap / 0.010)) for gap in gaps)
+    assert 0.08 < errors[len(errors) // 2] < 0.12  # the median relative error, as measured
+    assert sim(tmp_path / "b", profile, *flags)["records"][0]["chunk_times_s"] == record["chunk_times_s"]
 
 
 def test_an_overloaded_deployment_queues_and_a_duration_bounds_the_run(tmp_path: Path) -> None:

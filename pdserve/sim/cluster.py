@@ -3,7 +3,8 @@ profile's start time, so the real pool manager and planner scale simulated pools
 real ones. No torch, no process.
 
 A worker's step time is the profile's for its pool role, plus the worker loop's per-step overhead,
-stretched by the CPU the router takes from the workers on a shared host (pdserve/sim/host.py);
+spread as the profile's measured steps spread around their fit (`median_error`), and stretched by
+the CPU the router takes from the workers on a shared host (pdserve/sim/host.py);
 a pull takes the profile's time for the deployment's transport; its KV cache has the profile's
 blocks for its role. The engine settings (chunk size, step budget, batch limits) are the worker
 configuration's, as `pdserve serve` builds it from the same flags.
@@ -12,6 +13,9 @@ configuration's, as `pdserve serve` builds it from the same flags.
 from __future__ import annotations
 
 import asyncio
+import math
+import random
+import zlib
 
 from pdserve.cluster.base import ExitCallback, WorkerExit, WorkerHandle, WorkerStartError
 from pdserve.config import WorkerConfig
@@ -19,8 +23,10 @@ from pdserve.engine.core import step_features
 from pdserve.engine.sched import SchedulerOutput
 from pdserve.router.channel import ChannelEvents
 from pdserve.sim.host import HostLoad
-from pdserve.sim.profile import Profile, ProfileError
+from pdserve.sim.profile import LinearStep, Profile, ProfileError
 from pdserve.sim.worker import SimConnector, SimWorker, WorkerFactory
+
+MEDIAN_ABS_NORMAL = 0.6745  # the median of |z| for a standard normal z
 
 
 class SimCluster:
@@ -52,16 +58,26 @@ class SimCluster:
         worker_id = config.worker_id
 
         per_stream = self.profile.overhead.stream_s
+        # A real step is not its fitted time: steps of the same work spread around it, as far as
+        # the profile's fit says (its median relative error: lognormal, median-preserving). The
+        # router's cost model sees that spread in the simulation as it does in serving (its stall
+        # margin and its fit). Seeded by the worker's id: a run is reproducible.
+        fit_error = step_time.median_error if isinstance(step_time, LinearStep) else None
+        sigma = (fit_error or 0.0) / MEDIAN_ABS_NORMAL
+        spread = random.Random(zlib.crc32(worker_id.encode()))
 
         def step_seconds(out: SchedulerOutput) -> float:
             features = step_features(out)
             loop = per_step + per_stream * sum(1 for c in out.chunks if c.sample)
             seconds = step_time.seconds(features) + loop
-            if host is None:
-                return seconds
-            if busy_time is not None:  # its neighbours' work slows it, as far as they were busy
+            if host is not None and busy_time is not None:
+                # Slowed by its neighbours' work, as far as they were busy.
                 busy = busy_time.seconds(features) + loop
                 seconds += max(0.0, busy - seconds) * host.others_busy(worker_id)
+            if sigma > 0:
+                seconds *= math.exp(spread.gauss(0.0, sigma))
+            if host is None:
+                return seconds
             seconds *= host.stretch()
             host.worked(worker_id, seconds)
             return seconds
