@@ -72,9 +72,11 @@ def test_the_choice_meets_the_slo_with_the_best_goodput_per_worker(
     serve_options.add_arguments(parser)
     served = serve_options.layered(parser.parse_args(words[2:]))
     pools = Candidate(**chosen["candidate"] | {"settings": ()})
-    assert (served["prefill"], served["decode"], served["colocated"]) == (
-        pools.prefill or None, pools.decode or None, pools.colocated or None,
-    )  # fmt: skip
+    if pools.colocated:
+        assert served["colocated"] == pools.colocated and "--prefill" not in words
+    else:
+        assert (served["prefill"], served["decode"]) == (pools.prefill, pools.decode)
+        assert "--colocated" not in words
     assert served["slo"] == "ttft=300,itl=100"  # the server's ITL budget, as simulated
     assert served["model"] == "tiny"  # the profile's model, as simulated
 
