@@ -60,6 +60,17 @@ def test_the_prefix_caches_hit_rate_of_a_run_sums_the_pools() -> None:
     section = server_parts.summary_section(before, after)
     assert section["prefix_cache"] == {"queries": 1000, "hits": 640, "hit_rate": 0.64}
     assert "prefix_cache" not in server_parts.summary_section(before, before)  # nothing looked up
+    # vLLM's counters (`vllm:prefix_cache_{queries,hits}_total`) read the same way.
+    vllm = (
+        "# TYPE vllm:prefix_cache_queries counter\n"
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 2016.0\n'
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1024.0\n'
+    )
+    assert server_parts.prefix_totals(vllm) == {
+        server_parts.PREFIX_QUERIES: 2016.0,
+        server_parts.PREFIX_HITS: 1024.0,
+    }
 
 
 def test_an_answer_without_the_metric_gives_no_parts() -> None:

@@ -82,14 +82,20 @@ async def scrape(client: httpx.AsyncClient, headers: dict[str, str] | None = Non
     return response.text if response.status_code == 200 else None
 
 
+# vLLM's names for the same two counters: its hit rate is then read the same way.
+_PREFIX_ALIASES = {"vllm:prefix_cache_queries": PREFIX_QUERIES, "vllm:prefix_cache_hits": PREFIX_HITS}
+
+
 def prefix_totals(text: str) -> dict[str, float]:
-    """Prefix-cache tokens looked up and found so far, every pool together, in a /metrics answer."""
+    """Prefix-cache tokens looked up and found so far, every pool (or vLLM engine) together, in a
+    /metrics answer."""
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name in (PREFIX_QUERIES, PREFIX_HITS):
+        name = _PREFIX_ALIASES.get(family.name, family.name)
+        if name in (PREFIX_QUERIES, PREFIX_HITS):
             for sample in family.samples:
                 if sample.name == f"{family.name}_total":
-                    found[family.name] = found.get(family.name, 0.0) + sample.value
+                    found[name] = found.get(name, 0.0) + sample.value
     return found
 
 
