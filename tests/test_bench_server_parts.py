@@ -62,8 +62,10 @@ def test_the_prefix_caches_hit_rate_of_a_run_sums_the_pools() -> None:
     assert "prefix_cache" not in server_parts.summary_section(before, before)  # nothing looked up
     # vLLM's counters (`vllm:prefix_cache_{queries,hits}_total`) read the same way.
     vllm = (
+        "# HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number of queried tokens.\n"
         "# TYPE vllm:prefix_cache_queries counter\n"
         'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 2016.0\n'
+        "# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of cached tokens.\n"
         "# TYPE vllm:prefix_cache_hits counter\n"
         'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1024.0\n'
     )
