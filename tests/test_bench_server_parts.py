@@ -60,13 +60,13 @@ def test_the_prefix_caches_hit_rate_of_a_run_sums_the_pools() -> None:
     section = server_parts.summary_section(before, after)
     assert section["prefix_cache"] == {"queries": 1000, "hits": 640, "hit_rate": 0.64}
     assert "prefix_cache" not in server_parts.summary_section(before, before)  # nothing looked up
-    # vLLM's counters (`vllm:prefix_cache_{queries,hits}_total`) read the same way.
+    # vLLM's counters, exactly as its /metrics writes them, read the same way.
     vllm = (
-        "# HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number of queried tokens.\n"
-        "# TYPE vllm:prefix_cache_queries counter\n"
+        "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.\n"
+        "# TYPE vllm:prefix_cache_queries_total counter\n"
         'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 2016.0\n'
-        "# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of cached tokens.\n"
-        "# TYPE vllm:prefix_cache_hits counter\n"
+        "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.\n"
+        "# TYPE vllm:prefix_cache_hits_total counter\n"
         'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1024.0\n'
     )
     assert server_parts.prefix_totals(vllm) == {
