@@ -18,6 +18,7 @@ from pdserve.engine.sched import SchedulerOutput
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher, RequestState
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.prefix import PromptKeys
 from pdserve.router.workers import WorkerSet
 from pdserve.sim.worker import SimConnector, SimWorker, token_at
 
@@ -88,6 +89,28 @@ def test_one_request_takes_exactly_the_profiles_time_on_the_disaggregated_path()
     assert [t for t, _ in timeline] == pytest.approx(expected, abs=1e-9)
     assert [tok for _, toks in timeline for tok in toks] == [token_at(prompt + i) for i in range(tokens)]
     assert connector.workers["decode-0"].engine.stats().kv_blocks_used == 0
+
+
+def test_the_router_knows_what_each_simulated_worker_has_cached() -> None:
+    prompt = list(range(300))
+
+    async def body(workers: WorkerSet, connector: SimConnector) -> object:
+        dispatcher = Dispatcher(workers, RouterConfig(local_prefill_threshold=16), RouterMetrics())
+        params = wire.WireSamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        async for _ in dispatcher.generate(RequestState("r"), prompt, params):
+            pass
+        keys = PromptKeys([*prompt, 7])  # the conversation's next turn, say
+
+        def cached(worker_id: str) -> int:
+            view = workers.view(worker_id)
+            return view.cached_tokens(keys) if view is not None else 0
+
+        # Their load reports say what they keyed: the prompt on the prefill worker, the pulled
+        # KV on the decode worker (whole blocks of 16).
+        await until(lambda: cached("prefill-0") == 288 and cached("decode-0") == 288, "the keys reported")
+        return True
+
+    assert run(body, {"prefill": 1, "decode": 1})
 
 
 def test_a_short_prompt_is_prefilled_on_the_decode_worker_itself() -> None:

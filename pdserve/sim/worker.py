@@ -85,6 +85,8 @@ class SimWorker:
             num_blocks,
             device_type,
             clock.monotonic,
+            # The workers' prefix caches key their blocks, and tell the router, as real ones do.
+            cache_salt=f"{config.engine.model}|modelled",
         )
         self.core = WorkerCore(
             self.engine,
