@@ -125,7 +125,7 @@ def test_both_pools_scaled_up_and_down_under_load_lose_nothing(tiny_llama: Path)
         # The same series as after the first cycle: the workers that came and went left none.
         after = series(server)
         assert after == before
-        assert sum(n for name, n in after.items() if "worker=" in name) == 2 * 10  # 10 gauges a worker
+        assert sum(n for name, n in after.items() if "worker=" in name) == 2 * 11  # 11 gauges a worker
         # Nothing else grows with the churn: at most the label sets of events seen for the first
         # time since, a bounded number of them (a kind of drain or move, a few lines each; a path
         # or pool first seen in a TTFT, ITL or prediction histogram, ~30 lines each).
