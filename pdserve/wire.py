@@ -69,11 +69,10 @@ class KVHandle(msgspec.Struct, frozen=True):
     # Hex of the unguessable token the holder made for this lease: a pull must show it (tcp, nixl).
     # Only the router and the worker it hands this handle to see it.
     lease_token: str = ""
-    # Hex XXH3-128 of the blocks as the holder leased them (transfer/checksum.py); the puller
-    # checks what landed against it. Empty: the holder does not digest (a GPU cache by default).
-    kv_digest: str = ""
-    # Hex XXH3-128 of each block on its own (checksum.kv_block_digests): what a worker's leases
-    # carry, so that a pull of only the blocks the puller lacks (a delta) is checked too.
+    # Hex XXH3-128 of each block as the holder leased it (transfer/checksum.py kv_block_digests),
+    # one per block so that a pull of only the blocks the puller lacks (a delta) is checked too;
+    # the puller checks what landed against them. Empty: the holder does not digest (a GPU cache
+    # by default).
     kv_block_digests: list[str] = []
     # time.monotonic() on the holder's host when the lease ends: exact for a puller on the same
     # host (CLOCK_MONOTONIC is one clock per host), so shm pulls, which always are, go by it.

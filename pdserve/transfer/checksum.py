@@ -1,7 +1,8 @@
 """A digest of a request's KV blocks, so that a transfer that changed them is a detected failure.
 
-The holder hashes the blocks it leases (`kv_digest`) and puts the digest in the `KVHandle`; the
-importer hashes the blocks that landed in its own cache and fails the pull when the two differ
+The holder hashes the blocks it leases (`kv_block_digests`: one digest per block) and puts the
+digests in the `KVHandle`; the importer hashes the blocks that landed in its own cache and fails
+the pull when they differ
 (`base.ChecksumError`, which the router's kv_transfer_failed path retries and counts). What it catches:
 bytes changed on the wire or in memory, a transport that wrote the wrong blocks or a torn read, a
 holder that freed and reused the blocks under the lease - wrong tokens become a counted failure.
