@@ -7,6 +7,9 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -105,6 +108,23 @@ def test_steps_spread_around_their_fit_as_the_profile_s_measured_steps_did(tmp_p
     errors = sorted(abs(math.log(gap / 0.010)) for gap in gaps)
     assert 0.08 < errors[len(errors) // 2] < 0.12  # the median relative error, as measured
     assert sim(tmp_path / "b", profile, *flags)["records"][0]["chunk_times_s"] == record["chunk_times_s"]
+
+
+def test_log_lines_come_at_serve_s_level_stamped_in_simulated_seconds(tmp_path: Path) -> None:
+    fixed_profile(step=0.010).save(tmp_path / "p.json")
+    command = [
+        sys.executable, "-m", "pdserve.cli", "sim", "--profile", str(tmp_path / "p.json"), "--prefill", "1",
+        "--decode", "1", "--workload", "constant(1) prompt=fixed(200) output=fixed(4)", "--max-requests", "2",
+        "--log-level", "DEBUG",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [x for x in done.stderr.splitlines() if "prefill of 200 tokens" in x]
+    assert len(lines) == 2 and all(
+        re.match(r"t=\s*[0-9.]+ DEBUG pdserve\.router\.dispatch: ", x) for x in lines
+    )
+    quiet = subprocess.run(command[:-2], capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0 and "DEBUG" not in quiet.stderr  # INFO by default, as serve
 
 
 def test_an_overloaded_deployment_queues_and_a_duration_bounds_the_run(tmp_path: Path) -> None:
