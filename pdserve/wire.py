@@ -212,6 +212,10 @@ class StepSample(msgspec.Struct, frozen=True, array_like=True):
     prefill_attention: int  # sum over prompt chunks of tokens x mean attended positions
     decode_streams: int
     decode_context: int  # sum of the decode streams' context lengths
+    # The worker loop's own time around the step while it had work: sending the step's outputs,
+    # and the messages, hand-overs and KV pulls it waited on since the step before (0 after an
+    # idle wait). A stream's gap is the step plus this (pdserve profile --from-trace fits both).
+    loop_seconds: float = 0.0
 
 
 MAX_STEP_SAMPLES = 64  # per load report; a worker drops older ones (reports come every 0.1 s)

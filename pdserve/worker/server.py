@@ -61,6 +61,8 @@ class WorkerServer:
         node, and `same_node_importer` copies from theirs."""
         self.engine = engine
         self._last_step_ended = 0.0  # perf_counter when the last recorded step's outputs were sent
+        self._idled = False  # the loop waited with no work since that step
+        self._nested_seconds = 0.0  # steps run between the layers of the step in progress
         self.config = config
         self._on_bound = on_bound
         # The pulls run here, on the pool; the core keeps the addresses and tells the exporter of
@@ -160,6 +162,7 @@ class WorkerServer:
                 self._stop.set()
                 break
             busy = engine.has_unfinished
+            self._idled = self._idled or not busy
             deferred, self._deferred = self._deferred, []
             for item in deferred:  # what came during the last step, in the order it came
                 self._apply(item)
@@ -223,7 +226,7 @@ class WorkerServer:
         for out in outputs:
             self.core.emit(out)
         if outputs:
-            self._record_step(started)
+            self._record_step(started, nested=True)
 
     # -- KV pulls (decode side) -------------------------------------------------------------------------
     def _start_pulls(self) -> bool:
@@ -295,14 +298,31 @@ class WorkerServer:
         )
 
     # -- outputs --------------------------------------------------------------------------------------
-    def _record_step(self, started: float) -> None:
-        step = self.core.record_step()
+    def _record_step(self, started: float, nested: bool = False) -> None:
+        """After a step's outputs left: its sample, with the loop's time around it. `nested`: a
+        step run between two layers of another (its own emit only; the outer step's loop time
+        leaves the nested steps out)."""
+        ended = time.perf_counter()
+        last = self.engine.last_step
+        seconds = last.step_seconds if last is not None else 0.0
+        emit = ended - started - seconds
+        if nested:
+            self._nested_seconds += ended - started
+            since_last = 0.0
+        else:
+            emit -= self._nested_seconds
+            self._nested_seconds = 0.0
+            # The loop's work since the last step (messages, KV pulls it waited for, hand-overs),
+            # unless it waited idle meanwhile: that is no cost of serving.
+            since_last = started - self._last_step_ended if self._last_step_ended and not self._idled else 0.0
+        step = self.core.record_step(emit + since_last)
+        if not nested:
+            self._last_step_ended = ended
+            self._idled = False
         if step is None or not logger.isEnabledFor(logging.DEBUG):
             return
-        # A stream's gap is this step plus the loop's work since the last one (messages, KV
-        # pulls it waited for, hand-overs, emitting): both, to tell a slow step from a slow loop.
-        ended = time.perf_counter()
-        since_last = (started - self._last_step_ended) * 1000 if self._last_step_ended else 0.0
+        # A stream's gap is this step plus the loop's work since the last one: both, to tell a
+        # slow step from a slow loop.
         logger.debug(
             "step %.1f ms (prompt tokens %d, attention %d, streams %d, context %d; "
             "emit %.1f ms), %.1f ms since the last step",
@@ -311,10 +331,9 @@ class WorkerServer:
             step.prefill_attention,
             step.decode_streams,
             step.decode_context,
-            (ended - started - step.seconds) * 1000,
-            since_last,
+            emit * 1000,
+            since_last * 1000,
         )
-        self._last_step_ended = ended
 
     def _send(self, message: wire.Message, final: bool = False) -> None:
         """To the peer that owns the message's request (every peer for a load report). `final`:
