@@ -370,6 +370,7 @@ def run(o: dict[str, Any]) -> int:
         keys=keys,
         max_body_bytes=o["max_body_bytes"],
         body_timeout=o["body_timeout"],
+        step_trace=o["step_trace"],
     )
     secrets = DeploymentSecrets.generate()  # in memory only: a restart makes new ones
     # The router's parts, each given what it works on (nothing reaches into another afterwards).

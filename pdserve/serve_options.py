@@ -228,6 +228,12 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
         "a worker that sends no load report this long (a hung engine) is taken out",
     ),
     "log_level": (str, _default(_W, "log_level"), "DEBUG, INFO, WARNING, ERROR"),
+    "step_trace": (
+        Path,
+        None,
+        "write every worker's engine steps to this file, a JSON line each (what each computed, its "
+        "time and the worker loop's around it), for `pdserve profile --from-trace`",
+    ),
     # Elastic pools: the admin API (PUT /pools/{pool}, POST /workers/{id}/drain) scales within these.
     "prefill_min": (int, None, "fewest prefill workers the pool may be scaled to (default: --prefill)"),
     "prefill_max": (int, None, "most prefill workers the pool may be scaled to (default: --prefill)"),

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -65,6 +66,7 @@ class RouterSettings:
     max_body_bytes: int = 8 << 20
     body_timeout: float = 30.0  # seconds for a client to send its whole body (408 after)
     tokenizer_threads: int = 2  # chat templates and tokenization, off the event loop
+    step_trace: Path | None = None  # every worker's steps, as JSON lines (router.recorder)
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -107,7 +109,7 @@ class Router:
         self._tokenize_pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="tokenize")
         self.metrics = parts.metrics
         self.workers = parts.workers
-        WorkerRecorder(self.workers, self.metrics, parts.signals)
+        self.recorder = WorkerRecorder(self.workers, self.metrics, parts.signals, settings.step_trace)
         self.signals = parts.signals
         self.dispatcher = parts.dispatcher
         slo = settings.config.slo
@@ -144,6 +146,7 @@ class Router:
             if self.pools is not None:  # first: nothing may start a worker once the links go
                 await self.pools.close()
             await self.workers.close()
+            self.recorder.close()
             self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- endpoints ----------------------------------------------------------------------------------------

@@ -163,9 +163,10 @@ async def _simulate(
     connector = SimConnector()
     workers = WorkerSet(connector, stall_timeout=o["stall_timeout"])
     signals = Signals()
+    # A profile fitted to served steps has the host's contention in them already.
     host = (
         HostLoad(profile.host, client_on_host)
-        if profile.host is not None and o["cluster"] == "local"
+        if profile.host is not None and o["cluster"] == "local" and profile.steps_from == "alone"
         else None
     )
     backend = SimCluster(profile, connector, host)
@@ -178,7 +179,7 @@ async def _simulate(
     )
     planner = Planner(serve.planner_settings(o), signals, workers, pools, metrics)
     dispatcher = Dispatcher(workers, router_config, metrics, signals, at_bounds=planner.at_bounds)
-    WorkerRecorder(workers, metrics, signals)
+    recorder = WorkerRecorder(workers, metrics, signals, o["step_trace"])
     pools.describers["planner"] = planner.describe
     front = Front(
         dispatcher,
@@ -218,6 +219,7 @@ async def _simulate(
         await planner.close()
         await pools.close()
         await workers.close()
+        recorder.close()
 
 
 async def _sample(pools: Any, start: float, interval_s: float, samples: list[dict[str, Any]]) -> None:
