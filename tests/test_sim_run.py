@@ -41,8 +41,9 @@ def test_one_request_on_a_colocated_worker_takes_exactly_the_profiles_time(tmp_p
         "--max-requests", "1",
     )  # fmt: skip
     (record,) = run["records"]
-    step = 0.010 + 0.001  # the step and the worker loop's overhead around it
-    assert chunk_times(record) == pytest.approx([0.002 + step * k for k in range(1, 6)], abs=1e-9)
+    # A token leaves when its step ends; the worker loop's work (0.001) comes before the next step.
+    expected = [0.002 + 0.010 + (0.010 + 0.001) * k for k in range(5)]
+    assert chunk_times(record) == pytest.approx(expected, abs=1e-9)
     assert record["error"] is None and record["output_tokens"] == 5
     assert run["overall"]["completed"] == 1
     assert run["simulation"]["workers_started"] == 1

@@ -2,8 +2,8 @@
 profile's start time, so the real pool manager and planner scale simulated pools as they scale
 real ones. No torch, no process.
 
-A worker's step time is the profile's for its pool role, plus the worker loop's per-step overhead,
-spread as the profile's measured steps spread around their fit (`median_error`), and stretched by
+A worker's step time is the profile's for its pool role (the worker loop's own time follows each
+step: the profile's per-step and per-stream overhead), spread as the profile's measured steps spread around their fit (`median_error`), and stretched by
 the CPU the router takes from the workers on a shared host (pdserve/sim/host.py);
 a pull takes the profile's time for the deployment's transport; its KV cache has the profile's
 blocks for its role. The engine settings (chunk size, step budget, batch limits) are the worker
@@ -68,12 +68,10 @@ class SimCluster:
 
         def step_seconds(out: SchedulerOutput) -> float:
             features = step_features(out)
-            loop = per_step + per_stream * sum(1 for c in out.chunks if c.sample)
-            seconds = step_time.seconds(features) + loop
+            seconds = step_time.seconds(features)
             if host is not None and busy_time is not None:
                 # Slowed by its neighbours' work, as far as they were busy.
-                busy = busy_time.seconds(features) + loop
-                seconds += max(0.0, busy - seconds) * host.others_busy(worker_id)
+                seconds += max(0.0, busy_time.seconds(features) - seconds) * host.others_busy(worker_id)
             if sigma > 0:
                 seconds *= math.exp(spread.gauss(0.0, sigma))
             if host is None:
@@ -81,6 +79,10 @@ class SimCluster:
             seconds *= host.stretch()
             host.worked(worker_id, seconds)
             return seconds
+
+        def loop_seconds(out: SchedulerOutput) -> float:
+            loop = per_step + per_stream * sum(1 for c in out.chunks if c.sample)
+            return loop * host.stretch() if host is not None else loop
 
         # The profile counts blocks of its own size: a deployment's other block size is converted.
         scale = config.engine.block_size / self.profile.block_size
@@ -98,6 +100,7 @@ class SimCluster:
                 events,
                 step_seconds=step_seconds,
                 pull_seconds=pull_seconds,
+                loop_seconds=loop_seconds,
                 device_type=self.device_type,
             )
 

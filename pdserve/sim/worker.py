@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 
 from pdserve import clock, wire
@@ -28,7 +29,11 @@ from pdserve.modelfiles.config import ModelConfig
 from pdserve.router.channel import Channel, ChannelEvents
 from pdserve.worker.core import KVDone, PullOrder, WorkerCore
 
+logger = logging.getLogger("pdserve.sim.worker")
+
 StepSeconds = Callable[[SchedulerOutput], float]  # a step's duration, from what it computes
+# The worker loop's time around a step (sending its outputs, handling messages) before the next.
+LoopSeconds = Callable[[SchedulerOutput], float]
 PullSeconds = Callable[[int], float]  # a pull's duration, from the blocks it moves
 
 
@@ -73,6 +78,7 @@ class SimWorker:
         *,
         step_seconds: StepSeconds,
         pull_seconds: PullSeconds,
+        loop_seconds: LoopSeconds = lambda _out: 0.0,
         device_type: str = "cuda",
     ) -> None:
         self.config = config
@@ -97,6 +103,7 @@ class SimWorker:
             takes_kv=config.engine.role.value != "prefill",
         )
         self.pull_seconds = pull_seconds
+        self.loop_seconds = loop_seconds
         self.closed = False
         self._inbox: list[tuple[wire.Message | KVDone, float]] = []  # with when it came
         # As the real worker: a prefill worker on a CPU runs short prompts between two layers of a
@@ -159,8 +166,11 @@ class SimWorker:
                         await asyncio.sleep(seconds)  # the step takes its time; then its tokens leave
                     for output in engine.finish_step(out, result, seconds):
                         core.emit(output)
-                    core.record_step()
+                    loop = self.loop_seconds(out)
+                    self._log_step(core.record_step(loop))
                     core.hand_over()
+                    if loop > 0:  # the loop's own work before the next step
+                        await asyncio.sleep(loop)
             core.expire_leases(clock.monotonic())
             now = clock.monotonic()
             if now - last_load >= self.config.load_interval:
@@ -168,6 +178,22 @@ class SimWorker:
                 last_load = now
             if not stepped and not self._inbox:  # idle, or waiting on a pull: until something comes
                 await self._wait(self.config.load_interval)
+
+    def _log_step(self, step: wire.StepSample | None) -> None:
+        # The real worker's DEBUG step line, word for word: a simulated run's steps and a served
+        # run's are read by the same tools (their times against the profile's, under load).
+        if step is not None and logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "worker %s: step %.1f ms (prompt tokens %d, attention %d, streams %d, context %d; "
+                "emit %.1f ms), 0.0 ms since the last step",
+                self.config.worker_id,
+                step.seconds * 1000,
+                step.prefill_tokens,
+                step.prefill_attention,
+                step.decode_streams,
+                step.decode_context,
+                step.loop_seconds * 1000,
+            )
 
     def _apply_inbox(self, prompts_only: bool = False) -> bool:
         """Applies what came (with `prompts_only`, new requests only: the rest waits for the step's
