@@ -3,6 +3,7 @@
 
     pdserve profile --model smollm2-135m --out profiles/cpu-smollm2.json          # measured here
     pdserve profile --hardware h200 --model-shape llama-3.1-8b --out h200-8b.json  # a roofline
+    pdserve profile --from-trace steps.jsonl --base cpu-smollm2.json --out served.json  # refitted
 
 Measured (`--model`): the engine's step time per pool role, fitted to a sweep of real steps
 (pdserve/measure/steps.py); KV pull time per transport (`--transports`, real transports between
@@ -13,6 +14,11 @@ worker settings are serve's defaults with `--threads` (1, as serve gives each wo
 
 Roofline (`--hardware`, `--model-shape`): derived from peak rates at stated efficiencies, every
 assumption printed (pdserve/sim/roofline.py).
+
+From served steps (`--from-trace TRACE... --base PROFILE`): the step times and the worker loop's
+time refitted to what a real server's workers ran (`pdserve serve --step-trace TRACE`), the rest
+of the base profile kept (pdserve/sim/calibrate.py): on a host the workers share with the router
+and a client, steps run 10-30% off a lone engine's sweep, by an amount that moves with the load.
 """
 
 from __future__ import annotations
@@ -47,13 +53,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the second sweep beside a busy engine on another CPU (steps when the host is busy)",
     )
+    p.add_argument(
+        "--from-trace",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="TRACE",
+        help="fit the step times to these served runs' steps (pdserve serve --step-trace) instead, "
+        "into a copy of --base",
+    )
+    p.add_argument("--base", type=Path, default=None, help="with --from-trace: the profile to copy")
     p.add_argument("--hardware", default=None, help="derive from a roofline instead: h200, h100, a100, l40s")
     p.add_argument("--model-shape", default=None, help="with --hardware: a built-in shape or a config.json")
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.hardware or args.model_shape:
+    if args.from_trace or args.base:
+        if not (args.from_trace and args.base) or args.model or args.hardware or args.model_shape:
+            raise PdserveError("--from-trace needs --base (and neither --model nor --hardware)")
+        from pdserve.sim import profile as profiles
+        from pdserve.sim.calibrate import calibrated
+
+        profile = calibrated(profiles.load(args.base), list(args.from_trace))
+    elif args.hardware or args.model_shape:
         if not (args.hardware and args.model_shape) or args.model:
             raise PdserveError("a roofline needs --hardware and --model-shape (and no --model)")
         from pdserve.sim.roofline import derive
@@ -79,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
 
 def describe(profile: Profile) -> list[str]:
     lines = [f"profile of {profile.model} ({profile.source}), {profile.meta.get('machine', '')}"]
+    if profile.steps_from == "serving":
+        lines.append(f"  steps fitted to served steps ({profile.meta.get('step_traces', '?')})")
     lines += [f"  assumes: {a}" for a in profile.assumptions]
     for role, step in profile.steps.items():
         fit = getattr(step, "median_error", None)

@@ -24,9 +24,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pdserve import slo
 from pdserve.config import EngineConfig, Role
-from pdserve.costmodel import Step, fit_step_time
+from pdserve.costmodel import Step
 from pdserve.engine.factory import build_engine
 from pdserve.errors import PdserveError
 from pdserve.sampling_params import SamplingParams
@@ -169,15 +168,7 @@ def sweep(probe: StepProbe, plan: Sweep, budget_s: float | None = None) -> list[
 
 
 def fit(samples: list[Sample]) -> LinearStep:
-    coefficients = fit_step_time([(s.step, s.seconds) for s in samples])
-    model = LinearStep(tuple(coefficients))  # type: ignore[arg-type]
-    errors = [abs(model.seconds(s.step) - s.seconds) / s.seconds for s in samples if s.seconds > 0]
-    return LinearStep(
-        model.coefficients,
-        samples=len(samples),
-        median_error=round(slo.quantile(errors, 0.5) or 0.0, 4),
-        p90_error=round(slo.quantile(errors, 0.9) or 0.0, 4),
-    )
+    return LinearStep.fitted([(s.step, s.seconds) for s in samples])
 
 
 def fit_roles(samples: list[Sample]) -> dict[str, LinearStep]:

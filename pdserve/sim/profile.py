@@ -20,16 +20,19 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.costmodel import Step
+from pdserve import slo
+from pdserve.costmodel import Step, fit_step_time
 from pdserve.errors import PdserveError
 from pdserve.modelfiles.config import ModelConfig
 
 FORMAT = "pdserve-profile/1"
 ROLES = ("prefill", "decode", "colocated")
+STEPS_FROM = ("alone", "serving")
 
 
 class ProfileError(PdserveError):
@@ -49,6 +52,19 @@ class LinearStep:
     def seconds(self, step: Step) -> float:
         raw = (1.0, step.prefill_tokens, step.prefill_attention, step.decode_streams, step.decode_context)
         return sum(c * x for c, x in zip(self.coefficients, raw, strict=True))
+
+    @classmethod
+    def fitted(cls, samples: Sequence[tuple[Step, float]]) -> LinearStep:
+        """Fitted to measured (step, seconds), with how well it fits them."""
+        coefficients = fit_step_time(samples)
+        model = cls(tuple(coefficients))  # type: ignore[arg-type]
+        errors = [abs(model.seconds(step) - t) / t for step, t in samples if t > 0]
+        return cls(
+            model.coefficients,
+            samples=len(samples),
+            median_error=round(slo.quantile(errors, 0.5) or 0.0, 4),
+            p90_error=round(slo.quantile(errors, 0.9) or 0.0, 4),
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "linear"} | asdict(self)
@@ -140,6 +156,10 @@ class Profile:
     # Per role, the step time measured beside a busy engine on another CPU of the host (empty:
     # not measured; the steps cost the same whatever the neighbours do).
     steps_busy: dict[str, StepTime] = field(default_factory=dict)
+    # What the step times are of: "alone" (one engine by itself: a sweep, or a roofline; the
+    # simulation adds what the host's other processes cost it) or "serving" (a served run's own
+    # steps, fitted by `pdserve profile --from-trace`: that cost is in them; the simulation adds none).
+    steps_from: str = "alone"
 
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_hf_dict(self.model_shape)
@@ -187,6 +207,7 @@ class Profile:
             "transfers": {name: asdict(t) for name, t in self.transfers.items()},
             "host": asdict(self.host) if self.host is not None else None,
             "steps_busy": {role: step.to_json() for role, step in self.steps_busy.items()},
+            "steps_from": self.steps_from,
         }
 
     def save(self, path: Path) -> None:
@@ -244,7 +265,12 @@ def load(path: Path) -> Profile:
             assumptions=list(body.get("assumptions", [])),
             host=HostCpu(**body["host"]) if body.get("host") else None,
             steps_busy={role: _step_from_json(role, s) for role, s in body.get("steps_busy", {}).items()},
+            steps_from=str(body.get("steps_from", "alone")),
         )
+        if profile.steps_from not in STEPS_FROM:
+            raise ProfileError(
+                f"steps_from must be one of {', '.join(STEPS_FROM)}, got {profile.steps_from!r}"
+            )
         profile.model_config()  # a shape the engine cannot take fails here
     except ProfileError:
         raise
