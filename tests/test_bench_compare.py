@@ -80,7 +80,7 @@ def test_the_default_configurations_only_when_no_endpoint_is_given() -> None:
 def test_a_rate_sweep_runs_every_rate_against_one_started_server(tiny_llama: Path, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--model", str(tiny_llama)]
     cmd += ["--config", "c=--colocated 1", "--serve-args", "--dtype float32 --num-kv-blocks 128"]
-    cmd += ["--workload", "constant(rate=5) prompt=fixed(30) output=fixed(4)", "--max-requests", "6"]
+    cmd += ["--workload", "constant(rate=5) prompt=fixed(150) output=fixed(4)", "--max-requests", "6"]
     cmd += ["--rate-scales", "1,2", "--slo", "ttft=5000", "--out", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -93,6 +93,13 @@ def test_a_rate_sweep_runs_every_rate_against_one_started_server(tiny_llama: Pat
         max(r.scheduled_s or 0 for r in first) / 2
     )
     assert (tmp_path / "rate_2" / "ttft_cdf.png").is_file()
+    # The same server ran both rates: the second drew prompts of its own, none found in the prefix
+    # cache the first filled (the same prompts would have hit it, every one).
+    caches = {
+        name: runs[0]["prefix_cache"]
+        for name, runs in json.loads((tmp_path / "summaries.json").read_text())["runs"].items()
+    }
+    assert caches["c@2"]["queries"] > 0 and caches["c@2"]["hits"] == 0, caches
 
 
 def test_repeats_take_turns_with_a_new_draw_each_and_report_medians(tiny_llama: Path, tmp_path: Path) -> None:

@@ -222,6 +222,15 @@ def run_one(
     return records, elapsed, samples, parts
 
 
+def prompt_seed(seed: int, rate_index: int) -> int:
+    """The seed of the prompts' contents for the `rate_index`-th rate of a run seeded `seed`:
+    `seed` for the first, apart for every other (a prime step: no two (seed, rate) of a run meet)."""
+    return seed + PROMPT_SEED_STEP * rate_index
+
+
+PROMPT_SEED_STEP = 7919
+
+
 def run(args: argparse.Namespace) -> int:
     if args.max_requests is None and args.duration is None:
         raise PdserveError("give --max-requests or --duration (or both): a benchmark must end by itself")
@@ -242,8 +251,13 @@ def run(args: argparse.Namespace) -> int:
     if any(w.concurrency is not None for w in workloads.values()):
         raise PdserveError("compare needs an open-loop workload (arrival times), not concurrency(n)")
     tokenizer = args.tokenizer or args.model
+    # The rates run one after another on one server: each draws prompts of its own (the first
+    # rate the seed's), else a server's prefix cache would find the last rate's prompts again.
     requests = {
-        key: prepare(w, tokenizer, "completions", "ids", args.seed + key[1]) for key, w in workloads.items()
+        (scale, r): prepare(
+            w, tokenizer, "completions", "ids", prompt_seed(args.seed + r, scales.index(scale))
+        )
+        for (scale, r), w in workloads.items()
     }
     # Conversations go on with their answers, which come back as text: re-encoded for the next turn.
     encode = conversation_encoder(next(iter(workloads.values())), tokenizer, "completions", "ids")
