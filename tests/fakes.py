@@ -31,8 +31,9 @@ from pdserve.errors import PdserveError
 from pdserve.pools.manager import PoolManager, PoolSettings, PoolSpec
 from pdserve.router.channel import Channel, ChannelEvents
 from pdserve.router.config import RouterConfig
-from pdserve.router.dispatch import Dispatcher, RequestState
+from pdserve.router.dispatch import Dispatcher
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.request_state import RequestState
 from pdserve.router.workers import WorkerSet
 
 BLOCK_SIZE = 16

@@ -12,7 +12,7 @@ from pdserve import LLM
 from pdserve.config import EngineConfig, Role
 from pdserve.engine.core import EngineCore
 from pdserve.engine.factory import build_engine, pick_dtype
-from pdserve.engine.sched import Handover
+from pdserve.engine.sched_types import Handover
 from pdserve.errors import InvalidRequestError
 from pdserve.sampling_params import SamplingParams
 

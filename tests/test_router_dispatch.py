@@ -26,8 +26,8 @@ from pdserve import LLM, SamplingParams, clock, wire
 from pdserve.pools.manager import PoolSettings
 from pdserve.router.app import _error_kind
 from pdserve.router.config import RouterConfig
-from pdserve.router.dispatch import RequestInvalid, RequestState
 from pdserve.router.placement import Unavailable
+from pdserve.router.request_state import RequestInvalid, RequestState
 
 PROMPTS = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * (2 + i) for i in range(8)]
 

@@ -12,7 +12,8 @@ from pdserve.config import Role
 from pdserve.costmodel import Step, chunk_attention
 from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sched import MIN_TIMED_CHUNK, Handover, Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.sched import MIN_TIMED_CHUNK, Scheduler
+from pdserve.engine.sched_types import Handover, SchedulerConfig, SchedulerOutput
 from pdserve.sampling_params import SamplingParams
 
 EOS = 0

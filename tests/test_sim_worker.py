@@ -14,11 +14,12 @@ from test_worker_core import MODEL  # a modelled model: only its limits count
 
 from pdserve import clock, wire
 from pdserve.config import POOL_ROLES, EngineConfig, WorkerConfig
-from pdserve.engine.sched import SchedulerOutput
+from pdserve.engine.sched_types import SchedulerOutput
 from pdserve.router.config import RouterConfig
-from pdserve.router.dispatch import Dispatcher, RequestState
+from pdserve.router.dispatch import Dispatcher
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prefix import PromptKeys
+from pdserve.router.request_state import RequestState
 from pdserve.router.workers import WorkerSet
 from pdserve.sim.worker import SimConnector, SimWorker, token_at
 

@@ -11,7 +11,7 @@ from pdserve import wire
 from pdserve.config import EngineConfig, Role, WorkerConfig
 from pdserve.engine.core import EngineCore, RunnerOutput, engine_core
 from pdserve.engine.kv import KVCacheManager
-from pdserve.engine.sched import SchedulerOutput
+from pdserve.engine.sched_types import SchedulerOutput
 from pdserve.modelfiles.config import ModelConfig
 from pdserve.worker.core import KVDone, WorkerCore
 

@@ -17,7 +17,8 @@ from pdserve.config import EngineConfig, Role
 from pdserve.costmodel import Step, chunk_attention
 from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sched import Handover, Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
+from pdserve.engine.sched import Scheduler
+from pdserve.engine.sched_types import Handover, SchedulerConfig, SchedulerOutput, SchedulerStats
 from pdserve.errors import InvalidRequestError
 from pdserve.modelfiles.config import ModelConfig
 from pdserve.outputs import TokenLogprob

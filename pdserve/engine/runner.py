@@ -19,7 +19,7 @@ from pdserve.engine.decode_graphs import DecodeGraphs, StaticDecode
 from pdserve.engine.kv import KVCacheManager
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SamplingRow, sample
-from pdserve.engine.sched import SchedulerOutput
+from pdserve.engine.sched_types import SchedulerOutput
 from pdserve.modelfiles.config import ModelConfig
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.ops.attention import AttentionMetadata, PrefillChunkMeta

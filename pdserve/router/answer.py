@@ -8,9 +8,9 @@ from typing import Any
 
 from pdserve import wire
 from pdserve.router import openai_types as oa
-from pdserve.router.dispatch import RequestFailed, RequestState, TokenEvent
 from pdserve.router.logprobs import LogprobsFormatter, TokenLogprobs
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.request_state import RequestFailed, RequestState, TokenEvent
 from pdserve.signals import Signals
 from pdserve.text.detok import IncrementalDetokenizer
 

@@ -42,12 +42,13 @@ from pdserve.router.answer import Answer, Delta, checked_logprobs
 from pdserve.router.auth import AccessKeys, AuthMiddleware
 from pdserve.router.body import BodyError, read_body
 from pdserve.router.config import RouterConfig
-from pdserve.router.dispatch import Dispatcher, RequestFailed, RequestInvalid, RequestState
+from pdserve.router.dispatch import Dispatcher
 from pdserve.router.logprobs import LogprobsFormatter, TokenLogprobs
 from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdserve.router.openapi import build_openapi
 from pdserve.router.placement import Unavailable
 from pdserve.router.recorder import WorkerRecorder
+from pdserve.router.request_state import RequestFailed, RequestInvalid, RequestState
 from pdserve.router.workers import WorkerSet
 from pdserve.signals import Signals
 from pdserve.text.detok import IncrementalDetokenizer

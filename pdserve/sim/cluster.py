@@ -20,7 +20,7 @@ import zlib
 from pdserve.cluster.base import ExitCallback, WorkerExit, WorkerHandle, WorkerStartError
 from pdserve.config import WorkerConfig
 from pdserve.engine.core import step_features
-from pdserve.engine.sched import SchedulerOutput
+from pdserve.engine.sched_types import SchedulerOutput
 from pdserve.router.channel import ChannelEvents
 from pdserve.sim.host import HostLoad
 from pdserve.sim.profile import LinearStep, Profile, ProfileError

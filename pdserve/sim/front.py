@@ -22,9 +22,10 @@ from pdserve.bench.summary import RequestRecord
 from pdserve.bench.workload import RequestSpec
 from pdserve.router.admission import Overloaded
 from pdserve.router.answer import Latency
-from pdserve.router.dispatch import Dispatcher, RequestFailed, RequestInvalid, RequestState
+from pdserve.router.dispatch import Dispatcher
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import Unavailable
+from pdserve.router.request_state import RequestFailed, RequestInvalid, RequestState
 from pdserve.signals import Signals
 from pdserve.sim.host import HostLoad
 

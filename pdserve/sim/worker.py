@@ -24,7 +24,7 @@ from pdserve import clock, wire
 from pdserve.config import WorkerConfig
 from pdserve.engine.core import RunnerOutput, engine_core
 from pdserve.engine.kv import KVCacheManager
-from pdserve.engine.sched import SchedulerOutput
+from pdserve.engine.sched_types import SchedulerOutput
 from pdserve.modelfiles.config import ModelConfig
 from pdserve.router.channel import Channel, ChannelEvents
 from pdserve.worker.core import KVDone, PullOrder, WorkerCore

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from pdserve import clock, wire
 from pdserve.config import WorkerConfig
 from pdserve.engine.core import EngineCore, EngineOutput
-from pdserve.engine.sched import Handover
+from pdserve.engine.sched_types import Handover
 from pdserve.errors import InvalidRequestError
 
 if TYPE_CHECKING:  # torch: only a worker with a transport has them
