@@ -17,30 +17,22 @@ cores, that is CPU the workers' steps wait for (pdserve/sim/host.py).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-import httpx
 
 from pdserve.bench.client import PreparedRequest, Target, run_load
 from pdserve.bench.summary import RequestRecord
 from pdserve.costmodel import Step, chunk_attention
 from pdserve.errors import PdserveError
+from pdserve.measure.server import running
 from pdserve.sim.profile import HostCpu, Overhead, StepTime
 
 logger = logging.getLogger("pdserve.measure")
-
-START_TIMEOUT_S = 300.0  # a first start may build the CPU kernels (about 20 s) and load the model
 
 
 @dataclass(frozen=True)
@@ -49,12 +41,6 @@ class OverheadResult:
     start_s: float
     requests: int
     host: HostCpu | None = None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -81,17 +67,10 @@ def measure(
     output_tokens: int = 32,
     vocab_size: int = 32000,
 ) -> OverheadResult:
-    port = _free_port()
-    command = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model, "--colocated", "1"]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
-    if threads is not None:
-        command += ["--threads", str(threads)]
-    started = time.perf_counter()
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_ready(server, url)
-        start_s = time.perf_counter() - started
+    with running(model, ["--colocated", "1"], threads) as server:
+        url = server.url
+        start_s = server.start_s
+        pid = server.process.pid
 
         def probe(count: int, outputs: int, concurrency: int = 1) -> _Probe:
             prompts = [
@@ -99,29 +78,30 @@ def measure(
                                 prompt_tokens, outputs)
                 for i in range(count)
             ]  # fmt: skip
-            router, client, wall = _cpu_seconds(server.pid), time.process_time(), time.perf_counter()
+            router, client, wall = _cpu_seconds(pid), time.process_time(), time.perf_counter()
             records, _ = asyncio.run(
                 run_load(
-                    Target(url, model, request_timeout_s=120.0), prompts, concurrency=1, drain_timeout_s=300.0
+                    Target(url, model, request_timeout_s=120.0),
+                    prompts,
+                    concurrency=concurrency,
+                    drain_timeout_s=300.0,
                 )
             )
             return _Probe(
                 records,
-                _cpu_seconds(server.pid) - router,
+                _cpu_seconds(pid) - router,
                 time.process_time() - client,
                 time.perf_counter() - wall,
             )
 
         probe(2, output_tokens)  # warm-up: the first requests' paths are cold
-        router_idle = _cpu_seconds(server.pid)
+        router_idle = _cpu_seconds(pid)
         time.sleep(IDLE_PROBE_S)  # the router's own background work (load reports, keepers)
-        idle_rate = (_cpu_seconds(server.pid) - router_idle) / IDLE_PROBE_S
+        idle_rate = (_cpu_seconds(pid) - router_idle) / IDLE_PROBE_S
         long = probe(requests, output_tokens)
         short = probe(requests, SHORT_OUTPUT)
         # STREAMS requests at once, twice: steps of STREAMS streams, each sending its token.
         batched = [r for _ in range(2) for r in probe(STREAMS, output_tokens, STREAMS).records]
-    finally:
-        _stop(server)
     host = _host_cpu(long, short, requests, output_tokens, idle_rate)
     overhead = _overhead(long.records, step_time, prompt_tokens)
     overhead = _per_stream(overhead, batched, step_time, prompt_tokens)
@@ -185,31 +165,3 @@ def _overhead(records: list[RequestRecord], step_time: StepTime, prompt_tokens: 
     step_s = max(0.0, statistics.median(itl_excess))
     request_s = max(0.0, statistics.median(ttft_excess) - step_s)
     return Overhead(request_s=round(request_s, 6), step_s=round(step_s, 6))
-
-
-def _wait_ready(server: subprocess.Popen[str], url: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    with httpx.Client(timeout=5.0) as client:
-        while time.monotonic() < deadline:
-            if server.poll() is not None:
-                err = server.stderr.read() if server.stderr else ""
-                raise PdserveError(
-                    f"pdserve serve exited with {server.returncode} while starting: {err[-2000:]}"
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(f"{url}/health").status_code == 200:
-                    return
-            time.sleep(0.2)
-    raise PdserveError(f"pdserve serve was not ready after {START_TIMEOUT_S:g} s")
-
-
-def _stop(server: subprocess.Popen[str]) -> None:
-    if server.poll() is None:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.kill(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
-    if server.stderr is not None:
-        server.stderr.close()
