@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import os
 import signal
 import socket
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from serving import Server, alive, children, free_port
@@ -365,7 +367,9 @@ def test_colocated_from_a_config_file_serves_and_sigterm_leaves_nothing(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
     config = tmp_path / "pdserve.toml"
-    config.write_text(f'model = "{tiny_llama}"\ncolocated = 2\nmax-num-seqs = 8\n')
+    config.write_text(
+        f'model = "{tiny_llama}"\ncolocated = 2\nmax-num-seqs = 8\nstep-trace = "runs/steps.jsonl"\n'
+    )
     server = Server(tiny_llama, "--config", str(config))
     try:
         assert sorted(server.worker_pids) == ["colocated-0", "colocated-1"]
@@ -377,8 +381,27 @@ def test_colocated_from_a_config_file_serves_and_sigterm_leaves_nothing(
         assert answer.choices[0].message.content is not None
         assert server.metric("pdserve_requests_total", path="colocated", outcome="ok") == 1
         assert server.metric("pdserve_worker_up", pool="colocated") == 2
+        # The step trace (relative to the config file): the request's prompt step and its decode
+        # steps, as the worker's load reports bring them.
+        tokens = answer.usage.completion_tokens if answer.usage else 0
+        assert tokens >= 1
+        trace = tmp_path / "runs" / "steps.jsonl"
+        deadline = time.monotonic() + 60
+        while len(rows := _trace_rows(trace)) < tokens and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(rows) == tokens, rows  # a step a token: the prompt's, then one a token
+        assert {row["pool"] for row in rows} == {"colocated"}
+        assert rows[0]["prefill_tokens"] > 0 and rows[0]["seconds"] > 0
+        assert [row["decode_streams"] for row in rows[1:]] == [1] * (tokens - 1)
+        assert all(row["loop_seconds"] >= 0 for row in rows) and any(row["loop_seconds"] > 0 for row in rows)
     finally:
         assert server.stop(signal.SIGTERM) == 0
+
+
+def _trace_rows(trace: Path) -> list[dict[str, Any]]:
+    if not trace.exists():
+        return []
+    return [json.loads(line) for line in trace.read_text().splitlines() if line.endswith("}")]
 
 
 def test_sigint_stops_a_disaggregated_server_and_its_segments(tiny_llama: Path) -> None:

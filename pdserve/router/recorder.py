@@ -49,7 +49,7 @@ class WorkerRecorder:
         self._trace_start = clock.monotonic()
         if step_trace is not None:
             step_trace.parent.mkdir(parents=True, exist_ok=True)
-            self._trace = step_trace.open("w", buffering=1 << 16)
+            self._trace = step_trace.open("w", buffering=1)  # a line at a time: readable while serving
 
     def load(self, link: WorkerView) -> None:
         load = link.load
