@@ -48,3 +48,10 @@ def test_flags_that_do_not_go_together_are_refused(
     assert "--threads must be >= 1" in capsys.readouterr().err
     assert main(["profile", "--model", "smollm2-135m", "--transports", "shm,nixl", *out]) == 2
     assert "cannot measure nixl here" in capsys.readouterr().err
+    assert main(["profile", "--from-trace", str(tmp_path / "t.jsonl"), *out]) == 2
+    assert "--from-trace needs --base" in capsys.readouterr().err
+    assert main(["profile", "--model", "smollm2-135m", "--served", "--no-serve", *out]) == 2
+    assert "--served runs a server" in capsys.readouterr().err
+    assert main(["profile", "--hardware", "h200", "--model-shape", "llama-3.1-8b", "--served", *out]) == 2
+    assert "neither --model nor --served" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()

@@ -11,7 +11,15 @@ import pytest
 
 from pdserve.costmodel import Step
 from pdserve.sim import profile as profiles
-from pdserve.sim.profile import LinearStep, Overhead, Profile, ProfileError, RooflineStep, TransferTime
+from pdserve.sim.profile import (
+    LinearStep,
+    LoopTime,
+    Overhead,
+    Profile,
+    ProfileError,
+    RooflineStep,
+    TransferTime,
+)
 
 SHAPE = {
     "model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
@@ -51,7 +59,12 @@ def fixed_profile(
 def test_a_profile_reads_back_as_written(tmp_path: Path) -> None:
     original = fixed_profile(0.01, 1e-4, 2e-3, 0.005, 0.002, 0.001, 7.5)
     roofline = RooflineStep(0.004, 16e9, 1e6, 16e9, 131072, 6e14, 3.8e12)
-    original = replace(original, steps={**original.steps, "colocated": roofline})
+    original = replace(
+        original,
+        steps={**original.steps, "colocated": roofline},
+        steps_from="serving",
+        loops={"decode": LoopTime(0.001, 2e-4), "prefill": LoopTime(0.0015)},
+    )
     original.save(tmp_path / "p.json")
     back = profiles.load(tmp_path / "p.json")
     assert back == original
@@ -75,6 +88,11 @@ def test_a_role_without_its_own_step_time_and_a_missing_transport() -> None:
     with pytest.raises(ProfileError, match="no transfer time for --transport nixl"):
         p.transfer("nixl")
     assert p.transfer("shm").seconds(10) == 0.0
+    # The worker loop: the overhead's for every role, unless a role has its own (a served fit).
+    assert p.loop_time("decode") == LoopTime(p.overhead.step_s, p.overhead.stream_s)
+    served = replace(p, loops={"decode": LoopTime(0.002, 1e-4)})
+    assert served.loop_time("colocated") == LoopTime(0.002, 1e-4)
+    assert served.loop_time("prefill") == LoopTime(p.overhead.step_s, p.overhead.stream_s)
 
 
 @pytest.mark.parametrize(
@@ -101,6 +119,10 @@ def test_negative_coefficients_and_unknown_kinds_are_refused(tmp_path: Path) -> 
     body["steps"]["decode"] = {"kind": "cubic"}
     (tmp_path / "p.json").write_text(json.dumps(body))
     with pytest.raises(ProfileError, match="linear or roofline"):
+        profiles.load(tmp_path / "p.json")
+    body = fixed_profile().to_json() | {"steps_from": "guessed"}
+    (tmp_path / "p.json").write_text(json.dumps(body))
+    with pytest.raises(ProfileError, match="steps_from must be one of alone, serving"):
         profiles.load(tmp_path / "p.json")
     with pytest.raises(ProfileError, match="cannot read"):
         profiles.load(tmp_path / "missing.json")

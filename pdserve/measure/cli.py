@@ -3,6 +3,7 @@
 
     pdserve profile --model smollm2-135m --out profiles/cpu-smollm2.json          # measured here
     pdserve profile --hardware h200 --model-shape llama-3.1-8b --out h200-8b.json  # a roofline
+    pdserve profile --model smollm2-135m --served --out profiles/cpu-served.json    # steps as served
     pdserve profile --from-trace steps.jsonl --base cpu-smollm2.json --out served.json  # refitted
 
 Measured (`--model`): the engine's step time per pool role, fitted to a sweep of real steps
@@ -63,6 +64,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "into a copy of --base",
     )
     p.add_argument("--base", type=Path, default=None, help="with --from-trace: the profile to copy")
+    p.add_argument(
+        "--served",
+        action="store_true",
+        help="with --model: then trace a real DPD and colocated server under a climbing load (3-4 min) "
+        "and refit the step times to their steps (pdserve/measure/served.py)",
+    )
+    p.add_argument(
+        "--served-rate-scale", type=float, default=1.0, help="with --served: scale that load's rates"
+    )
     p.add_argument("--hardware", default=None, help="derive from a roofline instead: h200, h100, a100, l40s")
     p.add_argument("--model-shape", default=None, help="with --hardware: a built-in shape or a config.json")
 
@@ -70,15 +80,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.from_trace or args.base:
-        if not (args.from_trace and args.base) or args.model or args.hardware or args.model_shape:
-            raise PdserveError("--from-trace needs --base (and neither --model nor --hardware)")
+        if (
+            not (args.from_trace and args.base)
+            or args.model
+            or args.hardware
+            or args.model_shape
+            or args.served
+        ):
+            raise PdserveError("--from-trace needs --base (and neither --model, --hardware nor --served)")
         from pdserve.sim import profile as profiles
         from pdserve.sim.calibrate import calibrated
 
         profile = calibrated(profiles.load(args.base), list(args.from_trace))
     elif args.hardware or args.model_shape:
-        if not (args.hardware and args.model_shape) or args.model:
-            raise PdserveError("a roofline needs --hardware and --model-shape (and no --model)")
+        if not (args.hardware and args.model_shape) or args.model or args.served:
+            raise PdserveError(
+                "a roofline needs --hardware and --model-shape (and neither --model nor --served)"
+            )
         from pdserve.sim.roofline import derive
 
         profile = derive(args.hardware, args.model_shape)
@@ -86,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not args.model:
             raise PdserveError("give --model (measure it here) or --hardware and --model-shape (a roofline)")
+        if args.served and args.no_serve:
+            raise PdserveError("--served runs a server: it cannot go with --no-serve")
         if args.threads < 1:
             raise PdserveError("--threads must be >= 1")
         unknown = sorted(set(args.transports.split(",")) - set(MEASURED_TRANSPORTS) - {""})
@@ -94,10 +114,25 @@ def run(args: argparse.Namespace) -> int:
                 f"--transports: cannot measure {', '.join(unknown)} here (it measures {', '.join(MEASURED_TRANSPORTS)})"
             )
         profile = measured(args)
+        if args.served:
+            profile = served_profile(args, profile)
     profile.save(args.out)
     print("\n".join(describe(profile)))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def served_profile(args: argparse.Namespace, profile: Profile) -> Profile:
+    """The measured profile refitted to a real server's steps, the traces kept beside --out."""
+    from pdserve.measure import served
+    from pdserve.sim.calibrate import calibrated
+
+    if not args.served_rate_scale > 0:
+        raise PdserveError("--served-rate-scale must be > 0")
+    folder = args.out.parent / f"{args.out.stem}-steps"
+    folder.mkdir(parents=True, exist_ok=True)
+    traces = served.trace(args.model, folder, threads=args.threads, rate_scale=args.served_rate_scale)
+    return calibrated(profile, traces)
 
 
 def describe(profile: Profile) -> list[str]:
@@ -111,6 +146,10 @@ def describe(profile: Profile) -> list[str]:
         lines.append(f"  {role} step: {step.to_json()}{error}")
     for role, step in profile.steps_busy.items():
         lines.append(f"  {role} step beside a busy neighbour: {step.to_json()}")
+    for role, loop in profile.loops.items():
+        lines.append(
+            f"  {role} worker loop: {loop.step_s * 1000:.3f} ms a step + {loop.stream_s * 1000:.3f} ms a stream"
+        )
     for name, t in profile.transfers.items():
         lines.append(f"  {name} pull: {t.base_s * 1000:.3f} ms + {t.per_block_s * 1000:.4f} ms per block")
     if profile.host is not None:

@@ -6,9 +6,9 @@ workers, the client of a benchmark and their memory traffic, and between two ste
 sends tokens and handles messages. On a small shared host that moves a step's time by 10-30%,
 more than any fit's error, and by how much depends on the load. `pdserve serve --step-trace FILE`
 writes every worker's steps as its load reports bring them (router.recorder.STEP_TRACE_KEYS);
-this fits each pool role's step time to the steps that pool's workers ran, and the worker loop's
-time around a step (per step and per stream) to what the decode-side workers reported, into a copy
-of a base profile (its KV transfers, start time, blocks and request overhead are kept). The result
+this fits each pool role's step time to the steps that pool's workers ran, and each role's worker
+loop time around a step (per step and per stream: a decode worker's loop also takes its KV pulls),
+into a copy of a base profile (its KV transfers, start time, blocks and overhead are kept). The result
 says `steps_from: serving`: the simulation then adds no host contention of its own (the fit has it,
 at the loads the trace covered: trace a load like the ones to simulate, up to the knee).
 """
@@ -23,17 +23,22 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from pdserve import slo
 from pdserve.costmodel import Step
-from pdserve.sim.profile import LinearStep, Overhead, Profile, ProfileError, StepTime
+from pdserve.sim.profile import LinearStep, LoopTime, Profile, ProfileError, StepTime
 
 MIN_STEPS = 30  # per pool role, to fit five coefficients with any confidence
 MIN_BUCKET = 5  # steps of one stream count for its median loop time to count
+BUSY_WINDOW_S = 2.0  # as pdserve.sim.host.HostLoad's window
+BUCKET_S = 0.1  # a trace's times are its load reports' (every 0.1 s)
 
 
 def read_trace(paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
     """Each pool's steps, from one or more step traces (JSON lines)."""
     pools: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for path in paths:
+    for index, path in enumerate(paths):
         try:
             lines = Path(path).read_text().splitlines()
         except OSError as exc:
@@ -43,8 +48,9 @@ def read_trace(paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
                 continue
             try:
                 row = json.loads(line)
+                float(row["seconds"]), float(row["t_s"])
+                row["trace"] = index  # one run's workers share a host; another run's did not
                 pools[str(row["pool"])].append(row)
-                float(row["seconds"])
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 raise ProfileError(
                     f"{path}:{number} is not a step trace line (pdserve serve --step-trace): {exc}"
@@ -63,61 +69,139 @@ def _step(row: dict[str, Any]) -> Step:
 
 def fit_loop(rows: list[dict[str, Any]]) -> tuple[float, float]:
     """(per step, per stream) seconds of the worker loop around a decode step: a line through the
-    median loop time at each stream count (medians: a step that waited on a KV pull, which the
-    simulation models apart, does not move them), least squares weighted by steps, both >= 0."""
+    median loop time at each stream count seen in MIN_BUCKET steps or more, each count one point
+    (a light load's many small batches would otherwise set the line, and the loop grows with the
+    load: more tokens to send, a busier router to send them to), both >= 0. Medians: a step that
+    waited on a KV pull, which the simulation models apart, does not move them."""
     by_streams: dict[int, list[float]] = defaultdict(list)
     for row in rows:
         streams = int(row["decode_streams"])
         if streams > 0:
             by_streams[streams].append(float(row.get("loop_seconds", 0.0)))
-    points = [(n, statistics.median(v), len(v)) for n, v in by_streams.items() if len(v) >= MIN_BUCKET]
+    points = [(n, statistics.median(v)) for n, v in by_streams.items() if len(v) >= MIN_BUCKET]
     if not points:
         return 0.0, 0.0
-    total = sum(w for _, _, w in points)
-    mean_n = sum(n * w for n, _, w in points) / total
-    mean_y = sum(y * w for _, y, w in points) / total
-    spread = sum(w * (n - mean_n) ** 2 for n, _, w in points)
-    slope = sum(w * (n - mean_n) * (y - mean_y) for n, y, w in points) / spread if spread > 0 else 0.0
+    mean_n = statistics.fmean(n for n, _ in points)
+    mean_y = statistics.fmean(y for _, y in points)
+    spread = sum((n - mean_n) ** 2 for n, _ in points)
+    slope = sum((n - mean_n) * (y - mean_y) for n, y in points) / spread if spread > 0 else 0.0
     slope = max(0.0, slope)
     base = mean_y - slope * mean_n
     if base < 0:  # through the origin instead
-        base, slope = 0.0, sum(w * n * y for n, y, w in points) / sum(w * n * n for n, _, w in points)
+        base, slope = 0.0, sum(n * y for n, y in points) / sum(n * n for n, _ in points)
     return round(base, 6), round(max(0.0, slope), 7)
 
 
+def others_busy(rows: list[dict[str, Any]], cpus: int, window_s: float = BUSY_WINDOW_S) -> list[float]:
+    """For each step, how busy the host's other CPUs were with other workers' steps over the
+    `window_s` before its report (0 to 1): the simulation's `HostLoad.others_busy`, from a trace."""
+    buckets: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for row in rows:
+        buckets[round(float(row["t_s"]) / BUCKET_S)][str(row["worker"])] += float(row["seconds"])
+    span = round(window_s / BUCKET_S)
+    busy = []
+    for row in rows:
+        end, worker = round(float(row["t_s"]) / BUCKET_S), str(row["worker"])
+        others = sum(
+            seconds
+            for b in range(end - span + 1, end + 1)
+            for w, seconds in buckets.get(b, {}).items()
+            if w != worker
+        )
+        busy.append(min(1.0, others / window_s / max(1, cpus - 1)))
+    return busy
+
+
+def fit_alone_and_busy(samples: list[tuple[Step, float, float]]) -> tuple[LinearStep, LinearStep]:
+    """(alone, busy): seconds = alone(x) + (busy(x) - alone(x)) x b, b how busy the other CPUs
+    were, fitted on the relative error with every coefficient of alone and of busy - alone >= 0
+    (the form `pdserve.sim.cluster` steps by, with `Profile.steps_busy`)."""
+    rows = []
+    for step, seconds, b in samples:
+        raw = (1.0, step.prefill_tokens, step.prefill_attention, step.decode_streams, step.decode_context)
+        x = np.array(raw, dtype=float) / seconds
+        rows.append(np.concatenate([x, x * b]))
+    a = np.array(rows)
+    scale = np.abs(a).max(axis=0)  # columns of like size, for the solver; a column of zeros stays 0
+    scale[scale == 0] = 1.0
+    a = a / scale
+    target = np.ones(len(rows))
+    active = list(range(a.shape[1]))
+    while True:  # non-negative least squares by an active set: drop the most negative, refit
+        coef = np.zeros(a.shape[1])
+        solution, *_ = np.linalg.lstsq(a[:, active], target, rcond=None)
+        coef[active] = solution
+        negative = [i for i in active if coef[i] < 0]
+        if not negative:
+            break
+        active.remove(min(negative, key=lambda i: coef[i]))
+        if not active:
+            raise ProfileError("the served steps fit no step time with non-negative coefficients")
+    c = [float(x) for x in coef / scale]
+    alone = LinearStep((c[0], c[1], c[2], c[3], c[4]))
+    busy = LinearStep((c[0] + c[5], c[1] + c[6], c[2] + c[7], c[3] + c[8], c[4] + c[9]))
+    errors = [
+        abs(alone.seconds(step) + (busy.seconds(step) - alone.seconds(step)) * b - t) / t
+        for step, t, b in samples
+    ]
+    return (
+        replace(
+            alone,
+            samples=len(samples),
+            median_error=round(slo.quantile(errors, 0.5) or 0.0, 4),
+            p90_error=round(slo.quantile(errors, 0.9) or 0.0, 4),
+        ),
+        replace(busy, samples=len(samples)),
+    )
+
+
 def calibrated(base: Profile, traces: list[Path]) -> Profile:
-    """`base` with each traced pool role's step time, and the loop's time, fitted to the trace."""
+    """`base` with each traced pool role's step time (alone, and beside busy neighbours), and its
+    worker loop's time, fitted to the traces."""
     pools = read_trace(traces)
+    cpus = base.host.cpus if base.host is not None else 1
+    by_trace: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for rows in pools.values():
+        for row in rows:
+            by_trace[row["trace"]].append(row)
+    for rows in by_trace.values():
+        for row, b in zip(rows, others_busy(rows, cpus), strict=True):
+            row["busy"] = b
     steps: dict[str, StepTime] = {}
+    steps_busy: dict[str, StepTime] = {}
     notes = []
     for role, rows in sorted(pools.items()):
-        timed = [(_step(r), float(r["seconds"])) for r in rows if float(r["seconds"]) > 0]
+        timed = [(_step(r), float(r["seconds"]), float(r["busy"])) for r in rows if float(r["seconds"]) > 0]
         if len(timed) < MIN_STEPS:
             notes.append(f"the {role} pool ran {len(timed)} steps in the trace (< {MIN_STEPS}): not fitted")
             continue
-        steps[role] = LinearStep.fitted(timed)
+        steps[role], steps_busy[role] = fit_alone_and_busy(timed)
     if not steps:
         raise ProfileError(
             f"no pool ran {MIN_STEPS} steps or more in {', '.join(map(str, traces))}: nothing to fit"
         )
-    decode_side = [r for pool in ("decode", "colocated") for r in pools.get(pool, [])]
-    per_step, per_stream = fit_loop(decode_side)
+    loops = {}
+    for role in steps:
+        if role == "prefill":  # a prompt step's loop: its first tokens out, the next prompts in
+            loops[role] = LoopTime(
+                round(statistics.median(float(r.get("loop_seconds", 0.0)) for r in pools[role]), 6)
+            )
+        else:
+            loops[role] = LoopTime(*fit_loop(pools[role]))
     kept = sorted(set(base.steps) - set(steps))
     if "colocated" not in steps and "decode" in steps:
         kept = [role for role in kept if role != "colocated"]  # a mixed worker steps like a decode one
         notes.append("colocated steps: the decode pool's served fit (no colocated pool in the trace)")
     for role in kept:
-        notes.append(
-            f"{role} steps: the base profile's (no {role} pool in the trace), without host contention"
-        )
+        notes.append(f"{role} steps: the base profile's (no {role} pool in the trace)")
     counts = ", ".join(f"{role} {len(pools[role])}" for role in sorted(steps))
     names = ", ".join(Path(t).name for t in traces)
     return replace(
         base,
         steps={role: base.steps[role] for role in kept} | steps,
-        steps_busy={},
+        steps_busy={role: base.steps_busy[role] for role in kept if role in base.steps_busy} | steps_busy,
         steps_from="serving",
-        overhead=Overhead(base.overhead.request_s, per_step, per_stream),
+        loops=loops,
         meta=base.meta
         | {
             "calibrated": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -125,8 +209,9 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
         },
         assumptions=[
             *base.assumptions,
-            f"step times fitted to served steps ({counts}) from {names}: the host's contention at the "
-            "loads traced is in them, so the simulation adds none",
+            f"step times fitted to served steps ({counts}) from {names}, alone and beside busy "
+            "neighbours: the router's and the client's CPU at the loads traced is in them, so the "
+            "simulation adds no stretch of its own",
             *notes,
         ],
     )

@@ -3,7 +3,7 @@ profile's start time, so the real pool manager and planner scale simulated pools
 real ones. No torch, no process.
 
 A worker's step time is the profile's for its pool role (the worker loop's own time follows each
-step: the profile's per-step and per-stream overhead), spread as the profile's measured steps spread around their fit (`median_error`), and stretched by
+step: the profile's per-step and per-stream time for that role), spread as the profile's measured steps spread around their fit (`median_error`), and stretched by
 the CPU the router takes from the workers on a shared host (pdserve/sim/host.py);
 a pull takes the profile's time for the deployment's transport; its KV cache has the profile's
 blocks for its role. The engine settings (chunk size, step budget, batch limits) are the worker
@@ -50,14 +50,14 @@ class SimCluster:
     def factory(self, config: WorkerConfig) -> WorkerFactory:
         pool = config.pool
         step_time = self.profile.step_time(pool)
-        per_step = self.profile.overhead.step_s
+        loop_time = self.profile.loop_time(pool)
+        per_step, per_stream = loop_time.step_s, loop_time.stream_s
         transfer = self.profile.transfer(config.transport) if pool != "prefill" else None
 
         host = self.host
         busy_time = self.profile.busy_step_time(pool)
         worker_id = config.worker_id
 
-        per_stream = self.profile.overhead.stream_s
         # A real step is not its fitted time: steps of the same work spread around it, as far as
         # the profile's fit says (its median relative error: lognormal, median-preserving). The
         # router's cost model sees that spread in the simulation as it does in serving (its stall

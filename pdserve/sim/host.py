@@ -9,7 +9,9 @@ its time alone plus the difference, weighed by how busy the other workers were l
 stretches every worker's step by 1 / (1 - share), share being the CPU those processes took over
 the last `window_s` seconds divided by the host's CPUs (capped at `MAX_SHARE`): the steps run
 slower as the load grows, which is what moves the knee on a small host. A GPU deployment (the
-router on its own cores) has no such term: the profile then has no `host`.
+router on its own cores) has no such term: the profile then has no `host`. A profile whose steps
+were fitted to served ones (`steps_from: serving`) has the router's and the client's CPU in them:
+no stretch then, only the neighbours' term, fitted to those steps too.
 """
 
 from __future__ import annotations
@@ -23,8 +25,13 @@ MAX_SHARE = 0.9
 
 
 class HostLoad:
-    def __init__(self, host: HostCpu, client_on_host: bool, window_s: float = 2.0) -> None:
+    def __init__(
+        self, host: HostCpu, client_on_host: bool, window_s: float = 2.0, stretches: bool = True
+    ) -> None:
+        """`stretches`: whether the router's and the client's CPU stretch the steps (not when the
+        profile's steps were fitted to served ones, which ran beside them)."""
         self.host = host
+        self.stretches = stretches
         self.per_request = host.router_request_s + (host.client_request_s if client_on_host else 0.0)
         self.per_token = host.router_token_s + (host.client_token_s if client_on_host else 0.0)
         self.window_s = window_s
@@ -54,7 +61,7 @@ class HostLoad:
 
     def stretch(self) -> float:
         """How much longer a worker's step takes now."""
-        return 1.0 / (1.0 - self.share())
+        return 1.0 / (1.0 - self.share()) if self.stretches else 1.0
 
     def worked(self, worker_id: str, seconds: float) -> None:
         """A worker's step of `seconds` starts now."""

@@ -127,6 +127,14 @@ class Overhead:
 
 
 @dataclass(frozen=True)
+class LoopTime:
+    """The worker loop's time after a step, before the next: step_s + stream_s x tokens sampled."""
+
+    step_s: float = 0.0
+    stream_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class HostCpu:
     """The CPUs of the host the workers share with the router (and, in a benchmark, the client),
     and what those two spend per request and per token (pdserve/sim/host.py)."""
@@ -160,6 +168,16 @@ class Profile:
     # simulation adds what the host's other processes cost it) or "serving" (a served run's own
     # steps, fitted by `pdserve profile --from-trace`: that cost is in them; the simulation adds none).
     steps_from: str = "alone"
+    # Per pool role, the worker loop's time as fitted to served steps (empty: the overhead's
+    # step_s and stream_s for every role). A decode worker's loop also takes its KV pulls.
+    loops: dict[str, LoopTime] = field(default_factory=dict)
+
+    def loop_time(self, role: str) -> LoopTime:
+        if role in self.loops:
+            return self.loops[role]
+        if role == "colocated" and "decode" in self.loops:  # as step_time: a mixed worker is a decode one
+            return self.loops["decode"]
+        return LoopTime(self.overhead.step_s, self.overhead.stream_s)
 
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_hf_dict(self.model_shape)
@@ -208,6 +226,7 @@ class Profile:
             "host": asdict(self.host) if self.host is not None else None,
             "steps_busy": {role: step.to_json() for role, step in self.steps_busy.items()},
             "steps_from": self.steps_from,
+            "loops": {role: asdict(loop) for role, loop in self.loops.items()},
         }
 
     def save(self, path: Path) -> None:
@@ -266,6 +285,7 @@ def load(path: Path) -> Profile:
             host=HostCpu(**body["host"]) if body.get("host") else None,
             steps_busy={role: _step_from_json(role, s) for role, s in body.get("steps_busy", {}).items()},
             steps_from=str(body.get("steps_from", "alone")),
+            loops={str(role): LoopTime(**loop) for role, loop in body.get("loops", {}).items()},
         )
         if profile.steps_from not in STEPS_FROM:
             raise ProfileError(

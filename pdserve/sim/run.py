@@ -163,10 +163,10 @@ async def _simulate(
     connector = SimConnector()
     workers = WorkerSet(connector, stall_timeout=o["stall_timeout"])
     signals = Signals()
-    # A profile fitted to served steps has the host's contention in them already.
+    # A profile fitted to served steps has the router's and the client's CPU in them already.
     host = (
-        HostLoad(profile.host, client_on_host)
-        if profile.host is not None and o["cluster"] == "local" and profile.steps_from == "alone"
+        HostLoad(profile.host, client_on_host, stretches=profile.steps_from == "alone")
+        if profile.host is not None and o["cluster"] == "local"
         else None
     )
     backend = SimCluster(profile, connector, host)

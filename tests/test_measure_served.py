@@ -1,0 +1,40 @@
+"""`pdserve profile --served`: real DPD and colocated servers traced under the climbing load, and a
+profile refitted to what they ran."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from test_sim_profile import fixed_profile
+
+from pdserve.measure import served
+from pdserve.router.recorder import STEP_TRACE_KEYS
+from pdserve.sim.calibrate import calibrated
+
+
+def test_both_deployments_are_traced_under_load_and_refit_the_profile(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    traces = served.trace(str(tiny_llama), tmp_path, threads=1, duration_s=6.0)
+    assert [t.name for t in traces] == ["steps-dpd.jsonl", "steps-colocated.jsonl"]
+    pools = []
+    for trace in traces:
+        rows = [json.loads(line) for line in trace.read_text().splitlines()]
+        assert rows and all(tuple(row) == STEP_TRACE_KEYS for row in rows)
+        pools.append({row["pool"] for row in rows})
+    assert pools == [{"prefill", "decode"}, {"colocated"}]
+    base = fixed_profile()
+    profile = calibrated(base, traces)
+    assert profile.steps_from == "serving"
+    assert any("served steps" in a for a in profile.assumptions)
+    # Every pool with enough steps is fitted to them; one without keeps the base's, and says so.
+    counts = {pool: sum(1 for t in traces for line in t.read_text().splitlines() if f'"pool": "{pool}"' in line)
+              for pool in ("prefill", "decode", "colocated")}  # fmt: skip
+    for pool, count in counts.items():
+        if count >= 30:
+            assert profile.steps[pool] != base.steps.get(pool) and profile.steps[pool].samples == count  # type: ignore[union-attr]
+        else:
+            assert profile.steps[pool] is base.steps[pool]
+            assert any(f"the {pool} pool ran {count} steps" in a for a in profile.assumptions)
+    assert counts["decode"] >= 30 and counts["colocated"] >= 30  # a load's worth of decode steps

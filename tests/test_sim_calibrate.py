@@ -1,0 +1,156 @@
+"""`pdserve profile --from-trace`: step times and the worker loop's time fitted to a served run's
+steps. A simulated run of a known profile writes its trace through the router's own recorder, and
+the fit gives that profile back; bad traces are refused with where and why."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from test_sim_profile import fixed_profile
+
+from pdserve.cli import main
+from pdserve.costmodel import Step
+from pdserve.router.recorder import STEP_TRACE_KEYS
+from pdserve.sim import profile as profiles
+from pdserve.sim.calibrate import calibrated, fit_alone_and_busy, fit_loop, others_busy, read_trace
+from pdserve.sim.profile import LinearStep, LoopTime, Overhead, ProfileError
+
+WORKLOAD = "poisson(20) prompt=uniform(20,300) output=uniform(2,40)"
+
+
+def traced_run(tmp_path: Path, truth: profiles.Profile, *flags: str) -> Path:
+    truth.save(tmp_path / "truth.json")
+    trace = tmp_path / "steps.jsonl"
+    code = main(
+        ["sim", "--profile", str(tmp_path / "truth.json"), "--workload", WORKLOAD, "--max-requests", "120",
+         "--seed", "3", "--step-trace", str(trace), *flags]
+    )  # fmt: skip
+    assert code == 0
+    return trace
+
+
+def test_the_fit_to_a_simulated_runs_trace_gives_its_profile_back(tmp_path: Path) -> None:
+    truth = replace(
+        fixed_profile(step=0.01, per_token=1e-4, per_stream=2e-3, pull=0.001),
+        overhead=Overhead(request_s=0.002, step_s=0.001, stream_s=0.0005),
+    )
+    trace = traced_run(
+        tmp_path, truth, "--prefill", "1", "--decode", "1", "--path-choice", "threshold",
+        "--local-prefill-threshold", "0",
+    )  # fmt: skip
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert rows and all(tuple(row) == STEP_TRACE_KEYS for row in rows)
+    assert {row["pool"] for row in rows} == {"prefill", "decode"}
+
+    fitted = calibrated(truth, [trace])
+    assert fitted.steps_from == "serving"
+    # What each pool's steps can tell: a prefill worker runs no stream, a decode worker (every
+    # prompt prefilled remotely) no prompt token.
+    identifiable = {"prefill": (0.01, 1e-4, 0.0, 0.0, 0.0), "decode": (0.01, 0.0, 0.0, 2e-3, 0.0)}
+    for role, expected in identifiable.items():
+        step, busy = fitted.steps[role], fitted.steps_busy[role]
+        assert isinstance(step, LinearStep) and isinstance(busy, LinearStep)
+        assert step.coefficients == pytest.approx(expected, rel=1e-3, abs=1e-7)
+        # The other worker's work never slowed these steps: beside it, the same fit.
+        assert busy.coefficients == pytest.approx(expected, rel=1e-3, abs=1e-7)
+        assert step.median_error is not None and step.median_error < 1e-3
+    # The decode worker samples one token a stream: its loop is 1 ms + 0.5 ms a stream. A prefill
+    # step samples each prompt's first token: its loop is at least the 1 ms.
+    assert fitted.loops["decode"] == LoopTime(0.001, 0.0005)
+    assert fitted.loops["prefill"].step_s >= 0.0015 and fitted.loops["prefill"].stream_s == 0
+    assert fitted.overhead == truth.overhead  # the request's overhead: the base's probe
+    # No colocated pool traced: a mixed worker steps as the decode pool's fit says.
+    assert "colocated" not in fitted.steps and fitted.step_time("colocated") is fitted.steps["decode"]
+    assert fitted.loop_time("colocated") == fitted.loops["decode"]
+    assert any("served steps" in a for a in fitted.assumptions)
+    assert fitted.meta["step_traces"] == "steps.jsonl"
+
+
+def test_profile_from_trace_writes_a_profile_that_simulates_without_host_contention(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    truth = fixed_profile(step=0.01, per_token=1e-4, per_stream=2e-3)
+    trace = traced_run(tmp_path, truth, "--colocated", "1")
+    base = replace(truth, host=profiles.HostCpu(cpus=1, router_request_s=1.0))
+    base.save(tmp_path / "base.json")
+    out = tmp_path / "served.json"
+    assert (
+        main(
+            ["profile", "--from-trace", str(trace), "--base", str(tmp_path / "base.json"), "--out", str(out)]
+        )
+        == 0
+    )
+    assert "steps fitted to served steps (steps.jsonl)" in capsys.readouterr().out
+    served = profiles.load(out)
+    assert served.steps_from == "serving" and set(served.steps) == {"prefill", "decode", "colocated"}
+    assert served.host == base.host  # kept, as the rest of the base
+    # A router that would take the one CPU for a second stretches no step of a served profile:
+    # the steps already ran beside it.
+    code = main(
+        ["sim", "--profile", str(out), "--colocated", "1", "--workload",
+         "constant(1) prompt=fixed(50) output=fixed(3)", "--max-requests", "1", "--out", str(tmp_path / "run")]
+    )  # fmt: skip
+    assert code == 0
+    (record,) = [json.loads(line) for line in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
+    gaps = [b - a for a, b in zip(record["chunk_times_s"], record["chunk_times_s"][1:], strict=False)]
+    assert gaps == pytest.approx([0.01 + 2e-3] * 2, rel=1e-3)
+
+
+def test_the_loop_is_a_line_through_each_stream_counts_median() -> None:
+    rows = [{"decode_streams": n, "loop_seconds": 0.002 + 0.001 * n} for n in (1, 2, 4) for _ in range(6)]
+    rows += [{"decode_streams": 2, "loop_seconds": 0.5}]  # a step that waited on a pull: a median ignores it
+    rows += [{"decode_streams": 0, "loop_seconds": 9.0} for _ in range(6)]  # prompt steps: not the loop's
+    rows += [{"decode_streams": 9, "loop_seconds": 1.0} for _ in range(4)]  # too few to have a median
+    assert fit_loop(rows) == pytest.approx((0.002, 0.001))
+    assert fit_loop([]) == (0.0, 0.0)
+
+
+def test_bad_traces_are_refused_with_where_and_why(tmp_path: Path) -> None:
+    base = fixed_profile()
+    with pytest.raises(ProfileError, match="cannot read the step trace"):
+        read_trace([tmp_path / "missing.jsonl"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"t_s": 0, "worker": "w", "pool": "decode", "seconds": 0.01}\nnot json\n')
+    with pytest.raises(ProfileError, match=r"bad.jsonl:2 is not a step trace line"):
+        read_trace([bad])
+    few = tmp_path / "few.jsonl"
+    row = dict.fromkeys(STEP_TRACE_KEYS, 1) | {"worker": "decode-0", "pool": "decode", "seconds": 0.01}
+    few.write_text(json.dumps(row) + "\n")
+    with pytest.raises(ProfileError, match="no pool ran 30 steps or more"):
+        calibrated(base, [few])
+    code = main(["profile", "--from-trace", str(few), "--out", str(tmp_path / "x.json")])
+    assert code != 0 and not (tmp_path / "x.json").exists()
+
+
+def test_how_busy_the_other_workers_were_is_read_from_the_trace() -> None:
+    # Worker a ran 0.5 s of steps in each of the two reports before b's at 2.0 s: over a 2 s
+    # window on a host of 2 CPUs (one other CPU), a was busy half of that CPU's time.
+    rows = [
+        {"t_s": 1.0, "worker": "a", "seconds": 0.5},
+        {"t_s": 2.0, "worker": "a", "seconds": 0.5},
+        {"t_s": 2.0, "worker": "b", "seconds": 0.04},
+        {"t_s": 9.0, "worker": "b", "seconds": 0.04},  # a idle by then
+    ]
+    assert others_busy(rows, cpus=2) == pytest.approx([0.0, 0.02, 0.5, 0.0])  # b counts for a too
+    assert others_busy(rows, cpus=1)[2] == 0.5  # one CPU: the others share it all the same
+
+
+def test_steps_alone_and_beside_busy_neighbours_are_told_apart() -> None:
+    alone = LinearStep((0.02, 1e-4, 0.0, 1e-3, 0.0))
+    busy = LinearStep((0.03, 2e-4, 0.0, 1e-3, 0.0))  # a busy host: a higher base, dearer prompts
+    samples = []
+    for k in range(60):
+        step = Step(prefill_tokens=(k * 37) % 300, decode_streams=k % 9 + (0 if k % 5 else 1))
+        b = (k % 7) / 6
+        samples.append((step, alone.seconds(step) + (busy.seconds(step) - alone.seconds(step)) * b, b))
+    fitted_alone, fitted_busy = fit_alone_and_busy(samples)
+    assert fitted_alone.coefficients == pytest.approx(alone.coefficients, rel=1e-6, abs=1e-12)
+    assert fitted_busy.coefficients == pytest.approx(busy.coefficients, rel=1e-6, abs=1e-12)
+    assert (
+        fitted_alone.median_error is not None
+        and fitted_alone.median_error < 1e-6
+        and fitted_alone.samples == 60
+    )
