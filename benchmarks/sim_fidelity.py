@@ -8,8 +8,10 @@ side by side: TTFT and ITL p50/p90, goodput and the knee, per load band.
         --config "dpd=--prefill 1 --decode 1" --config "colocated=--colocated 2"
 
 `--measured DIR`: reuse a finished `bench compare` folder instead of measuring again. Writes
-`fidelity.md` (the table) and `fidelity.json` into --out. Run on a quiet machine: the servers and
-the client share its cores, which the profile (one worker alone on a CPU) does not see.
+`fidelity.md` (the table) and `fidelity.json` into --out. With `--repeats N` each measured cell
+shows ±half the spread of its N runs ((max - min) / median / 2): what the machine itself does from
+one run to the next, against which a simulation's error can be read. Run on a quiet machine: the
+servers and the client share its cores.
 """
 
 from __future__ import annotations
@@ -107,6 +109,15 @@ def value(summary: dict[str, Any], metric: str, stat: str) -> float | None:
     return float(v) if v is not None else None
 
 
+def spread(runs: list[float]) -> float | None:
+    """How far the measured repeats of one cell fell apart: (max - min) / median (None: one run).
+    An error within it is within what the machine itself does from one run to the next."""
+    if len(runs) < 2:
+        return None
+    middle = statistics.median(runs)
+    return (max(runs) - min(runs)) / middle if middle else None
+
+
 def knee(scales: list[float], goodput_share: dict[float, float], threshold: float = 0.9) -> float | None:
     """The first rate scale at which less than `threshold` of the requests met the SLO."""
     for scale in scales:
@@ -163,12 +174,24 @@ def main() -> int:
             simulated = [simulate(args, label, serve_args, scale, args.seed + r) for r in range(args.repeats)]
             case: dict[str, Any] = {}
             for metric, stat in METRICS:
-                m = statistics.median(v for s in real if (v := value(s, metric, stat)) is not None)
+                runs = [v for s in real if (v := value(s, metric, stat)) is not None]
+                m = statistics.median(runs)
                 s = statistics.median(v for s in simulated if (v := value(s, metric, stat)) is not None)
-                case[f"{metric[:-3]}_{stat}"] = {"measured": m, "sim": s, "error": (s - m) / m if m else None}
-            gm = statistics.median(s["overall"]["goodput"] for s in real)
+                case[f"{metric[:-3]}_{stat}"] = {
+                    "measured": m,
+                    "sim": s,
+                    "error": (s - m) / m if m else None,
+                    "measured_spread": spread(runs),
+                }
+            runs = [s["overall"]["goodput"] for s in real]
+            gm = statistics.median(runs)
             gs = statistics.median(s["overall"]["goodput"] for s in simulated)
-            case["goodput"] = {"measured": gm, "sim": gs, "error": (gs - gm) / gm if gm else None}
+            case["goodput"] = {
+                "measured": gm,
+                "sim": gs,
+                "error": (gs - gm) / gm if gm else None,
+                "measured_spread": spread(runs),
+            }
             shares["measured"][scale] = statistics.median(share(s) for s in real)
             shares["sim"][scale] = statistics.median(share(s) for s in simulated)
             case["slo_share"] = {"measured": shares["measured"][scale], "sim": shares["sim"][scale]}
@@ -204,7 +227,8 @@ def main() -> int:
             for key in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "goodput"):
                 c = case[key]
                 error = f"{c['error']:+.0%}" if c["error"] is not None else "-"
-                cells.append(f"{c['measured']:.1f} / {c['sim']:.1f} ({error})")
+                noise = f" ±{c['measured_spread'] / 2:.0%}" if c["measured_spread"] is not None else ""
+                cells.append(f"{c['measured']:.1f}{noise} / {c['sim']:.1f} ({error})")
             cells.append(f"{case['slo_share']['measured']:.0%} / {case['slo_share']['sim']:.0%}")
             ws = case["worker_seconds"]
             cells.append(f"{ws['measured']:.0f} / {ws['sim']:.0f}")
