@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def served_profile(args: argparse.Namespace, profile: Profile) -> Profile:
-    """The measured profile refitted to a real server's steps, the traces kept beside --out."""
+    """The measured profile refitted to a real server's steps; the traces, and the sweep's profile
+    (alone.json), kept beside --out in <name>-steps/."""
     from pdserve.measure import served
     from pdserve.sim.calibrate import calibrated
 
@@ -131,6 +132,7 @@ def served_profile(args: argparse.Namespace, profile: Profile) -> Profile:
         raise PdserveError("--served-rate-scale must be > 0")
     folder = args.out.parent / f"{args.out.stem}-steps"
     folder.mkdir(parents=True, exist_ok=True)
+    profile.save(folder / "alone.json")
     traces = served.trace(args.model, folder, threads=args.threads, rate_scale=args.served_rate_scale)
     return calibrated(profile, traces)
 
