@@ -113,11 +113,14 @@ def test_bad_traces_are_refused_with_where_and_why(tmp_path: Path) -> None:
     with pytest.raises(ProfileError, match="cannot read the step trace"):
         read_trace([tmp_path / "missing.jsonl"])
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"t_s": 0, "worker": "w", "pool": "decode", "seconds": 0.01}\nnot json\n')
+    row = dict.fromkeys(STEP_TRACE_KEYS, 1) | {"worker": "decode-0", "pool": "decode", "seconds": 0.01}
+    bad.write_text(json.dumps(row) + "\nnot json\n")
     with pytest.raises(ProfileError, match=r"bad.jsonl:2 is not a step trace line"):
         read_trace([bad])
+    bad.write_text('{"t_s": 0, "worker": "w", "pool": "decode", "seconds": 0.01}\n')
+    with pytest.raises(ProfileError, match=r"bad.jsonl:1 is not a step trace line .*: no prefill_tokens"):
+        read_trace([bad])
     few = tmp_path / "few.jsonl"
-    row = dict.fromkeys(STEP_TRACE_KEYS, 1) | {"worker": "decode-0", "pool": "decode", "seconds": 0.01}
     few.write_text(json.dumps(row) + "\n")
     with pytest.raises(ProfileError, match="no pool ran 30 steps or more"):
         calibrated(base, [few])

@@ -8,9 +8,12 @@ more than any fit's error, and by how much depends on the load. `pdserve serve -
 writes every worker's steps as its load reports bring them (router.recorder.STEP_TRACE_KEYS);
 this fits each pool role's step time to the steps that pool's workers ran, and each role's worker
 loop time around a step (per step and per stream: a decode worker's loop also takes its KV pulls),
-into a copy of a base profile (its KV transfers, start time, blocks and overhead are kept). The result
-says `steps_from: serving`: the simulation then adds no host contention of its own (the fit has it,
-at the loads the trace covered: trace a load like the ones to simulate, up to the knee).
+into a copy of a base profile (its KV transfers, start time, blocks and overhead are kept). Each
+step is fitted as alone + (beside busy neighbours - alone) x how busy the other workers were in the
+2 s before it (read from the trace as the simulation reckons it), so the fit keeps how the steps
+slow as the load rises. The result says `steps_from: serving`: the simulation then adds the
+neighbours' term and no stretch for the router's and the client's CPU (that is in the fit, at the
+loads the trace covered: trace a load that climbs past the knee, as `pdserve profile --served` does).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 
 from pdserve import slo
 from pdserve.costmodel import Step
+from pdserve.router.recorder import STEP_TRACE_KEYS
 from pdserve.sim.profile import LinearStep, LoopTime, Profile, ProfileError, StepTime
 
 MIN_STEPS = 30  # per pool role, to fit five coefficients with any confidence
@@ -48,7 +52,10 @@ def read_trace(paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
                 continue
             try:
                 row = json.loads(line)
-                float(row["seconds"]), float(row["t_s"])
+                missing = [key for key in STEP_TRACE_KEYS if key not in row]
+                if missing:
+                    raise ValueError(f"no {', '.join(missing)}")
+                float(row["seconds"]), float(row["t_s"]), _step(row)
                 row["trace"] = index  # one run's workers share a host; another run's did not
                 pools[str(row["pool"])].append(row)
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
