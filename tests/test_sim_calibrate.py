@@ -157,3 +157,28 @@ def test_steps_alone_and_beside_busy_neighbours_are_told_apart() -> None:
         and fitted_alone.median_error < 1e-6
         and fitted_alone.samples == 60
     )
+
+
+def test_a_served_profile_keeps_the_neighbours_term(tmp_path: Path) -> None:
+    # Steps fitted beside busy neighbours cost more than alone: in a DPD run, where each worker's
+    # neighbour works too, the simulation steps between the two (the router's CPU stretches nothing).
+    alone = LinearStep((0.01, 1e-4, 0.0, 2e-3, 0.0))
+    base = replace(
+        fixed_profile(step=0.01, per_token=1e-4, per_stream=2e-3),
+        steps_from="serving",
+        host=profiles.HostCpu(cpus=2, router_request_s=0.5),
+    )
+    itls = {}
+    for name, busy in (("same", alone), ("slower", LinearStep((0.03, 3e-4, 0.0, 6e-3, 0.0)))):
+        profile = replace(
+            base, steps={"prefill": alone, "decode": alone}, steps_busy={"prefill": busy, "decode": busy}
+        )
+        profile.save(tmp_path / f"{name}.json")
+        out = tmp_path / name
+        code = main(
+            ["sim", "--profile", str(tmp_path / f"{name}.json"), "--prefill", "1", "--decode", "1", "--workload",
+             WORKLOAD, "--max-requests", "60", "--seed", "3", "--out", str(out)]
+        )  # fmt: skip
+        assert code == 0
+        itls[name] = json.loads((out / "summary.json").read_text())["overall"]["itl_ms"]["p50"]
+    assert itls["slower"] > itls["same"] * 1.2
