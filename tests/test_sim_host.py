@@ -49,3 +49,57 @@ def test_the_routers_idle_work_is_always_there() -> None:
         return HostLoad(HostCpu(cpus=2, router_idle=0.1), client_on_host=False).stretch()
 
     assert clock.run_virtual(main) == pytest.approx(1 / (1 - 0.05))
+
+
+def test_workers_are_pinned_as_the_local_cluster_pins_them() -> None:
+    async def main() -> list[int | None]:
+        host = HostLoad(HostCpu(cpus=2), client_on_host=False)
+        placed = [host.place(w) for w in ("prefill-0", "decode-0", "prefill-1")]
+        host.leave("decode-0")
+        placed.append(host.place("decode-1"))  # the CPU left with the fewest workers
+        placed.append(HostLoad(HostCpu(cpus=2), client_on_host=False, pinned=False).place("a"))
+        return placed
+
+    assert clock.run_virtual(main) == [0, 1, 0, 1, None]
+
+
+def test_a_step_slows_by_the_share_of_the_cpu_its_mates_take() -> None:
+    async def main() -> dict[str, float]:
+        host = HostLoad(HostCpu(cpus=2), client_on_host=False, window_s=2.0)
+        for worker in ("a", "b", "c"):  # a and c share CPU 0; b has CPU 1 to itself
+            host.place(worker)
+        seen = {"idle mate": host.sharing("a", 0.1), "own cpu": host.sharing("b", 0.1)}
+        host.occupy("c", 1.0)  # c works from now for 1 s: all of a's next step
+        seen["mate busy ahead"] = host.sharing("a", 0.1)
+        await asyncio.sleep(2.0)  # c worked 1 s of the last 2, and nothing now
+        seen["mate busy half the window"] = host.sharing("a", 0.1)
+        host.occupy("b", 5.0)  # another CPU's work does not slow a
+        seen["other cpu busy"] = host.sharing("a", 0.1)
+        host.leave("c")
+        seen["mate gone"] = host.sharing("a", 0.1)
+        return seen
+
+    seen = clock.run_virtual(main)
+    assert seen == pytest.approx(
+        {
+            "idle mate": 1.0,
+            "own cpu": 1.0,
+            "mate busy ahead": 2.0,  # half the CPU all the step long
+            "mate busy half the window": 1 / (1 - 0.5 / 2),  # half the CPU half the time
+            "other cpu busy": 1 / (1 - 0.5 / 2),
+            "mate gone": 1.0,
+        }
+    )
+
+
+def test_unpinned_workers_slow_only_when_more_are_busy_than_there_are_cpus() -> None:
+    async def main() -> tuple[float, float]:
+        host = HostLoad(HostCpu(cpus=2), client_on_host=False, pinned=False)
+        for worker in ("a", "b", "c"):
+            host.place(worker)
+        host.occupy("b", 1.0)
+        one_busy = host.sharing("a", 0.1)  # a and b: one each of the two CPUs
+        host.occupy("c", 1.0)
+        return one_busy, host.sharing("a", 0.1)  # three busy on two CPUs: two thirds of one each
+
+    assert clock.run_virtual(main) == pytest.approx((1.0, 1.5))

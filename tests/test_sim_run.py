@@ -62,6 +62,22 @@ def test_a_router_on_the_workers_host_stretches_their_steps(tmp_path: Path) -> N
     assert chunk_times(record) == pytest.approx([0.020, 0.040, 0.060], abs=1e-9)
 
 
+def test_workers_pinned_to_one_cpu_share_it(tmp_path: Path) -> None:
+    # Two colocated workers decode a stream each at once. With a CPU each, every step takes the
+    # profile's 10 ms; pinned to the one CPU of a one-CPU host, they take it in turns: 20 ms.
+    def itls(cpus: int) -> list[float]:
+        profile = replace(fixed_profile(step=0.010), host=HostCpu(cpus=cpus))
+        run = sim(
+            tmp_path, profile, "--colocated", "2", "--workload",
+            "constant(1000) prompt=fixed(20) output=fixed(40)", "--max-requests", "2",
+        )  # fmt: skip
+        return [b - a for r in run["records"] for a, b in itertools.pairwise(chunk_times(r))]
+
+    own_cpus, one_cpu = itls(2), itls(1)
+    assert own_cpus == pytest.approx([0.010] * len(own_cpus))
+    assert sorted(one_cpu)[len(one_cpu) // 2] == pytest.approx(0.020, rel=0.02)
+
+
 def test_the_disaggregated_path_adds_the_prefill_step_and_the_pull(tmp_path: Path) -> None:
     profile = fixed_profile(step=0.010, per_token=1e-4, per_stream=1e-3, pull=0.004)
     run = sim(

@@ -12,11 +12,22 @@ slower as the load grows, which is what moves the knee on a small host. A GPU de
 router on its own cores) has no such term: the profile then has no `host`. A profile whose steps
 were fitted to served ones (`steps_from: serving`) has the router's and the client's CPU in them:
 no stretch then, only the neighbours' term, fitted to those steps too.
+
+Workers can also share a CPU: `pdserve serve --cluster local` pins each worker to the CPU with the
+fewest workers, so a third worker on two cores (the planner's scale-up, say) shares one with
+another, and a worker starting up (loading the model: about a CPU-second a second) takes its CPU
+from the one already there. The simulation places its workers the same way and runs each step
+slower by its CPU-mates' work: a mate busy for a share b of the step halves its speed for that
+share (seconds / (1 - b/2); for several mates, the expected share of the CPU left, each busy on
+its own). A mate's share is how much of the last `window_s` it was busy (steps, loop, start-up),
+or how much of the step ahead its work already under way will take, whichever is more. Without
+pinning (`--no-pin-cpus`) the OS spreads the workers over all the CPUs: a step slows only when
+more workers are busy than there are CPUs.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from pdserve import clock
 from pdserve.sim.profile import HostCpu
@@ -26,10 +37,16 @@ MAX_SHARE = 0.9
 
 class HostLoad:
     def __init__(
-        self, host: HostCpu, client_on_host: bool, window_s: float = 2.0, stretches: bool = True
+        self,
+        host: HostCpu,
+        client_on_host: bool,
+        window_s: float = 2.0,
+        stretches: bool = True,
+        pinned: bool = True,
     ) -> None:
         """`stretches`: whether the router's and the client's CPU stretch the steps (not when the
-        profile's steps were fitted to served ones, which ran beside them)."""
+        profile's steps were fitted to served ones, which ran beside them). `pinned`: whether
+        each worker is pinned to one CPU (`--pin-cpus`, the local cluster's default)."""
         self.host = host
         self.stretches = stretches
         self.per_request = host.router_request_s + (host.client_request_s if client_on_host else 0.0)
@@ -38,6 +55,10 @@ class HostLoad:
         self._charges: deque[tuple[float, float]] = deque()
         self._total = 0.0
         self._work: deque[tuple[float, str, float]] = deque()  # (when, worker, step seconds)
+        self.pinned = pinned
+        self._cpu: dict[str, int] = {}  # worker -> the CPU it is pinned to
+        self._busy: dict[str, deque[tuple[float, float]]] = {}  # worker -> its (start, end) of work
+        self._placed_at: dict[str, float] = {}
 
     def _charge(self, seconds: float) -> None:
         if seconds <= 0:
@@ -74,3 +95,65 @@ class HostLoad:
             self._work.popleft()
         others = sum(seconds for _, worker, seconds in self._work if worker != worker_id)
         return min(1.0, others / self.window_s / max(1, self.host.cpus - 1))
+
+    # -- workers sharing CPUs ---------------------------------------------------------------------
+    def place(self, worker_id: str) -> int | None:
+        """Pins a starting worker as `LocalCluster` does (the CPU with the fewest workers, the
+        lowest on a tie); returns its CPU (None unpinned)."""
+        self._busy.setdefault(worker_id, deque())
+        self._placed_at[worker_id] = clock.monotonic()
+        if not self.pinned:
+            return None
+        used = Counter(self._cpu.values())
+        cpu = min(range(self.host.cpus), key=lambda c: (used[c], c))
+        self._cpu[worker_id] = cpu
+        return cpu
+
+    def leave(self, worker_id: str) -> None:
+        """The worker has stopped: its CPU is free of it."""
+        self._cpu.pop(worker_id, None)
+        self._busy.pop(worker_id, None)
+        self._placed_at.pop(worker_id, None)
+
+    def occupy(self, worker_id: str, seconds: float) -> None:
+        """The worker keeps its CPU busy from now for `seconds` (a step, its loop, its start)."""
+        if seconds > 0 and worker_id in self._busy:
+            now = clock.monotonic()
+            self._busy[worker_id].append((now, now + seconds))
+
+    def _busy_share(self, worker_id: str, ahead_s: float) -> float:
+        """How much of the CPU `worker_id`'s work took lately, or will take of the next `ahead_s`
+        from what is under way, whichever is more."""
+        now = clock.monotonic()
+        # The window reaches back no further than the worker's start: before it, it was not there.
+        window = min(self.window_s, now - self._placed_at.get(worker_id, now))
+        horizon = now - window
+        spans = self._busy.get(worker_id, deque())
+        while spans and spans[0][1] < now - self.window_s:
+            spans.popleft()
+        past = sum(max(0.0, min(end, now) - max(start, horizon)) for start, end in spans)
+        ahead = sum(max(0.0, min(end, now + ahead_s) - max(start, now)) for start, end in spans)
+        return min(1.0, max(past / window if window > 0 else 0.0, ahead / ahead_s if ahead_s > 0 else 0.0))
+
+    def sharing(self, worker_id: str, seconds: float) -> float:
+        """How much longer a step of `seconds` takes for the other workers on its CPU(s) (1: none)."""
+        if self.pinned:
+            cpu = self._cpu.get(worker_id)
+            others = [w for w, c in self._cpu.items() if c == cpu and w != worker_id]
+            cpus = 1
+        else:
+            others = [w for w in self._busy if w != worker_id]
+            cpus = self.host.cpus
+        if not others:
+            return 1.0
+        # The chance that k of the others are busy at a moment (each on its own), and the share of
+        # a CPU left to this worker then: all of one while the busy ones fit on the other CPUs.
+        chances = [1.0]
+        for other in others:
+            b = self._busy_share(other, seconds)
+            chances = [
+                (chances[k] if k < len(chances) else 0.0) * (1 - b) + (chances[k - 1] * b if k >= 1 else 0.0)
+                for k in range(len(chances) + 1)
+            ]
+        speed = sum(chance * min(1.0, cpus / (1 + k)) for k, chance in enumerate(chances))
+        return 1.0 / speed

@@ -165,7 +165,12 @@ async def _simulate(
     signals = Signals()
     # A profile fitted to served steps has the router's and the client's CPU in them already.
     host = (
-        HostLoad(profile.host, client_on_host, stretches=profile.steps_from == "alone")
+        HostLoad(
+            profile.host,
+            client_on_host,
+            stretches=profile.steps_from == "alone",
+            pinned=o["pin_cpus"],
+        )
         if profile.host is not None and o["cluster"] == "local"
         else None
     )

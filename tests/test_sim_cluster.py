@@ -1,0 +1,72 @@
+"""The simulation's cluster backend: a worker "starts" in the profile's start time of work on its
+CPU, so one starting on a CPU that another worker keeps busy takes longer, and takes that CPU
+from it; a start that cannot finish within the ready timeout is refused plainly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_sim_profile import fixed_profile
+
+from pdserve import clock
+from pdserve.cluster.base import WorkerStartError
+from pdserve.config import POOL_ROLES, EngineConfig, WorkerConfig
+from pdserve.sim.cluster import SimCluster
+from pdserve.sim.host import HostLoad
+from pdserve.sim.profile import HostCpu
+from pdserve.sim.worker import SimConnector
+
+
+def config(worker_id: str) -> WorkerConfig:
+    engine = EngineConfig("tiny", role=POOL_ROLES["colocated"], block_size=16)
+    return WorkerConfig(worker_id, "colocated", engine)
+
+
+def start_times(cpus: int | None, workers: list[str], pinned: bool = True) -> list[float]:
+    """When each of `workers`, all started at once, is up (profile start time 4 s)."""
+    profile = fixed_profile(start_s=4.0)
+
+    async def main() -> list[float]:
+        host = None if cpus is None else HostLoad(HostCpu(cpus=cpus), client_on_host=False, pinned=pinned)
+        cluster = SimCluster(profile, SimConnector(), host)
+        begun = clock.monotonic()
+
+        async def start(worker_id: str) -> float:
+            await cluster.start_worker(config(worker_id), timeout=60.0)
+            return clock.monotonic() - begun
+
+        return list(await asyncio.gather(*(start(w) for w in workers)))
+
+    return clock.run_virtual(main)
+
+
+def test_a_worker_alone_on_its_cpu_starts_in_the_profiles_time() -> None:
+    assert start_times(None, ["a"]) == [4.0]  # no host (a GPU deployment): the profile's time
+    assert start_times(2, ["a", "b"]) == pytest.approx([4.0, 4.0])  # one CPU each
+
+
+def test_two_workers_starting_on_one_cpu_take_twice_as_long() -> None:
+    # Each has half the CPU while both load (to a tick of the reckoning).
+    assert start_times(1, ["a", "b"]) == pytest.approx([8.0, 8.0], abs=0.3)
+    # Unpinned on two CPUs, the OS gives each its own.
+    assert start_times(2, ["a", "b", "c"], pinned=False) == pytest.approx([6.0] * 3, abs=0.3)
+
+
+def test_a_start_that_cannot_finish_in_time_is_refused_and_frees_its_cpu() -> None:
+    profile = fixed_profile(start_s=4.0)
+
+    async def main() -> tuple[str, float, float]:
+        host = HostLoad(HostCpu(cpus=1), client_on_host=False)
+        cluster = SimCluster(profile, SimConnector(), host)
+        host.place("busy")
+        host.occupy("busy", 100.0)  # another worker keeps the one CPU busy
+        begun = clock.monotonic()
+        with pytest.raises(WorkerStartError) as refused:
+            await cluster.start_worker(config("late"), timeout=6.0)  # 8 s at half the CPU
+        return str(refused.value), clock.monotonic() - begun, host.sharing("busy", 1.0)
+
+    message, waited, busy_slowed = clock.run_virtual(main)
+    assert "longer to start than --ready-timeout 6 s" in message and "shares" in message
+    assert waited == pytest.approx(6.0)
+    assert busy_slowed == 1.0  # the refused worker no longer shares the busy one's CPU
