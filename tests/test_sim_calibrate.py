@@ -47,9 +47,10 @@ def test_the_fit_to_a_simulated_runs_trace_gives_its_profile_back(tmp_path: Path
 
     fitted = calibrated(truth, [trace])
     assert fitted.steps_from == "serving"
-    # What each pool's steps can tell: a prefill worker runs no stream, a decode worker (every
-    # prompt prefilled remotely) no prompt token.
-    identifiable = {"prefill": (0.01, 1e-4, 0.0, 0.0, 0.0), "decode": (0.01, 0.0, 0.0, 2e-3, 0.0)}
+    # What each pool's steps can tell: a prefill worker runs no stream; a decode worker (every
+    # prompt prefilled remotely) no prompt chunk, so it takes the prefill pool's cost per prompt
+    # token (the same kernels on a CPU: here the truth) rather than none.
+    identifiable = {"prefill": (0.01, 1e-4, 0.0, 0.0, 0.0), "decode": (0.01, 1e-4, 0.0, 2e-3, 0.0)}
     for role, expected in identifiable.items():
         step, busy = fitted.steps[role], fitted.steps_busy[role]
         assert isinstance(step, LinearStep) and isinstance(busy, LinearStep)
@@ -66,6 +67,7 @@ def test_the_fit_to_a_simulated_runs_trace_gives_its_profile_back(tmp_path: Path
     assert "colocated" not in fitted.steps and fitted.step_time("colocated") is fitted.steps["decode"]
     assert fitted.loop_time("colocated") == fitted.loops["decode"]
     assert any("served steps" in a for a in fitted.assumptions)
+    assert any("decode steps: the prefill pool's cost per prompt token" in a for a in fitted.assumptions)
     assert fitted.meta["step_traces"] == "steps.jsonl"
 
 

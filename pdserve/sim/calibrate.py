@@ -31,10 +31,11 @@ import numpy as np
 from pdserve import slo
 from pdserve.costmodel import Step
 from pdserve.router.recorder import STEP_TRACE_KEYS
-from pdserve.sim.profile import LinearStep, LoopTime, Profile, ProfileError, StepTime
+from pdserve.sim.profile import LinearStep, LoopTime, Profile, ProfileError
 
 MIN_STEPS = 30  # per pool role, to fit five coefficients with any confidence
 MIN_BUCKET = 5  # steps of one stream count for its median loop time to count
+PROMPT_CHUNK_TOKENS = 128  # a step with this many prompt tokens or more computes a prompt's chunk
 BUSY_WINDOW_S = 2.0  # as pdserve.sim.host.HostLoad's window
 BUCKET_S = 0.1  # a trace's times are its load reports' (every 0.1 s)
 
@@ -119,21 +120,31 @@ def others_busy(rows: list[dict[str, Any]], cpus: int, window_s: float = BUSY_WI
     return busy
 
 
-def fit_alone_and_busy(samples: list[tuple[Step, float, float]]) -> tuple[LinearStep, LinearStep]:
+def fit_alone_and_busy(
+    samples: list[tuple[Step, float, float]], prompt_from: tuple[LinearStep, LinearStep] | None = None
+) -> tuple[LinearStep, LinearStep]:
     """(alone, busy): seconds = alone(x) + (busy(x) - alone(x)) x b, b how busy the other CPUs
     were, fitted on the relative error with every coefficient of alone and of busy - alone >= 0
-    (the form `pdserve.sim.cluster` steps by, with `Profile.steps_busy`)."""
+    (the form `pdserve.sim.cluster` steps by, with `Profile.steps_busy`). `prompt_from`: another
+    role's (alone, busy) fit whose prompt coefficients (per prompt token, per token attended) are
+    taken as they are, the rest fitted around them."""
+    given = [1, 2] if prompt_from is not None else []
+    known = np.zeros(10)
+    if prompt_from is not None:
+        alone_c, busy_c = prompt_from[0].coefficients, prompt_from[1].coefficients
+        for i in given:
+            known[i], known[i + 5] = alone_c[i], busy_c[i] - alone_c[i]
     rows = []
     for step, seconds, b in samples:
         raw = (1.0, step.prefill_tokens, step.prefill_attention, step.decode_streams, step.decode_context)
         x = np.array(raw, dtype=float) / seconds
         rows.append(np.concatenate([x, x * b]))
     a = np.array(rows)
+    target = np.ones(len(rows)) - a @ known  # what the given coefficients leave to explain
     scale = np.abs(a).max(axis=0)  # columns of like size, for the solver; a column of zeros stays 0
     scale[scale == 0] = 1.0
     a = a / scale
-    target = np.ones(len(rows))
-    active = list(range(a.shape[1]))
+    active = [i for i in range(a.shape[1]) if i % 5 not in given]
     while True:  # non-negative least squares by an active set: drop the most negative, refit
         coef = np.zeros(a.shape[1])
         solution, *_ = np.linalg.lstsq(a[:, active], target, rcond=None)
@@ -144,7 +155,7 @@ def fit_alone_and_busy(samples: list[tuple[Step, float, float]]) -> tuple[Linear
         active.remove(min(negative, key=lambda i: coef[i]))
         if not active:
             raise ProfileError("the served steps fit no step time with non-negative coefficients")
-    c = [float(x) for x in coef / scale]
+    c = [float(x) for x in coef / scale + known]
     alone = LinearStep((c[0], c[1], c[2], c[3], c[4]))
     busy = LinearStep((c[0] + c[5], c[1] + c[6], c[2] + c[7], c[3] + c[8], c[4] + c[9]))
     errors = [
@@ -174,15 +185,38 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
     for rows in by_trace.values():
         for row, b in zip(rows, others_busy(rows, cpus), strict=True):
             row["busy"] = b
-    steps: dict[str, StepTime] = {}
-    steps_busy: dict[str, StepTime] = {}
+    steps: dict[str, LinearStep] = {}
+    steps_busy: dict[str, LinearStep] = {}
     notes = []
-    for role, rows in sorted(pools.items()):
-        timed = [(_step(r), float(r["seconds"]), float(r["busy"])) for r in rows if float(r["seconds"]) > 0]
+    timed_by_role = {
+        role: [(_step(r), float(r["seconds"]), float(r["busy"])) for r in rows if float(r["seconds"]) > 0]
+        for role, rows in pools.items()
+    }
+
+    def prompt_steps(role: str) -> int:
+        return sum(1 for step, _, _ in timed_by_role[role] if step.prefill_tokens >= PROMPT_CHUNK_TOKENS)
+
+    # Roles that ran real prompt chunks first: a role that did not (a decode pool computes only a
+    # pulled prompt's last partial block) takes its prompt coefficients from one that did (on a
+    # CPU every role runs the same kernels), rather than stretching a few-token line to a chunk.
+    for role in sorted(pools, key=lambda r: (prompt_steps(r) < MIN_STEPS, r)):
+        timed = timed_by_role[role]
         if len(timed) < MIN_STEPS:
             notes.append(f"the {role} pool ran {len(timed)} steps in the trace (< {MIN_STEPS}): not fitted")
             continue
-        steps[role], steps_busy[role] = fit_alone_and_busy(timed)
+        donor = None
+        if prompt_steps(role) < MIN_STEPS:
+            donor = next(
+                (d for d in ("colocated", "prefill") if d in steps and prompt_steps(d) >= MIN_STEPS), None
+            )
+        if donor is not None:
+            notes.append(
+                f"{role} steps: the {donor} pool's cost per prompt token (the {role} pool ran "
+                f"{prompt_steps(role)} steps of {PROMPT_CHUNK_TOKENS} prompt tokens or more)"
+            )
+        steps[role], steps_busy[role] = fit_alone_and_busy(
+            timed, (steps[donor], steps_busy[donor]) if donor is not None else None
+        )
     if not steps:
         raise ProfileError(
             f"no pool ran {MIN_STEPS} steps or more in {', '.join(map(str, traces))}: nothing to fit"
@@ -205,8 +239,11 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
     names = ", ".join(Path(t).name for t in traces)
     return replace(
         base,
-        steps={role: base.steps[role] for role in kept} | steps,
-        steps_busy={role: base.steps_busy[role] for role in kept if role in base.steps_busy} | steps_busy,
+        steps={**{role: base.steps[role] for role in kept}, **steps},
+        steps_busy={
+            **{role: base.steps_busy[role] for role in kept if role in base.steps_busy},
+            **steps_busy,
+        },
         steps_from="serving",
         loops=loops,
         meta=base.meta
