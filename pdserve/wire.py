@@ -216,6 +216,9 @@ class StepSample(msgspec.Struct, frozen=True, array_like=True):
     # and the messages, hand-overs and KV pulls it waited on since the step before (0 after an
     # idle wait). A stream's gap is the step plus this (pdserve profile --from-trace fits both).
     loop_seconds: float = 0.0
+    # The part of loop_seconds the loop waited on KV pulls (up to kv_join_wait): a simulation
+    # models the pulls apart, so a fit of the loop's own work leaves this out.
+    pull_wait_seconds: float = 0.0
 
 
 MAX_STEP_SAMPLES = 64  # per load report; a worker drops older ones (reports come every 0.1 s)

@@ -22,6 +22,8 @@ def test_both_deployments_are_traced_under_load_and_refit_the_profile(
     for trace in traces:
         rows = [json.loads(line) for line in trace.read_text().splitlines()]
         assert rows and all(tuple(row) == STEP_TRACE_KEYS for row in rows)
+        # The time the loop waited on KV pulls is part of its time around the step.
+        assert all(0 <= row["pull_wait_seconds"] <= row["loop_seconds"] for row in rows)
         pools.append({row["pool"] for row in rows})
     assert pools == [{"prefill", "decode"}, {"colocated"}]
     base = fixed_profile()

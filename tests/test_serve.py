@@ -394,6 +394,7 @@ def test_colocated_from_a_config_file_serves_and_sigterm_leaves_nothing(
         assert rows[0]["prefill_tokens"] > 0 and rows[0]["seconds"] > 0
         assert [row["decode_streams"] for row in rows[1:]] == [1] * (tokens - 1)
         assert all(row["loop_seconds"] >= 0 for row in rows) and any(row["loop_seconds"] > 0 for row in rows)
+        assert all(row["pull_wait_seconds"] == 0 for row in rows)  # colocated: nothing to pull
     finally:
         assert server.stop(signal.SIGTERM) == 0
 

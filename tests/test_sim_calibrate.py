@@ -45,6 +45,11 @@ def test_the_fit_to_a_simulated_runs_trace_gives_its_profile_back(tmp_path: Path
     assert rows and all(tuple(row) == STEP_TRACE_KEYS for row in rows)
     assert {row["pool"] for row in rows} == {"prefill", "decode"}
 
+    # The decode worker waited on pulls (1 ms each) while it had streams: traced apart.
+    decode = [row for row in rows if row["pool"] == "decode"]
+    assert all(0 <= row["pull_wait_seconds"] <= row["loop_seconds"] for row in decode)
+    assert any(row["pull_wait_seconds"] > 0 for row in decode)
+
     fitted = calibrated(truth, [trace])
     assert fitted.steps_from == "serving"
     # What each pool's steps can tell: a prefill worker runs no stream; a decode worker (every
@@ -108,6 +113,14 @@ def test_the_loop_is_a_line_through_each_stream_counts_median() -> None:
     rows += [{"decode_streams": 9, "loop_seconds": 1.0} for _ in range(4)]  # too few to have a median
     assert fit_loop(rows) == pytest.approx((0.002, 0.001))
     assert fit_loop([]) == (0.0, 0.0)
+    # Where the trace says how long the loop waited on pulls, that is left out, though every
+    # step waited (a median alone would take it in).
+    waited = [
+        {"decode_streams": n, "loop_seconds": 0.002 + 0.001 * n + 0.004 * n, "pull_wait_seconds": 0.004 * n}
+        for n in (1, 2, 4)
+        for _ in range(6)
+    ]
+    assert fit_loop(waited) == pytest.approx((0.002, 0.001))
 
 
 def test_bad_traces_are_refused_with_where_and_why(tmp_path: Path) -> None:
@@ -122,6 +135,9 @@ def test_bad_traces_are_refused_with_where_and_why(tmp_path: Path) -> None:
     bad.write_text('{"t_s": 0, "worker": "w", "pool": "decode", "seconds": 0.01}\n')
     with pytest.raises(ProfileError, match=r"bad.jsonl:1 is not a step trace line .*: no prefill_tokens"):
         read_trace([bad])
+    older = tmp_path / "older.jsonl"  # from before the pull waits were traced: still read
+    older.write_text(json.dumps({k: v for k, v in row.items() if k != "pull_wait_seconds"}) + "\n")
+    assert len(read_trace([older])["decode"]) == 1
     few = tmp_path / "few.jsonl"
     few.write_text(json.dumps(row) + "\n")
     with pytest.raises(ProfileError, match="no pool ran 30 steps or more"):

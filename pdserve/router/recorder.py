@@ -25,6 +25,7 @@ STEP_TRACE_KEYS = (
     "decode_streams",
     "decode_context",
     "loop_seconds",
+    "pull_wait_seconds",
 )
 
 

@@ -33,6 +33,7 @@ from pdserve.costmodel import Step
 from pdserve.router.recorder import STEP_TRACE_KEYS
 from pdserve.sim.profile import LinearStep, LoopTime, Profile, ProfileError
 
+OPTIONAL_KEYS = ("pull_wait_seconds",)  # traces from before it was traced lack it
 MIN_STEPS = 30  # per pool role, to fit five coefficients with any confidence
 MIN_BUCKET = 5  # steps of one stream count for its median loop time to count
 PROMPT_CHUNK_TOKENS = 128  # a step with this many prompt tokens or more computes a prompt's chunk
@@ -53,7 +54,7 @@ def read_trace(paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
                 continue
             try:
                 row = json.loads(line)
-                missing = [key for key in STEP_TRACE_KEYS if key not in row]
+                missing = [key for key in STEP_TRACE_KEYS if key not in row and key not in OPTIONAL_KEYS]
                 if missing:
                     raise ValueError(f"no {', '.join(missing)}")
                 float(row["seconds"]), float(row["t_s"]), _step(row)
@@ -79,13 +80,16 @@ def fit_loop(rows: list[dict[str, Any]]) -> tuple[float, float]:
     """(per step, per stream) seconds of the worker loop around a decode step: a line through the
     median loop time at each stream count seen in MIN_BUCKET steps or more, each count one point
     (a light load's many small batches would otherwise set the line, and the loop grows with the
-    load: more tokens to send, a busier router to send them to), both >= 0. Medians: a step that
-    waited on a KV pull, which the simulation models apart, does not move them."""
+    load: more tokens to send, a busier router to send them to), both >= 0. The loop's own work:
+    the time it waited on KV pulls, which the simulation models apart, left out where the trace
+    says it (`pull_wait_seconds`); medians, so that in older traces, which do not, a step that
+    waited on a pull does not move them."""
     by_streams: dict[int, list[float]] = defaultdict(list)
     for row in rows:
         streams = int(row["decode_streams"])
         if streams > 0:
-            by_streams[streams].append(float(row.get("loop_seconds", 0.0)))
+            own = float(row.get("loop_seconds", 0.0)) - float(row.get("pull_wait_seconds", 0.0))
+            by_streams[streams].append(max(0.0, own))
     points = [(n, statistics.median(v)) for n, v in by_streams.items() if len(v) >= MIN_BUCKET]
     if not points:
         return 0.0, 0.0

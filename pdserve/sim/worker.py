@@ -140,7 +140,10 @@ class SimWorker:
     async def _loop(self) -> None:
         engine, core = self.engine, self.core
         last_load = -float("inf")
+        pull_wait = 0.0  # since the last step
+        idled = False  # as the real worker's: it waited with no work since the last step
         while not self.closed:
+            idled = idled or not engine.has_unfinished
             self._apply_inbox()
             if core.stop_asked:
                 return
@@ -150,7 +153,9 @@ class SimWorker:
             for order in orders:
                 self._start_pull(order)
             if orders:  # as the real worker: wait for them up to kv_join_wait, then step anyway
+                waiting = clock.monotonic()
                 await self._wait(self.config.kv_join_wait, until=lambda: not core.pulls_in_flight)
+                pull_wait += clock.monotonic() - waiting
                 self._apply_inbox()
             core.hand_over()
             stepped = False
@@ -167,7 +172,11 @@ class SimWorker:
                     for output in engine.finish_step(out, result, seconds):
                         core.emit(output)
                     loop = self.loop_seconds(out)
-                    self._log_step(core.record_step(loop))
+                    # Traced as the real worker's: the loop's time with the pull waits in it
+                    # (none counted after an idle wait).
+                    waited = 0.0 if idled else pull_wait
+                    self._log_step(core.record_step(loop + waited, waited))
+                    pull_wait, idled = 0.0, False
                     core.hand_over()
                     if loop > 0:  # the loop's own work before the next step
                         await asyncio.sleep(loop)

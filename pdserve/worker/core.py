@@ -384,9 +384,12 @@ class WorkerCore:
         # A prefilled request stays until its blocks are released (the owner sends Release).
         self._send(message, out.finished and kv is None)
 
-    def record_step(self, loop_seconds: float = 0.0) -> wire.StepSample | None:
+    def record_step(
+        self, loop_seconds: float = 0.0, pull_wait_seconds: float = 0.0
+    ) -> wire.StepSample | None:
         """The engine's last step as a sample for the next load report (None: no new step), with
-        the loop's time around it (wire.StepSample.loop_seconds)."""
+        the loop's time around it and the part of it spent waiting on pulls
+        (wire.StepSample.loop_seconds, pull_wait_seconds)."""
         step = self.engine.last_step
         if step is None or step is self._last_recorded:  # an empty step leaves the last one
             return None
@@ -398,6 +401,7 @@ class WorkerCore:
             step.num_decode_tokens,
             step.decode_context,
             max(0.0, loop_seconds),
+            min(max(0.0, pull_wait_seconds), max(0.0, loop_seconds)),
         )
         self._steps.append(sample)
         if len(self._steps) > wire.MAX_STEP_SAMPLES:

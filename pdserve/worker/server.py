@@ -63,6 +63,7 @@ class WorkerServer:
         self._last_step_ended = 0.0  # perf_counter when the last recorded step's outputs were sent
         self._idled = False  # the loop waited with no work since that step
         self._nested_seconds = 0.0  # steps run between the layers of the step in progress
+        self._pull_wait = 0.0  # seconds the loop waited on KV pulls since the last recorded step
         self.config = config
         self._on_bound = on_bound
         # The pulls run here, on the pool; the core keeps the addresses and tells the exporter of
@@ -178,7 +179,9 @@ class WorkerServer:
             if self.importer is not None:
                 engine.admit_remote_kv()
             if self._start_pulls():
+                waiting = time.perf_counter()
                 self._await_pulls(time.monotonic() + self.config.kv_join_wait)
+                self._pull_wait += time.perf_counter() - waiting
             core.hand_over()
             if engine.has_unfinished:
                 step_started = time.perf_counter()
@@ -315,10 +318,12 @@ class WorkerServer:
             # The loop's work since the last step (messages, KV pulls it waited for, hand-overs),
             # unless it waited idle meanwhile: that is no cost of serving.
             since_last = started - self._last_step_ended if self._last_step_ended and not self._idled else 0.0
-        step = self.core.record_step(emit + since_last)
+        pull_wait = self._pull_wait if since_last > 0 else 0.0
+        step = self.core.record_step(emit + since_last, pull_wait)
         if not nested:
             self._last_step_ended = ended
             self._idled = False
+            self._pull_wait = 0.0
         if step is None or not logger.isEnabledFor(logging.DEBUG):
             return
         # A stream's gap is this step plus the loop's work since the last one: both, to tell a
