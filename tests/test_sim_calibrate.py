@@ -106,7 +106,7 @@ def test_profile_from_trace_writes_a_profile_that_simulates_without_host_content
     assert gaps == pytest.approx([0.01 + 2e-3] * 2, rel=1e-3)
 
 
-def test_the_loop_is_a_line_through_each_stream_counts_median() -> None:
+def test_the_loop_is_a_line_through_each_stream_counts_own_loop_time() -> None:
     rows = [{"decode_streams": n, "loop_seconds": 0.002 + 0.001 * n} for n in (1, 2, 4) for _ in range(6)]
     rows += [{"decode_streams": 2, "loop_seconds": 0.5}]  # a step that waited on a pull: a median ignores it
     rows += [{"decode_streams": 0, "loop_seconds": 9.0} for _ in range(6)]  # prompt steps: not the loop's
@@ -121,6 +121,13 @@ def test_the_loop_is_a_line_through_each_stream_counts_median() -> None:
         for _ in range(6)
     ]
     assert fit_loop(waited) == pytest.approx((0.002, 0.001))
+    # With the waits known, a count's few long loops count, as they cost the streams: its mean.
+    skewed = [
+        {"decode_streams": n, "loop_seconds": own, "pull_wait_seconds": 0.0}
+        for n in (1, 2, 4)
+        for own in [0.002 + 0.001 * n] * 5 + [0.008 + 0.001 * n]
+    ]
+    assert fit_loop(skewed) == pytest.approx((0.003, 0.001))
 
 
 def test_bad_traces_are_refused_with_where_and_why(tmp_path: Path) -> None:

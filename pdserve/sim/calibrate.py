@@ -82,15 +82,19 @@ def fit_loop(rows: list[dict[str, Any]]) -> tuple[float, float]:
     (a light load's many small batches would otherwise set the line, and the loop grows with the
     load: more tokens to send, a busier router to send them to), both >= 0. The loop's own work:
     the time it waited on KV pulls, which the simulation models apart, left out where the trace
-    says it (`pull_wait_seconds`); medians, so that in older traces, which do not, a step that
-    waited on a pull does not move them."""
+    says it (`pull_wait_seconds`), and then each count's mean, since the simulated loop takes the
+    same time every step and what the loop costs the streams over a run is its mean (at 15-20
+    streams the mean was twice the median: a few long loops). Older traces do not say it: medians
+    then, so that a step that waited on a pull does not move them."""
     by_streams: dict[int, list[float]] = defaultdict(list)
+    waits_known = all("pull_wait_seconds" in row for row in rows)
     for row in rows:
         streams = int(row["decode_streams"])
         if streams > 0:
             own = float(row.get("loop_seconds", 0.0)) - float(row.get("pull_wait_seconds", 0.0))
             by_streams[streams].append(max(0.0, own))
-    points = [(n, statistics.median(v)) for n, v in by_streams.items() if len(v) >= MIN_BUCKET]
+    middle = statistics.fmean if waits_known else statistics.median
+    points = [(n, middle(v)) for n, v in by_streams.items() if len(v) >= MIN_BUCKET]
     if not points:
         return 0.0, 0.0
     mean_n = statistics.fmean(n for n, _ in points)
