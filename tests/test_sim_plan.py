@@ -81,6 +81,30 @@ def test_the_choice_meets_the_slo_with_the_best_goodput_per_worker(
     assert served["model"] == "tiny"  # the profile's model, as simulated
 
 
+def test_repeats_show_each_deployments_range_and_say_when_the_choice_is_near_its_knee(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Near its knee a deployment meets the SLO in some draws of the workload and not in others.
+    profile = fixed_profile(step=0.01, per_token=1e-3, per_stream=0.005, pull=0.002)
+    profile.save(tmp_path / "p.json")
+    code = main([
+        "plan", "--profile", str(tmp_path / "p.json"), "--workload", "poisson(3) prompt=fixed(100) output=fixed(30)",
+        "--duration", "30", "--slo", "ttft=300,itl=100", "--budget", "2", "--repeats", "5",
+        "--out", str(tmp_path / "plan"),
+    ])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    outcomes = json.loads((tmp_path / "plan" / "plan.json").read_text())["scales"]["1"]["outcomes"]
+    for o in outcomes:
+        low, high = o["within_slo_range"]
+        assert o["runs"] == 5 and low <= o["within_slo"] <= high
+        assert o["meets"] == (o["within_slo"] >= 0.9 and o["errors"] == 0)  # the median run decides
+        assert f"{o['runs_meeting']} of 5 runs" in printed
+    chosen = next(o for o in outcomes if o["meets"])
+    assert 0 < chosen["runs_meeting"] < 5  # this load is the choice's knee: some draws miss
+    assert f"It met the SLO in {chosen['runs_meeting']} of 5 simulated runs" in printed
+
+
 def test_the_serve_command_carries_the_varied_settings_and_the_options_given() -> None:
     base = {name: default for name, (_, default, _) in serve_options.OPTIONS.items()}
     base |= {
@@ -142,5 +166,7 @@ def test_plan_without_an_slo_or_budget_is_refused(tmp_path: Path, capsys: pytest
     assert "needs an SLO" in capsys.readouterr().err
     assert main([*flags, "--budget", "0", "--slo", "ttft=100"]) == 2
     assert "--budget must be >= 1" in capsys.readouterr().err
+    assert main([*flags, "--budget", "2", "--slo", "ttft=100", "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err
     assert main([*flags, "--budget", "2", "--slo", "ttft=100", "--rate-scales", "1,x"]) == 2
     assert "--rate-scales must be numbers" in capsys.readouterr().err
