@@ -137,8 +137,8 @@ class SimCluster:
     async def _load(self, worker_id: str, timeout: float) -> bool:
         """Waits out the worker's start (False: it would pass `timeout`). On a shared host loading
         the model is the profile's start time of work on its CPU (a CPU-second a second, measured:
-        8.0 s of CPU in 8.4 s alone), done at the share of the CPU the worker gets: on a CPU
-        another worker keeps busy it takes about twice as long (37 s measured, against 8)."""
+        8.0 s of CPU in 8.4 s alone), done at the share of the CPU the worker gets: beside a busy
+        process it took 14 s (measured), beside a busy prefill worker 31-37 s (simulated: 20)."""
         host = self.host
         if host is None:
             if self.profile.start_s > timeout:
