@@ -36,20 +36,25 @@ def test_the_candidates_are_every_split_and_every_colocated_size() -> None:
             parse_vary([bad])
 
 
+def planned(tmp_path: Path, capsys: pytest.CaptureFixture[str], rate: str, *flags: str) -> tuple[dict, str]:  # type: ignore[type-arg]
+    """`pdserve plan` of `rate` prompts of 100 tokens with 30 out, on a profile where a prompt costs
+    110 ms and a stream 5 ms a step: its report at load x1, and what it printed."""
+    fixed_profile(step=0.01, per_token=1e-3, per_stream=0.005, pull=0.002).save(tmp_path / "p.json")
+    code = main([
+        "plan", "--profile", str(tmp_path / "p.json"), "--workload", f"{rate} prompt=fixed(100) output=fixed(30)",
+        "--slo", "ttft=300,itl=100", "--out", str(tmp_path / "plan"), *flags,
+    ])  # fmt: skip
+    assert code == 0
+    report = json.loads((tmp_path / "plan" / "plan.json").read_text())["scales"]["1"]
+    return report, capsys.readouterr().out
+
+
 def test_the_choice_meets_the_slo_with_the_best_goodput_per_worker(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # A prompt of 100 tokens costs 110 ms and a stream 5 ms a step: 4 requests a second keep one
     # worker busy half the time with prompts alone, which its TTFT p90 does not survive.
-    profile = fixed_profile(step=0.01, per_token=1e-3, per_stream=0.005, pull=0.002)
-    profile.save(tmp_path / "p.json")
-    code = main([
-        "plan", "--profile", str(tmp_path / "p.json"), "--workload", "poisson(4) prompt=fixed(100) output=fixed(30)",
-        "--duration", "60", "--slo", "ttft=300,itl=100", "--budget", "3", "--out", str(tmp_path / "plan"),
-    ])  # fmt: skip
-    assert code == 0
-    printed = capsys.readouterr().out
-    report = json.loads((tmp_path / "plan" / "plan.json").read_text())["scales"]["1"]
+    report, printed = planned(tmp_path, capsys, "poisson(4)", "--duration", "60", "--budget", "3")
     outcomes = report["outcomes"]
     assert len(outcomes) == 6
     meeting = [o for o in outcomes if o["meets"]]
@@ -85,16 +90,10 @@ def test_repeats_show_each_deployments_range_and_say_when_the_choice_is_near_its
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Near its knee a deployment meets the SLO in some draws of the workload and not in others.
-    profile = fixed_profile(step=0.01, per_token=1e-3, per_stream=0.005, pull=0.002)
-    profile.save(tmp_path / "p.json")
-    code = main([
-        "plan", "--profile", str(tmp_path / "p.json"), "--workload", "poisson(3) prompt=fixed(100) output=fixed(30)",
-        "--duration", "30", "--slo", "ttft=300,itl=100", "--budget", "2", "--repeats", "5",
-        "--out", str(tmp_path / "plan"),
-    ])  # fmt: skip
-    assert code == 0
-    printed = capsys.readouterr().out
-    outcomes = json.loads((tmp_path / "plan" / "plan.json").read_text())["scales"]["1"]["outcomes"]
+    report, printed = planned(
+        tmp_path, capsys, "poisson(3)", "--duration", "30", "--budget", "2", "--repeats", "5"
+    )
+    outcomes = report["outcomes"]
     for o in outcomes:
         low, high = o["within_slo_range"]
         assert o["runs"] == 5 and low <= o["within_slo"] <= high

@@ -117,9 +117,13 @@ class HostLoad:
 
     def occupy(self, worker_id: str, seconds: float) -> None:
         """The worker keeps its CPU busy from now for `seconds` (a step, its loop, its start)."""
-        if seconds > 0 and worker_id in self._busy:
+        spans = self._busy.get(worker_id)
+        if seconds > 0 and spans is not None:
             now = clock.monotonic()
-            self._busy[worker_id].append((now, now + seconds))
+            # Kept only while a mate may look back at them: an hour's steps would pile up otherwise.
+            while spans and spans[0][1] < now - self.window_s:
+                spans.popleft()
+            spans.append((now, now + seconds))
 
     def _busy_share(self, worker_id: str, ahead_s: float) -> float:
         """How much of the CPU `worker_id`'s work took lately, or will take of the next `ahead_s`
