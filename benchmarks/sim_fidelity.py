@@ -7,6 +7,9 @@ side by side: TTFT and ITL p50/p90, goodput and the knee, per load band.
         --rate-scales 1,2,4 --duration 90 --slo ttft=2000,itl=250 \\
         --config "dpd=--prefill 1 --decode 1" --config "colocated=--colocated 2"
 
+A configuration's rates are simulated one after another on one deployment, as `bench compare`
+measures them on one server (`--fresh-per-rate`: each on its own).
+
 `--measured DIR`: reuse a finished `bench compare` folder instead of measuring again. Writes
 `fidelity.md` (the table) and `fidelity.json` into --out. With `--repeats N` each measured cell
 shows ±half the spread of its N runs ((max - min) / median / 2): what the machine itself does from
@@ -58,8 +61,11 @@ def measure(args: argparse.Namespace, folder: Path) -> None:
 
 
 def simulate(
-    args: argparse.Namespace, label: str, serve_args: str, scale: float, seed: int
-) -> dict[str, Any]:
+    args: argparse.Namespace, serve_args: str, scales: list[float], seed: int
+) -> list[dict[str, Any]]:
+    """One summary per rate scale. The rates run one after another on one simulated deployment, as
+    `bench compare` ran them on one server (its router's path-choice cost model, fitted at the
+    lower rates, carries into the next); `--fresh-per-rate`: each on a deployment of its own."""
     from pdserve.bench.summary import parse_slos, summarize
     from pdserve.bench.timeline import build_timeline
     from pdserve.bench.workload import parse_workload
@@ -83,25 +89,29 @@ def simulate(
     )
     profile = profiles.load(args.profile)
     o = sim.resolve(sim_args, profile)
-    workload = parse_workload(args.workload, seed, None, args.duration, scale)
+    workloads = [parse_workload(args.workload, seed, None, args.duration, scale) for scale in scales]
     # The bench client ran on this host, beside the servers: its CPU is charged too.
-    result = sim.simulate(
-        o,
-        profile,
-        workload,
-        finish_timeout_s=args.drain_timeout,
-        pool_sample_interval_s=1.0,
-        client_on_host=True,
-    )
+    options: dict[str, Any] = {
+        "finish_timeout_s": args.drain_timeout,
+        "pool_sample_interval_s": 1.0,
+        "client_on_host": True,
+    }
+    if args.fresh_per_rate:
+        results = [sim.simulate(o, profile, w, **options) for w in workloads]
+    else:
+        results = sim.simulate_in_sequence(o, profile, workloads, **options)
     slos = parse_slos(args.slo)
-    summary = summarize(result.records, result.duration_s, slos)
-    timeline = build_timeline(
-        result.records, result.duration_s, slos, 10.0, result.pool_samples, workload.steps, 1.0
-    )
-    summary["worker_seconds"] = timeline["worker_seconds"]["total"]
-    summary["wall_s"] = result.wall_s
-    summary |= result.server
-    return summary
+    summaries = []
+    for workload, result in zip(workloads, results, strict=True):
+        summary = summarize(result.records, result.duration_s, slos)
+        timeline = build_timeline(
+            result.records, result.duration_s, slos, 10.0, result.pool_samples, workload.steps, 1.0
+        )
+        summary["worker_seconds"] = timeline["worker_seconds"]["total"]
+        summary["wall_s"] = result.wall_s
+        summary |= result.server
+        summaries.append(summary)
+    return summaries
 
 
 def value(summary: dict[str, Any], metric: str, stat: str) -> float | None:
@@ -145,6 +155,11 @@ def main() -> int:
         "--drain-timeout", type=float, default=120.0, help="seconds for requests in flight at the end"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--fresh-per-rate",
+        action="store_true",
+        help="simulate each rate on a fresh deployment (default: in sequence on one, as measured)",
+    )
     p.add_argument("--config", action="append", required=True, metavar="LABEL=SERVE_ARGS")
     p.add_argument("--measured", type=Path, default=None, help="a finished bench compare folder")
     p.add_argument("--out", type=Path, required=True)
@@ -168,10 +183,12 @@ def main() -> int:
     for config in args.config:
         label, serve_args = config.split("=", 1)
         shares: dict[str, dict[float, float]] = {"measured": {}, "sim": {}}
-        for scale in scales:
+        # Repeat r: the workload drawn from seed + r at every rate, as bench compare draws it.
+        per_repeat = [simulate(args, serve_args, scales, args.seed + r) for r in range(args.repeats)]
+        for i, scale in enumerate(scales):
             name = label if len(scales) == 1 else f"{label}@{scale:g}"
             real = measured[name]
-            simulated = [simulate(args, label, serve_args, scale, args.seed + r) for r in range(args.repeats)]
+            simulated = [runs[i] for runs in per_repeat]
             case: dict[str, Any] = {}
             for metric, stat in METRICS:
                 runs = [v for s in real if (v := value(s, metric, stat)) is not None]

@@ -4,6 +4,7 @@ the bench's; the planner scales simulated pools; a run is reproducible."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import math
@@ -16,7 +17,9 @@ from pathlib import Path
 import pytest
 from test_sim_profile import fixed_profile
 
+from pdserve.bench.workload import parse_workload
 from pdserve.cli import main
+from pdserve.sim import run as runner
 from pdserve.sim.profile import HostCpu, LinearStep, Profile
 
 
@@ -198,3 +201,28 @@ def test_bad_input_is_said_plainly(tmp_path: Path, capsys: pytest.CaptureFixture
         == 2
     )
     assert "cannot read the profile" in capsys.readouterr().err
+
+
+def test_workloads_in_sequence_run_on_one_deployment_each_reported_apart(tmp_path: Path) -> None:
+    # As bench compare runs its rates on one server: the second load starts on the pools the
+    # first left (here the decode pool the planner grew), and each is reported on its own: its
+    # requests, its clock, its workers started, its prompts by path.
+    profile = fixed_profile(step=0.005, per_token=2e-5, per_stream=0.004, start_s=5.0)
+    parser = argparse.ArgumentParser()
+    runner.add_arguments(parser)
+    args = parser.parse_args(
+        ["--profile", "unused", "--prefill", "1", "--decode", "1", "--planner", "slo", "--max-workers", "6",
+         "--slo", "ttft=2000,itl=60", "--planner-interval", "5"]
+    )  # fmt: skip
+    o = runner.resolve(args, profile)
+    heavy = parse_workload("poisson(10) prompt=fixed(200) output=fixed(100)", 0, None, 60.0, 1.0)
+    light = parse_workload("poisson(1) prompt=fixed(200) output=fixed(100)", 1, None, 20.0, 1.0)
+    first, second = runner.simulate_in_sequence(o, profile, [heavy, light], pool_sample_interval_s=5.0)
+    assert len(first.records) == len(heavy.requests) and len(second.records) == len(light.requests)
+    assert all(r.ok for r in first.records + second.records)
+    assert min(r.sent_s for r in second.records) < 2.0  # its own clock, from its first request
+    assert first.workers_started > 2 and second.workers_started == 0
+    assert second.pool_samples[0]["pools"]["decode"]["active"] > 1
+    assert sum(second.server["paths"].values()) == len(light.requests)
+    alone = runner.simulate(o, profile, light, pool_sample_interval_s=5.0)
+    assert alone.pool_samples[0]["pools"]["decode"]["active"] == 1

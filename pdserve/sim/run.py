@@ -25,6 +25,7 @@ import functools
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,24 +129,54 @@ def simulate(
     """Runs the deployment `o` on `workload` in virtual time. The router shares the workers' CPUs
     when the profile says they are a host's (`profile.host`: a CPU deployment on one machine), and
     so does the load's client with `client_on_host`."""
+    return simulate_in_sequence(
+        o,
+        profile,
+        [workload],
+        finish_timeout_s=finish_timeout_s,
+        pool_sample_interval_s=pool_sample_interval_s,
+        client_on_host=client_on_host,
+    )[0]
+
+
+def simulate_in_sequence(
+    o: dict[str, Any],
+    profile: profiles.Profile,
+    workloads: Sequence[Workload],
+    *,
+    finish_timeout_s: float = 120.0,
+    pool_sample_interval_s: float = 1.0,
+    client_on_host: bool = False,
+) -> list[SimResult]:
+    """Runs the workloads one after another on one deployment, each once the one before has
+    finished (its requests done, or `finish_timeout_s` after its last was sent), as `pdserve bench
+    compare --rate-scales` runs its rates on one server: what a run learnt (the router's path-choice
+    cost model, the pools the planner sized, the workers' CPU history) carries into the next. One
+    result per workload, each with its own records, clock (from its first request), pool samples and
+    the router's TTFT parts and path counts over that workload alone; `wall_s` is the whole
+    simulation's."""
+    if not workloads:
+        raise PdserveError("nothing to simulate: no workload")
     started = time.perf_counter()
-    result: SimResult = clock.run_virtual(
+    results: list[SimResult] = clock.run_virtual(
         functools.partial(
-            _simulate, o, profile, workload, finish_timeout_s, pool_sample_interval_s, client_on_host
+            _simulate, o, profile, list(workloads), finish_timeout_s, pool_sample_interval_s, client_on_host
         )
     )  # type: ignore[assignment]
-    result.wall_s = time.perf_counter() - started
-    return result
+    wall_s = time.perf_counter() - started
+    for result in results:
+        result.wall_s = wall_s
+    return results
 
 
 async def _simulate(
     o: dict[str, Any],
     profile: profiles.Profile,
-    workload: Workload,
+    workloads: list[Workload],
     finish_timeout_s: float,
     pool_sample_interval_s: float,
     client_on_host: bool,
-) -> SimResult:
+) -> list[SimResult]:
     # The router's parts, built as `pdserve serve` builds them, over simulated workers.
     from prometheus_client import generate_latest
 
@@ -197,29 +228,42 @@ async def _simulate(
         ),
         host=host,
     )
-    samples: list[dict[str, Any]] = []
-    records: list[RequestRecord] = []
+    results: list[SimResult] = []
+    started_before = 0  # the first workload's count has the deployment's first workers in it
     try:
         await pools.start()
         planner.start()
-        start = clock.monotonic()
-        sampler = None
-        if pool_sample_interval_s > 0:
-            sampler = asyncio.create_task(_sample(pools, start, pool_sample_interval_s, samples))
-        duration = await drive(
-            front,
-            workload.requests,
-            concurrency=workload.concurrency,
-            duration_s=workload.duration_s,
-            finish_timeout_s=finish_timeout_s,
-            records=records,
-        )
-        if sampler is not None:
-            sampler.cancel()
-        exposition = generate_latest(metrics.registry).decode()
-        return SimResult(
-            records, duration, samples, backend.started, server_parts.summary_section("", exposition)
-        )
+        for workload in workloads:
+            samples: list[dict[str, Any]] = []
+            records: list[RequestRecord] = []
+            # The router's counters before and after, as bench scrapes a server's /metrics.
+            before = generate_latest(metrics.registry).decode()
+            start = clock.monotonic()
+            sampler = None
+            if pool_sample_interval_s > 0:
+                sampler = asyncio.create_task(_sample(pools, start, pool_sample_interval_s, samples))
+            duration = await drive(
+                front,
+                workload.requests,
+                concurrency=workload.concurrency,
+                duration_s=workload.duration_s,
+                finish_timeout_s=finish_timeout_s,
+                records=records,
+            )
+            if sampler is not None:
+                sampler.cancel()
+            after = generate_latest(metrics.registry).decode()
+            results.append(
+                SimResult(
+                    records,
+                    duration,
+                    samples,
+                    backend.started - started_before,
+                    server_parts.summary_section(before, after),
+                )
+            )
+            started_before = backend.started
+        return results
     finally:
         await planner.close()
         await pools.close()
