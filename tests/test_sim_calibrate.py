@@ -207,3 +207,33 @@ def test_a_served_profile_keeps_the_neighbours_term(tmp_path: Path) -> None:
         assert code == 0
         itls[name] = json.loads((out / "summary.json").read_text())["overall"]["itl_ms"]["p50"]
     assert itls["slower"] > itls["same"] * 1.2
+
+
+def test_the_fit_keeps_how_the_served_steps_spread_around_it() -> None:
+    # Served steps have a right tail, a short step's the longest (here one short step in five takes
+    # twice its time, one long step in five 1.2x): the fit, on the relative error, sits near the
+    # many, so its line alone misses part of the work. The spread it keeps (measured / fitted,
+    # by bands of fitted length that each took a like share of the time) puts it back, as the
+    # simulation draws each step's deviation from its band.
+    truth = LinearStep((0.02, 1e-4, 0.0, 1e-3, 0.0))
+    samples = []
+    for k in range(300):
+        step = Step(prefill_tokens=(k * 37) % 600, decode_streams=k % 9)
+        short = truth.seconds(step) < 0.05
+        slow = k % 5 == 4
+        samples.append((step, truth.seconds(step) * (1.0 if not slow else 2.0 if short else 1.2), 0.0))
+    fitted, _ = fit_alone_and_busy(samples)
+    measured = sum(t for _, t, _ in samples)
+    line = sum(fitted.seconds(step) for step, _, _ in samples)
+    assert line < 0.97 * measured
+    bands = fitted.spread
+    assert 2 <= len(bands) <= 3 and bands[-1].below_s is None
+    assert all(len(b.quantiles) == 50 and list(b.quantiles) == sorted(b.quantiles) for b in bands)
+    drawn_work = sum(
+        fitted.seconds(step) * sum(q := fitted.spread_at(fitted.seconds(step))) / len(q)
+        for step, _, _ in samples
+    )
+    assert drawn_work == pytest.approx(measured, rel=0.03)
+    shortest, longest = bands[0].quantiles, bands[-1].quantiles
+    assert shortest[-1] / shortest[0] == pytest.approx(2.0, rel=0.1)  # the short steps' tail: 2x
+    assert longest[-1] / longest[0] < 1.5  # the long steps': 1.2x

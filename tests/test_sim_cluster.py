@@ -1,20 +1,25 @@
 """The simulation's cluster backend: a worker "starts" in the profile's start time of work on its
 CPU, so one starting on a CPU that another worker keeps busy takes longer, and takes that CPU
-from it; a start that cannot finish within the ready timeout is refused plainly."""
+from it; a start that cannot finish within the ready timeout is refused plainly. A step's time
+deviates from the profile's fit as its measured steps did."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from test_sim_profile import fixed_profile
 
 from pdserve import clock
+from pdserve.cli import main
 from pdserve.cluster.base import WorkerStartError
 from pdserve.config import POOL_ROLES, EngineConfig, WorkerConfig
-from pdserve.sim.cluster import SimCluster
+from pdserve.sim.cluster import SimCluster, drawn
 from pdserve.sim.host import HostLoad
-from pdserve.sim.profile import HostCpu
+from pdserve.sim.profile import HostCpu, LinearStep, Spread
 from pdserve.sim.worker import SimConnector
 
 
@@ -70,3 +75,33 @@ def test_a_start_that_cannot_finish_in_time_is_refused_and_frees_its_cpu() -> No
     assert "longer to start than --ready-timeout 6 s" in message and "shares" in message
     assert waited == pytest.approx(6.0)
     assert busy_slowed == 1.0  # the refused worker no longer shares the busy one's CPU
+
+
+def test_a_step_deviates_from_its_fit_as_the_profiles_measured_quantiles_say() -> None:
+    quantiles = (0.9, 1.0, 1.0, 1.0, 2.0)  # at 0.1, 0.3, 0.5, 0.7 and 0.9
+    assert drawn(quantiles, 0.5) == 1.0
+    assert drawn(quantiles, 0.8) == pytest.approx(1.5)  # linear between two quantiles
+    assert drawn(quantiles, 0.0) == 0.9 and drawn(quantiles, 0.99) == 2.0  # the ends beyond them
+    assert drawn((1.3,), 0.2) == 1.3
+
+
+def test_simulated_steps_spread_and_add_up_as_the_measured_ones(tmp_path: Path) -> None:
+    # Served steps have a right tail: one in five twice the fit. The simulated decode steps then
+    # take the fit's time at their median and twice it at their 90th percentile, and a run's
+    # inter-token times with them.
+    base = fixed_profile(step=0.01)
+    itl = {}
+    for name, spread in (("fit", ()), ("tail", (Spread(None, (1.0, 1.0, 1.0, 1.0, 2.0)),))):
+        step = replace(base.steps["decode"], spread=spread)
+        assert isinstance(step, LinearStep)
+        replace(base, steps={"prefill": step, "decode": step}).save(tmp_path / f"{name}.json")
+        out = tmp_path / name
+        code = main(
+            ["sim", "--profile", str(tmp_path / f"{name}.json"), "--colocated", "1", "--workload",
+             "poisson(2) prompt=fixed(16) output=fixed(60)", "--max-requests", "20", "--out", str(out)]
+        )  # fmt: skip
+        assert code == 0
+        itl[name] = json.loads((out / "summary.json").read_text())["overall"]["itl_ms"]
+    assert itl["fit"]["p50"] == pytest.approx(10.0, rel=0.02) and itl["fit"]["p90"] < 11.0
+    assert itl["tail"]["p50"] == pytest.approx(10.0, rel=0.05)
+    assert itl["tail"]["p90"] == pytest.approx(20.0, rel=0.1)

@@ -18,6 +18,7 @@ from pdserve.sim.profile import (
     Profile,
     ProfileError,
     RooflineStep,
+    Spread,
     TransferTime,
 )
 
@@ -59,9 +60,11 @@ def fixed_profile(
 def test_a_profile_reads_back_as_written(tmp_path: Path) -> None:
     original = fixed_profile(0.01, 1e-4, 2e-3, 0.005, 0.002, 0.001, 7.5)
     roofline = RooflineStep(0.004, 16e9, 1e6, 16e9, 131072, 6e14, 3.8e12)
+    bands = (Spread(0.05, (0.9, 1.0, 3.0)), Spread(None, (0.95, 1.0, 1.2)))
+    spread = LinearStep((0.01, 1e-4, 0.0, 2e-3, 0.0), samples=40, median_error=0.05, spread=bands)
     original = replace(
         original,
-        steps={**original.steps, "colocated": roofline},
+        steps={**original.steps, "colocated": roofline, "decode": spread},
         steps_from="serving",
         loops={"decode": LoopTime(0.001, 2e-4), "prefill": LoopTime(0.0015)},
     )
@@ -80,6 +83,10 @@ def test_the_linear_and_roofline_step_times_are_their_formulas() -> None:
     # A 4000-token prompt: compute-bound, (2e9 * 4000 + 1e3 * 8e6) / 1e12 = 8.008 s.
     assert roof.seconds(Step(4000, 8_000_000, 0, 0)) == pytest.approx(0.004 + 8.008)
     assert roof.seconds(Step()) == 0.004
+    # A step's deviation from the fit is drawn from its length's band of the measured spread.
+    banded = LinearStep(linear.coefficients, spread=(Spread(0.05, (0.9, 3.0)), Spread(None, (1.0, 1.2))))
+    assert banded.spread_at(0.04) == (0.9, 3.0) and banded.spread_at(0.5) == (1.0, 1.2)
+    assert linear.spread_at(0.04) == ()
 
 
 def test_a_role_without_its_own_step_time_and_a_missing_transport() -> None:
@@ -116,6 +123,12 @@ def test_negative_coefficients_and_unknown_kinds_are_refused(tmp_path: Path) -> 
     (tmp_path / "p.json").write_text(json.dumps(body))
     with pytest.raises(ProfileError, match="finite numbers >= 0"):
         profiles.load(tmp_path / "p.json")
+    body["steps"]["decode"]["coefficients"] = [0.01, 0, 0, 0, 0]
+    for quantiles in ([1.2, 0.9], [0.0, 1.0], ["x"], []):  # quantiles ascend; a step takes time
+        body["steps"]["decode"]["spread"] = [{"below_s": None, "quantiles": quantiles}]
+        (tmp_path / "p.json").write_text(json.dumps(body))
+        with pytest.raises(ProfileError, match=r"steps\.decode"):
+            profiles.load(tmp_path / "p.json")
     body["steps"]["decode"] = {"kind": "cubic"}
     (tmp_path / "p.json").write_text(json.dumps(body))
     with pytest.raises(ProfileError, match="linear or roofline"):

@@ -31,7 +31,7 @@ import numpy as np
 from pdserve import slo
 from pdserve.costmodel import Step
 from pdserve.router.recorder import STEP_TRACE_KEYS
-from pdserve.sim.profile import LinearStep, LoopTime, Profile, ProfileError
+from pdserve.sim.profile import LinearStep, LoopTime, Profile, ProfileError, Spread
 
 OPTIONAL_KEYS = ("pull_wait_seconds",)  # traces from before it was traced lack it
 MIN_STEPS = 30  # per pool role, to fit five coefficients with any confidence
@@ -39,6 +39,8 @@ MIN_BUCKET = 5  # steps of one stream count for its median loop time to count
 PROMPT_CHUNK_TOKENS = 128  # a step with this many prompt tokens or more computes a prompt's chunk
 BUSY_WINDOW_S = 2.0  # as pdserve.sim.host.HostLoad's window
 BUCKET_S = 0.1  # a trace's times are its load reports' (every 0.1 s)
+SPREAD_POINTS = 50  # quantiles of a role's measured / fitted step times kept in the profile, a band
+SPREAD_BANDS = 3  # bands of fitted step length, each with its own spread
 
 
 def read_trace(paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
@@ -166,19 +168,54 @@ def fit_alone_and_busy(
     c = [float(x) for x in coef / scale + known]
     alone = LinearStep((c[0], c[1], c[2], c[3], c[4]))
     busy = LinearStep((c[0] + c[5], c[1] + c[6], c[2] + c[7], c[3] + c[8], c[4] + c[9]))
-    errors = [
-        abs(alone.seconds(step) + (busy.seconds(step) - alone.seconds(step)) * b - t) / t
+    fitted_and_measured = [
+        (fitted, t)
         for step, t, b in samples
+        if (fitted := alone.seconds(step) + (busy.seconds(step) - alone.seconds(step)) * b) > 0
     ]
+    errors = [abs(fitted / t - 1) for fitted, t in fitted_and_measured]  # |fit - measured| / measured
     return (
         replace(
             alone,
             samples=len(samples),
             median_error=round(slo.quantile(errors, 0.5) or 0.0, 4),
             p90_error=round(slo.quantile(errors, 0.9) or 0.0, 4),
+            spread=spread_of(fitted_and_measured),
         ),
         replace(busy, samples=len(samples)),
     )
+
+
+def spread_of(fitted_and_measured: list[tuple[float, float]]) -> tuple[Spread, ...]:
+    """How the measured steps spread around their fit, in up to SPREAD_BANDS bands of fitted length
+    that each took a like share of the time (each of MIN_STEPS steps or more): measured / fitted at
+    the quantiles (i + 0.5) / SPREAD_POINTS (fewer with fewer steps) in each. The simulation draws
+    each step's deviation from its band, so that its steps spread, and add up, as the served ones
+    did: their right tail puts their mean 2-8% above the fit's median, and the tail is a short
+    step's (a 40 ms step that waited on another process took 3x; a 300 ms one, 1.3x at most)."""
+    steps = sorted(fitted_and_measured)
+    if not steps:
+        return ()
+    total = sum(t for _, t in steps)
+    bands: list[list[tuple[float, float]]] = [[]]
+    done = 0.0
+    for fitted, t in steps:
+        share = len(bands) / SPREAD_BANDS  # the time the bands so far should hold between them
+        if done >= share * total and len(bands[-1]) >= MIN_STEPS and len(bands) < SPREAD_BANDS:
+            bands.append([])
+        bands[-1].append((fitted, t))
+        done += t
+    if len(bands) > 1 and len(bands[-1]) < MIN_STEPS:  # too few to stand alone: the band before
+        bands[-2].extend(bands.pop())
+    spread = []
+    for index, band in enumerate(bands):
+        ratios = np.array([t / fitted for fitted, t in band])
+        n = min(SPREAD_POINTS, len(ratios))
+        quantiles = np.quantile(ratios, (np.arange(n) + 0.5) / n)
+        # A band ends where the next begins (halfway between their steps); the last has no end.
+        below = round((band[-1][0] + bands[index + 1][0][0]) / 2, 6) if index + 1 < len(bands) else None
+        spread.append(Spread(below, tuple(round(float(q), 4) for q in quantiles)))
+    return tuple(spread)
 
 
 def calibrated(base: Profile, traces: list[Path]) -> Profile:

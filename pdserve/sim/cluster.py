@@ -3,7 +3,8 @@ profile's start time, so the real pool manager and planner scale simulated pools
 real ones. No torch, no process.
 
 A worker's step time is the profile's for its pool role (the worker loop's own time follows each
-step: the profile's per-step and per-stream time for that role), spread as the profile's measured steps spread around their fit (`median_error`), and stretched by
+step: the profile's per-step and per-stream time for that role), spread as the profile's
+measured steps spread around their fit (their quantiles, else `median_error`), and stretched by
 the CPU the router takes from the workers on a shared host and by the other workers pinned to its
 CPU, a starting one included (pdserve/sim/host.py);
 a pull takes the profile's time for the deployment's transport; its KV cache has the profile's
@@ -29,6 +30,19 @@ from pdserve.sim.worker import SimConnector, SimWorker, WorkerFactory
 
 MEDIAN_ABS_NORMAL = 0.6745  # the median of |z| for a standard normal z
 START_TICK_S = 0.25  # a starting worker's progress is reckoned this often (seconds of its work)
+
+
+def drawn(quantiles: tuple[float, ...], u: float) -> float:
+    """The value at probability `u` (0 to 1) of a distribution known by its quantiles at
+    (i + 0.5) / n: linear between them, the end ones beyond."""
+    position = u * len(quantiles) - 0.5
+    if position <= 0:
+        return quantiles[0]
+    below = int(position)
+    if below >= len(quantiles) - 1:
+        return quantiles[-1]
+    fraction = position - below
+    return quantiles[below] + (quantiles[below + 1] - quantiles[below]) * fraction
 
 
 class SimCluster:
@@ -60,10 +74,14 @@ class SimCluster:
         busy_time = self.profile.busy_step_time(pool)
         worker_id = config.worker_id
 
-        # A real step is not its fitted time: steps of the same work spread around it, as far as
-        # the profile's fit says (its median relative error: lognormal, median-preserving). The
-        # router's cost model sees that spread in the simulation as it does in serving (its stall
-        # margin and its fit). Seeded by the worker's id: a run is reproducible.
+        # A real step is not its fitted time: steps of the same work spread around it as the
+        # profile's measured steps spread around their fit: drawn from the measured / fitted
+        # quantiles of steps of its length where the profile has them (served steps: their right
+        # tail adds up to more work than the fit's median), else lognormal with the fit's median
+        # error (median-preserving). The router's cost model sees that spread in the simulation as
+        # it does in serving (its stall margin and its fit). Seeded by the worker's id: a run is
+        # reproducible.
+        spread_at = step_time.spread_at if isinstance(step_time, LinearStep) and step_time.spread else None
         fit_error = step_time.median_error if isinstance(step_time, LinearStep) else None
         sigma = (fit_error or 0.0) / MEDIAN_ABS_NORMAL
         spread = random.Random(zlib.crc32(worker_id.encode()))
@@ -74,7 +92,9 @@ class SimCluster:
             if host is not None and busy_time is not None:
                 # Slowed by its neighbours' work, as far as they were busy.
                 seconds += max(0.0, busy_time.seconds(features) - seconds) * host.others_busy(worker_id)
-            if sigma > 0:
+            if spread_at is not None:
+                seconds *= drawn(spread_at(seconds), spread.random())
+            elif sigma > 0:
                 seconds *= math.exp(spread.gauss(0.0, sigma))
             if host is None:
                 return seconds

@@ -40,6 +40,24 @@ class ProfileError(PdserveError):
 
 
 @dataclass(frozen=True)
+class Spread:
+    """How measured steps spread around their fit: measured / fitted seconds at the quantiles
+    (i + 0.5) / len, for the steps the fit put below `below_s` seconds (None: every longer one)."""
+
+    below_s: float | None
+    quantiles: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        ratios = self.quantiles
+        if (
+            not ratios
+            or any(not (math.isfinite(r) and r > 0) for r in ratios)
+            or list(ratios) != sorted(ratios)
+        ):
+            raise ProfileError("a step time's spread must be ascending ratios > 0")
+
+
+@dataclass(frozen=True)
 class LinearStep:
     """c0 + c1 * prompt tokens + c2 * prompt attention + c3 * decode streams + c4 * decode context."""
 
@@ -48,6 +66,17 @@ class LinearStep:
     samples: int = 0
     median_error: float | None = None
     p90_error: float | None = None
+    # How the steps spread around the fit, by their fitted length, shortest first (served steps:
+    # a right tail, so their mean is above the fit's, the short steps' tail the longest). Empty:
+    # a lognormal spread of the median error instead.
+    spread: tuple[Spread, ...] = ()
+
+    def spread_at(self, seconds: float) -> tuple[float, ...]:
+        """The measured / fitted quantiles of steps the fit puts at `seconds` (empty: none known)."""
+        for band in self.spread:
+            if band.below_s is None or seconds < band.below_s:
+                return band.quantiles
+        return self.spread[-1].quantiles if self.spread else ()
 
     def seconds(self, step: Step) -> float:
         raw = (1.0, step.prefill_tokens, step.prefill_attention, step.decode_streams, step.decode_context)
@@ -67,7 +96,10 @@ class LinearStep:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": "linear"} | asdict(self)
+        body = {"kind": "linear"} | asdict(self)
+        if not self.spread:
+            del body["spread"]  # profiles without one read as before
+        return body
 
 
 @dataclass(frozen=True)
@@ -244,7 +276,17 @@ def _step_from_json(role: str, body: Any) -> StepTime:
             coefficients = tuple(float(c) for c in fields.pop("coefficients"))
             if len(coefficients) != 5 or not all(math.isfinite(c) and c >= 0 for c in coefficients):
                 raise ProfileError(f"steps.{role}.coefficients must be 5 finite numbers >= 0")
-            return LinearStep(coefficients, **fields)
+            try:
+                spread = tuple(
+                    Spread(
+                        None if band["below_s"] is None else float(band["below_s"]),
+                        tuple(float(r) for r in band["quantiles"]),
+                    )
+                    for band in fields.pop("spread", ())
+                )
+                return LinearStep(coefficients, spread=spread, **fields)
+            except ProfileError as exc:
+                raise ProfileError(f"steps.{role}: {exc}") from None
         if kind == "roofline":
             return RooflineStep(**{k: float(v) for k, v in fields.items()})
     except (KeyError, TypeError, ValueError) as exc:
