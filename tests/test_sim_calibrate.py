@@ -90,7 +90,11 @@ def test_profile_from_trace_writes_a_profile_that_simulates_without_host_content
         )
         == 0
     )
-    assert "steps fitted to served steps (steps.jsonl)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "steps fitted to served steps (steps.jsonl)" in printed
+    # How the steps spread around the fit, said (here they ran exactly as fitted).
+    spreads = [line for line in printed.splitlines() if "steps fitted at" in line]
+    assert spreads and all("measured / fitted 1.00 to 1.00, median 1.00, mean 1.000" in s for s in spreads)
     served = profiles.load(out)
     assert served.steps_from == "serving" and set(served.steps) == {"prefill", "decode", "colocated"}
     assert served.host == base.host  # kept, as the rest of the base

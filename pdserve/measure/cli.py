@@ -146,7 +146,21 @@ def describe(profile: Profile) -> list[str]:
     for role, step in profile.steps.items():
         fit = getattr(step, "median_error", None)
         error = f" (fit error: median {fit:.1%}, p90 {step.p90_error:.1%})" if fit is not None else ""  # type: ignore[union-attr]
-        lines.append(f"  {role} step: {step.to_json()}{error}")
+        body = {k: v for k, v in step.to_json().items() if k != "spread"}
+        lines.append(f"  {role} step: {body}{error}")
+        low = 0.0
+        for band in getattr(step, "spread", ()):
+            q = band.quantiles
+            span = (
+                f"{low * 1000:.0f}-{band.below_s * 1000:.0f} ms"
+                if band.below_s is not None
+                else f"{low * 1000:.0f} ms or more"
+            )
+            lines.append(
+                f"    steps fitted at {span}: measured / fitted {q[0]:.2f} to "
+                f"{q[-1]:.2f}, median {q[len(q) // 2]:.2f}, mean {sum(q) / len(q):.3f}"
+            )
+            low = band.below_s or 0.0
     for role, step in profile.steps_busy.items():
         lines.append(f"  {role} step beside a busy neighbour: {step.to_json()}")
     for role, loop in profile.loops.items():
