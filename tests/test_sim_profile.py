@@ -87,6 +87,8 @@ def test_the_linear_and_roofline_step_times_are_their_formulas() -> None:
     banded = LinearStep(linear.coefficients, spread=(Spread(0.05, (0.9, 3.0)), Spread(None, (1.0, 1.2))))
     assert banded.spread_at(0.04) == (0.9, 3.0) and banded.spread_at(0.5) == (1.0, 1.2)
     assert linear.spread_at(0.04) == ()
+    bounded = LinearStep(linear.coefficients, spread=(Spread(0.05, (0.9, 3.0)), Spread(0.4, (1.0, 1.2))))
+    assert bounded.spread_at(0.3) == (1.0, 1.2) and bounded.spread_at(0.5) == (pytest.approx(1.1),)
 
 
 def test_a_role_without_its_own_step_time_and_a_missing_transport() -> None:

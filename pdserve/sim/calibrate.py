@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import replace
@@ -212,8 +213,12 @@ def spread_of(fitted_and_measured: list[tuple[float, float]]) -> tuple[Spread, .
         ratios = np.array([t / fitted for fitted, t in band])
         n = min(SPREAD_POINTS, len(ratios))
         quantiles = np.quantile(ratios, (np.arange(n) + 0.5) / n)
-        # A band ends where the next begins (halfway between their steps); the last has no end.
-        below = round((band[-1][0] + bands[index + 1][0][0]) / 2, 6) if index + 1 < len(bands) else None
+        # A band ends where the next begins (halfway between their steps), the last just past its
+        # longest step: a longer one's deviation was not measured.
+        if index + 1 < len(bands):
+            below = round((band[-1][0] + bands[index + 1][0][0]) / 2, 6)
+        else:
+            below = math.ceil(band[-1][0] * 1.001 * 1e6) / 1e6
         spread.append(Spread(below, tuple(round(float(q), 4) for q in quantiles)))
     return tuple(spread)
 

@@ -42,7 +42,8 @@ class ProfileError(PdserveError):
 @dataclass(frozen=True)
 class Spread:
     """How measured steps spread around their fit: measured / fitted seconds at the quantiles
-    (i + 0.5) / len, for the steps the fit put below `below_s` seconds (None: every longer one)."""
+    (i + 0.5) / len, for the steps the fit put below `below_s` seconds (None: every longer one)
+    and at or above the band before's."""
 
     below_s: float | None
     quantiles: tuple[float, ...]
@@ -72,11 +73,16 @@ class LinearStep:
     spread: tuple[Spread, ...] = ()
 
     def spread_at(self, seconds: float) -> tuple[float, ...]:
-        """The measured / fitted quantiles of steps the fit puts at `seconds` (empty: none known)."""
+        """The measured / fitted quantiles of steps the fit puts at `seconds` (empty: none known).
+        Past the longest band's end (the longest step measured) only its mean: how such a step
+        deviates was not seen, and the tail of shorter ones is not its own."""
         for band in self.spread:
             if band.below_s is None or seconds < band.below_s:
                 return band.quantiles
-        return self.spread[-1].quantiles if self.spread else ()
+        if not self.spread:
+            return ()
+        last = self.spread[-1].quantiles
+        return (sum(last) / len(last),)
 
     def seconds(self, step: Step) -> float:
         raw = (1.0, step.prefill_tokens, step.prefill_attention, step.decode_streams, step.decode_context)
