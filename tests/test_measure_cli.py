@@ -52,6 +52,15 @@ def test_flags_that_do_not_go_together_are_refused(
     assert "--from-trace needs --base" in capsys.readouterr().err
     assert main(["profile", "--model", "smollm2-135m", "--served", "--no-serve", *out]) == 2
     assert "--served runs a server" in capsys.readouterr().err
+    # The served load's options, checked before minutes of sweeping.
+    assert main(["profile", "--model", "smollm2-135m", "--served-workload", "chat", *out]) == 2
+    assert "go with --served" in capsys.readouterr().err
+    assert (
+        main(["profile", "--model", "smollm2-135m", "--served", "--served-workload", "poisson(", *out]) == 2
+    )
+    assert "poisson(" in capsys.readouterr().err
+    assert main(["profile", "--model", "smollm2-135m", "--served", "--served-rate-scale", "0", *out]) == 2
+    assert "--served-rate-scale must be > 0" in capsys.readouterr().err
     assert main(["profile", "--hardware", "h200", "--model-shape", "llama-3.1-8b", "--served", *out]) == 2
     assert "neither --model nor --served" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()

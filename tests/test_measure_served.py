@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from test_sim_profile import fixed_profile
 
 from pdserve.measure import served
@@ -16,7 +17,9 @@ from pdserve.sim.calibrate import calibrated
 def test_both_deployments_are_traced_under_load_and_refit_the_profile(
     tmp_path: Path, tiny_llama: Path
 ) -> None:
-    traces = served.trace(str(tiny_llama), tmp_path, threads=1, duration_s=6.0)
+    # The workload to plan for, climbing through its rate x1, x2, x3.5 (a third of the time each).
+    workload = "chat: poisson(4) prompt=uniform(16,64) output=uniform(4,24); docs: poisson(0.5) prompt=fixed(200) output=fixed(4)"
+    traces = served.trace(str(tiny_llama), tmp_path, threads=1, duration_s=6.0, workload=workload)
     assert [t.name for t in traces] == ["steps-dpd.jsonl", "steps-colocated.jsonl"]
     pools = []
     for trace in traces:
@@ -40,3 +43,11 @@ def test_both_deployments_are_traced_under_load_and_refit_the_profile(
             assert profile.steps[pool] is base.steps[pool]
             assert any(f"the {pool} pool ran {count} steps" in a for a in profile.assumptions)
     assert counts["decode"] >= 30 and counts["colocated"] >= 30  # a load's worth of decode steps
+
+
+def test_the_load_climbs_the_staircase_or_the_workload_given() -> None:
+    (builtin,) = served.phases(None, 90.0, 1.0, 7)
+    assert {step.factor for _, step in builtin.steps} == {2.0, 3.5}
+    given = served.phases("poisson(2) prompt=fixed(32) output=fixed(8)", 90.0, 0.5, 7)
+    assert [w.duration_s for w in given] == [30.0, 30.0, 30.0]
+    assert [w.classes[0].arrival.rate for w in given] == pytest.approx([1.0, 2.0, 3.5])  # type: ignore[attr-defined]

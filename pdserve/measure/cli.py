@@ -73,6 +73,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--served-rate-scale", type=float, default=1.0, help="with --served: scale that load's rates"
     )
+    p.add_argument(
+        "--served-workload",
+        default=None,
+        metavar="SPEC",
+        help="with --served: trace under this workload (pdserve bench's --workload), at 1x, 2x and 3.5x "
+        "its rate (times --served-rate-scale) a third of the time each, instead of the built-in "
+        "chat and documents: the steps then run the mix you plan for",
+    )
     p.add_argument("--hardware", default=None, help="derive from a roofline instead: h200, h100, a100, l40s")
     p.add_argument("--model-shape", default=None, help="with --hardware: a built-in shape or a config.json")
 
@@ -107,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
             raise PdserveError("give --model (measure it here) or --hardware and --model-shape (a roofline)")
         if args.served and args.no_serve:
             raise PdserveError("--served runs a server: it cannot go with --no-serve")
+        check_served_load(args)  # said now, not after minutes of sweeping
         if args.threads < 1:
             raise PdserveError("--threads must be >= 1")
         unknown = sorted(set(args.transports.split(",")) - set(MEASURED_TRANSPORTS) - {""})
@@ -123,18 +132,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_served_load(args: argparse.Namespace) -> None:
+    """--served's load options, checked (the workload parsed) before anything is measured."""
+    from pdserve.measure import served
+
+    if (args.served_workload is not None or args.served_rate_scale != 1.0) and not args.served:
+        raise PdserveError("--served-workload and --served-rate-scale go with --served")
+    if not args.served_rate_scale > 0:
+        raise PdserveError("--served-rate-scale must be > 0")
+    if args.served_workload is not None:
+        served.phases(args.served_workload, served.DURATION_S, args.served_rate_scale, 0)
+
+
 def served_profile(args: argparse.Namespace, profile: Profile) -> Profile:
     """The measured profile refitted to a real server's steps; the traces, and the sweep's profile
     (alone.json), kept beside --out in <name>-steps/."""
     from pdserve.measure import served
     from pdserve.sim.calibrate import calibrated
 
-    if not args.served_rate_scale > 0:
-        raise PdserveError("--served-rate-scale must be > 0")
     folder = args.out.parent / f"{args.out.stem}-steps"
     folder.mkdir(parents=True, exist_ok=True)
     profile.save(folder / "alone.json")
-    traces = served.trace(args.model, folder, threads=args.threads, rate_scale=args.served_rate_scale)
+    traces = served.trace(
+        args.model,
+        folder,
+        threads=args.threads,
+        rate_scale=args.served_rate_scale,
+        workload=args.served_workload,
+    )
     return calibrated(profile, traces)
 
 

@@ -1,7 +1,9 @@
 """`pdserve profile --served`: a profile's steps as they run in serving (no torch here). A real
 `pdserve serve --prefill 1 --decode 1` and then `--colocated 2` on this machine, each traced
 (`--step-trace`) under a load that climbs from light to past the knee (the bench's own client
-and workload), and the sweep's profile refitted to their steps (pdserve/sim/calibrate.py).
+and workload: a built-in staircase of chat and documents, or `--served-workload`, the workload
+to plan for, at 1x, 2x and 3.5x its rate), and the sweep's profile refitted to their steps
+(pdserve/sim/calibrate.py).
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import logging
 from pathlib import Path
 
 from pdserve.bench.client import Target, run_load
+from pdserve.bench.compare import PROMPT_SEED_STEP
 from pdserve.bench.run import prepare
-from pdserve.bench.workload import parse_workload
+from pdserve.bench.workload import Workload, parse_workload
 from pdserve.errors import PdserveError
 from pdserve.measure.server import running
 
@@ -35,6 +38,22 @@ DEPLOYMENTS = (("dpd", ["--prefill", "1", "--decode", "1"]), ("colocated", ["--c
 MAX_FAILED_SHARE = 0.05  # more failed requests than this, and the trace is not of serving
 
 
+STAIRCASE = (1.0, 2.0, 3.5)  # a workload of the user's own, at these multiples of its rate, a third each
+
+
+def phases(workload: str | None, duration_s: float, rate_scale: float, seed: int) -> list[Workload]:
+    """The load the servers are traced under: the built-in staircase (one workload), or `workload`
+    (the bench's spec: classes, presets, trace replays) at each STAIRCASE multiple of
+    `rate_scale` for a third of `duration_s`, one after another, each drawn with its own seed."""
+    if workload is None:
+        return [parse_workload(load(duration_s), seed, None, duration_s, rate_scale)]
+    third = duration_s / len(STAIRCASE)
+    return [
+        parse_workload(workload, seed + i, None, third, rate_scale * factor)
+        for i, factor in enumerate(STAIRCASE)
+    ]
+
+
 def trace(
     model: str,
     folder: Path,
@@ -43,18 +62,30 @@ def trace(
     rate_scale: float = 1.0,
     seed: int = 7,
     duration_s: float = DURATION_S,
+    workload: str | None = None,
 ) -> list[Path]:
-    """One step trace per deployment, each under the same load (the staircase cut at `duration_s`)."""
-    workload = parse_workload(load(duration_s), seed, None, duration_s, rate_scale)
-    prepared = prepare(workload, model, "completions", "ids", seed)
+    """One step trace per deployment, each under the same load: the staircase cut at `duration_s`,
+    or `workload` climbing through STAIRCASE (so that the fit sees the mix of prompts and outputs
+    the plan is for, from light to past the knee)."""
+    loads = phases(workload, duration_s, rate_scale, seed)
+    # Each phase's prompts of their own: a server's prefix cache would find the last phase's again.
+    prepared = [
+        prepare(w, model, "completions", "ids", seed + PROMPT_SEED_STEP * i) for i, w in enumerate(loads)
+    ]
+    total = sum(len(p) for p in prepared)
     traces = []
     for name, flags in DEPLOYMENTS:
         path = folder / f"steps-{name}.jsonl"
-        logger.info("served steps: %s under %d requests in %g s", name, len(prepared), duration_s)
+        logger.info("served steps: %s under %d requests in %g s", name, total, duration_s)
+        records = []
         with running(model, [*flags, "--step-trace", str(path)], threads) as server:
-            records, _ = asyncio.run(
-                run_load(Target(server.url, model, request_timeout_s=300.0), prepared, drain_timeout_s=300.0)
-            )
+            for requests in prepared:
+                done, _ = asyncio.run(
+                    run_load(
+                        Target(server.url, model, request_timeout_s=300.0), requests, drain_timeout_s=300.0
+                    )
+                )
+                records += done
         failed = [r.error for r in records if r.error]
         if len(failed) > MAX_FAILED_SHARE * len(records):
             raise PdserveError(
