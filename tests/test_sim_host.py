@@ -103,3 +103,21 @@ def test_unpinned_workers_slow_only_when_more_are_busy_than_there_are_cpus() -> 
         return one_busy, host.sharing("a", 0.1)  # three busy on two CPUs: two thirds of one each
 
     assert clock.run_virtual(main) == pytest.approx((1.0, 1.5))
+
+
+def test_a_pull_beside_the_workers_own_steps_shares_its_cpu_with_them() -> None:
+    # A KV pull runs on a thread of its own in the worker, pinned to the worker's CPU: while the
+    # worker's engine steps, the two share that CPU.
+    async def main() -> dict[str, float]:
+        host = HostLoad(HostCpu(cpus=2), client_on_host=False, window_s=2.0)
+        for worker in ("a", "b"):
+            host.place(worker)
+        seen = {"idle engine": host.sharing("a", 0.01, beside_itself=True)}
+        host.occupy("a", 1.0)  # its engine steps through the pull
+        seen["engine stepping"] = host.sharing("a", 0.01, beside_itself=True)
+        seen["a step of its own"] = host.sharing("a", 0.01)  # a step does not share with itself
+        return seen
+
+    assert clock.run_virtual(main) == pytest.approx(
+        {"idle engine": 1.0, "engine stepping": 2.0, "a step of its own": 1.0}
+    )

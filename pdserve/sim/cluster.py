@@ -119,7 +119,12 @@ class SimCluster:
 
         def pull_seconds(blocks: int) -> float:
             assert transfer is not None  # only workers that take KV pull
-            return transfer.seconds(blocks * scale)
+            seconds = transfer.seconds(blocks * scale)
+            if host is None:
+                return seconds
+            # The profile times a pull between idle caches; served, the pull's thread shares the
+            # worker's CPU with its engine's steps (and its CPU-mates): slower as they are busy.
+            return seconds * host.sharing(worker_id, seconds, beside_itself=True)
 
         def make(events: ChannelEvents) -> SimWorker:
             return SimWorker(

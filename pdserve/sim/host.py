@@ -22,7 +22,9 @@ share (seconds / (1 - b/2); for several mates, the expected share of the CPU lef
 its own). A mate's share is how much of the last `window_s` it was busy (steps, loop, start-up),
 or how much of the step ahead its work already under way will take, whichever is more. Without
 pinning (`--no-pin-cpus`) the OS spreads the workers over all the CPUs: a step slows only when
-more workers are busy than there are CPUs.
+more workers are busy than there are CPUs. A worker's KV pull runs on a thread of its own beside
+its engine: the profile times it between idle caches, and the simulation slows it as the worker's
+own steps (and its CPU-mates) keep that CPU busy.
 """
 
 from __future__ import annotations
@@ -139,8 +141,10 @@ class HostLoad:
         ahead = sum(max(0.0, min(end, now + ahead_s) - max(start, now)) for start, end in spans)
         return min(1.0, max(past / window if window > 0 else 0.0, ahead / ahead_s if ahead_s > 0 else 0.0))
 
-    def sharing(self, worker_id: str, seconds: float) -> float:
-        """How much longer a step of `seconds` takes for the other workers on its CPU(s) (1: none)."""
+    def sharing(self, worker_id: str, seconds: float, beside_itself: bool = False) -> float:
+        """How much longer a step of `seconds` takes for the other workers on its CPU(s) (1: none).
+        `beside_itself`: work the worker does beside its own engine (a KV pull, on a thread of its
+        own), which then shares the CPU with the worker's steps too."""
         if self.pinned:
             cpu = self._cpu.get(worker_id)
             others = [w for w, c in self._cpu.items() if c == cpu and w != worker_id]
@@ -148,6 +152,8 @@ class HostLoad:
         else:
             others = [w for w in self._busy if w != worker_id]
             cpus = self.host.cpus
+        if beside_itself and worker_id in self._busy:
+            others.append(worker_id)
         if not others:
             return 1.0
         # The chance that k of the others are busy at a moment (each on its own), and the share of
