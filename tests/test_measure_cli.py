@@ -55,10 +55,15 @@ def test_flags_that_do_not_go_together_are_refused(
     # The served load's options, checked before minutes of sweeping.
     assert main(["profile", "--model", "smollm2-135m", "--served-workload", "chat", *out]) == 2
     assert "go with --served" in capsys.readouterr().err
-    assert (
-        main(["profile", "--model", "smollm2-135m", "--served", "--served-workload", "poisson(", *out]) == 2
-    )
-    assert "poisson(" in capsys.readouterr().err
+    roofline = ["profile", "--hardware", "h200", "--model-shape", "llama-3.1-8b"]
+    assert main([*roofline, "--served-rate-scale", "1", *out]) == 2
+    assert "go with --served" in capsys.readouterr().err
+    served = ["profile", "--model", "smollm2-135m", "--served", "--served-workload"]
+    assert main([*served, "poisson(", *out]) == 2
+    assert "--served-workload: " in capsys.readouterr().err
+    assert main([*served, "concurrency(4) prompt=fixed(8) output=fixed(8)", *out]) == 2
+    err = capsys.readouterr().err
+    assert "--served-workload: a closed loop (concurrency(n)) has no rate to climb" in err
     assert main(["profile", "--model", "smollm2-135m", "--served", "--served-rate-scale", "0", *out]) == 2
     assert "--served-rate-scale must be > 0" in capsys.readouterr().err
     assert main(["profile", "--hardware", "h200", "--model-shape", "llama-3.1-8b", "--served", *out]) == 2

@@ -17,8 +17,12 @@ from pdserve.sim.calibrate import calibrated
 def test_both_deployments_are_traced_under_load_and_refit_the_profile(
     tmp_path: Path, tiny_llama: Path
 ) -> None:
-    # The workload to plan for, climbing through its rate x1, x2, x3.5 (a third of the time each).
-    workload = "chat: poisson(4) prompt=uniform(16,64) output=uniform(4,24); docs: poisson(0.5) prompt=fixed(200) output=fixed(4)"
+    # The workload to plan for, climbing through its rate x1, x2, x3.5 (a third of the time each):
+    # conversations (their later turns carry the answers, re-encoded) and documents.
+    workload = (
+        "chat: poisson(4) prompt=uniform(16,64) output=uniform(4,24) turns=fixed(2) followup=fixed(8) "
+        "think=fixed(10); docs: poisson(0.5) prompt=fixed(200) output=fixed(4)"
+    )
     traces = served.trace(str(tiny_llama), tmp_path, threads=1, duration_s=6.0, workload=workload)
     assert [t.name for t in traces] == ["steps-dpd.jsonl", "steps-colocated.jsonl"]
     pools = []

@@ -15,7 +15,14 @@ from pdserve.cli import main
 from pdserve.costmodel import Step
 from pdserve.router.recorder import STEP_TRACE_KEYS
 from pdserve.sim import profile as profiles
-from pdserve.sim.calibrate import calibrated, fit_alone_and_busy, fit_loop, others_busy, read_trace
+from pdserve.sim.calibrate import (
+    calibrated,
+    fit_alone_and_busy,
+    fit_loop,
+    others_busy,
+    read_trace,
+    spread_of,
+)
 from pdserve.sim.profile import LinearStep, LoopTime, Overhead, ProfileError
 
 WORKLOAD = "poisson(20) prompt=uniform(20,300) output=uniform(2,40)"
@@ -93,7 +100,7 @@ def test_profile_from_trace_writes_a_profile_that_simulates_without_host_content
     printed = capsys.readouterr().out
     assert "steps fitted to served steps (steps.jsonl)" in printed
     # How the steps spread around the fit, said (here they ran exactly as fitted).
-    spreads = [line for line in printed.splitlines() if "steps fitted at" in line]
+    spreads = [line for line in printed.splitlines() if "measured / fitted" in line]
     assert spreads and all("measured / fitted 1.00 to 1.00, median 1.00, mean 1.000" in s for s in spreads)
     served = profiles.load(out)
     assert served.steps_from == "serving" and set(served.steps) == {"prefill", "decode", "colocated"}
@@ -245,3 +252,16 @@ def test_the_fit_keeps_how_the_served_steps_spread_around_it() -> None:
     short_band, long_band = bands[0].quantiles, bands[-1].quantiles
     assert short_band[-1] / short_band[0] == pytest.approx(2.0, rel=0.1)  # the short steps' tail: 2x
     assert long_band[-1] / long_band[0] < 1.5  # the long steps': 1.2x
+
+
+def test_the_spread_of_few_steps_of_like_steps_and_of_tiny_ratios() -> None:
+    assert spread_of([]) == ()
+    # Fewer than a band's worth of steps: one band, a quantile a step, up to just past the longest.
+    (one,) = spread_of([(0.01 * k, 0.01 * k * (1 + k / 100)) for k in range(1, 11)])
+    assert len(one.quantiles) == 10 and one.below_s is not None and one.below_s > 0.1
+    # Steps all alike: no band ends inside them.
+    (alike,) = spread_of([(0.02, 0.02 * r) for r in (0.9, 1.0, 1.1) * 40])
+    assert alike.quantiles[0] == pytest.approx(0.9) and alike.quantiles[-1] == pytest.approx(1.1)
+    # A step far faster than its fit still makes a profile that loads (no ratio rounded to 0).
+    tiny = spread_of([(1.0, 1e-5)] * 40)
+    assert LinearStep((0.01, 0.0, 0.0, 0.0, 0.0), spread=tiny).spread_at(1.0)[0] > 0

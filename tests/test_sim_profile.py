@@ -126,11 +126,33 @@ def test_negative_coefficients_and_unknown_kinds_are_refused(tmp_path: Path) -> 
     with pytest.raises(ProfileError, match="finite numbers >= 0"):
         profiles.load(tmp_path / "p.json")
     body["steps"]["decode"]["coefficients"] = [0.01, 0, 0, 0, 0]
-    for quantiles in ([1.2, 0.9], [0.0, 1.0], ["x"], []):  # quantiles ascend; a step takes time
-        body["steps"]["decode"]["spread"] = [{"below_s": None, "quantiles": quantiles}]
+    ratios = r"steps\.decode: a step time's spread must be ascending ratios > 0"
+    shape = r"steps\.decode\.spread\[0\] must be \{\"below_s\""
+    ends = r"steps\.decode: a step time's spread bands must end \(below_s\) at ascending seconds > 0"
+    band = {"below_s": None, "quantiles": [1.0]}
+    bad_spreads = [
+        ([{"below_s": None, "quantiles": [1.2, 0.9]}], ratios),  # quantiles ascend
+        ([{"below_s": None, "quantiles": [0.0, 1.0]}], ratios),  # a step takes time
+        ([{"below_s": None, "quantiles": []}], ratios),
+        ([{"below_s": None, "quantiles": ["x"]}], shape),
+        ([{"below_s": None, "quantiles": "123"}], shape),
+        ([{"quantiles": [1.0]}], shape),
+        ([[0.05, [1.0]]], shape),
+        ({"below_s": None}, r"steps\.decode\.spread must be a list of bands"),
+        ([{"below_s": 0.2, "quantiles": [1.0]}, {"below_s": 0.1, "quantiles": [1.0]}], ends),  # ascending
+        ([{"below_s": -0.1, "quantiles": [1.0]}], ends),
+        ([{"below_s": float("nan"), "quantiles": [1.0]}], ends),
+        (
+            [band, {"below_s": 0.1, "quantiles": [1.0]}],
+            r"only a step time's last spread band may have no end",
+        ),
+    ]
+    for spread, message in bad_spreads:
+        body["steps"]["decode"]["spread"] = spread
         (tmp_path / "p.json").write_text(json.dumps(body))
-        with pytest.raises(ProfileError, match=r"steps\.decode"):
+        with pytest.raises(ProfileError, match=message):
             profiles.load(tmp_path / "p.json")
+    del body["steps"]["decode"]["spread"]
     body["steps"]["decode"] = {"kind": "cubic"}
     (tmp_path / "p.json").write_text(json.dumps(body))
     with pytest.raises(ProfileError, match="linear or roofline"):

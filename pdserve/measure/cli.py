@@ -29,6 +29,7 @@ import datetime
 import logging
 import os
 import platform
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "and refit the step times to their steps (pdserve/measure/served.py)",
     )
     p.add_argument(
-        "--served-rate-scale", type=float, default=1.0, help="with --served: scale that load's rates"
+        "--served-rate-scale", type=float, default=None, help="with --served: scale that load's rates (1)"
     )
     p.add_argument(
         "--served-workload",
@@ -88,6 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per probe request
+    check_served_load(args)  # said now, not after minutes of sweeping
     if args.from_trace or args.base:
         if (
             not (args.from_trace and args.base)
@@ -115,7 +117,6 @@ def run(args: argparse.Namespace) -> int:
             raise PdserveError("give --model (measure it here) or --hardware and --model-shape (a roofline)")
         if args.served and args.no_serve:
             raise PdserveError("--served runs a server: it cannot go with --no-serve")
-        check_served_load(args)  # said now, not after minutes of sweeping
         if args.threads < 1:
             raise PdserveError("--threads must be >= 1")
         unknown = sorted(set(args.transports.split(",")) - set(MEASURED_TRANSPORTS) - {""})
@@ -136,8 +137,10 @@ def check_served_load(args: argparse.Namespace) -> None:
     """--served's load options, checked (the workload parsed) before anything is measured."""
     from pdserve.measure import served
 
-    if (args.served_workload is not None or args.served_rate_scale != 1.0) and not args.served:
+    if (args.served_workload is not None or args.served_rate_scale is not None) and not args.served:
         raise PdserveError("--served-workload and --served-rate-scale go with --served")
+    if args.served_rate_scale is None:
+        args.served_rate_scale = 1.0
     if not args.served_rate_scale > 0:
         raise PdserveError("--served-rate-scale must be > 0")
     if args.served_workload is not None:
@@ -183,9 +186,13 @@ def describe(profile: Profile) -> list[str]:
             )
             lines.append(
                 f"    steps fitted at {span}: measured / fitted {q[0]:.2f} to "
-                f"{q[-1]:.2f}, median {q[len(q) // 2]:.2f}, mean {sum(q) / len(q):.3f}"
+                f"{q[-1]:.2f}, median {statistics.median(q):.2f}, mean {sum(q) / len(q):.3f}"
             )
             low = band.below_s or 0.0
+        if getattr(step, "spread", ()) and step.spread[-1].below_s is not None:  # type: ignore[union-attr]
+            lines.append(
+                f"    steps fitted at {low * 1000:.0f} ms or more (none traced): the last band's mean"
+            )
     for role, step in profile.steps_busy.items():
         lines.append(f"  {role} step beside a busy neighbour: {step.to_json()}")
     for role, loop in profile.loops.items():

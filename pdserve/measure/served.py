@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pdserve.bench.client import Target, run_load
 from pdserve.bench.compare import PROMPT_SEED_STEP
-from pdserve.bench.run import prepare
+from pdserve.bench.run import conversation_encoder, prepare
 from pdserve.bench.workload import Workload, parse_workload
 from pdserve.errors import PdserveError
 from pdserve.measure.server import running
@@ -43,15 +43,24 @@ STAIRCASE = (1.0, 2.0, 3.5)  # a workload of the user's own, at these multiples 
 
 def phases(workload: str | None, duration_s: float, rate_scale: float, seed: int) -> list[Workload]:
     """The load the servers are traced under: the built-in staircase (one workload), or `workload`
-    (the bench's spec: classes, presets, trace replays) at each STAIRCASE multiple of
-    `rate_scale` for a third of `duration_s`, one after another, each drawn with its own seed."""
+    (the bench's spec: classes, presets, trace replays, conversations) at each STAIRCASE multiple
+    of `rate_scale` for a third of `duration_s`, one after another, each drawn with its own seed."""
     if workload is None:
         return [parse_workload(load(duration_s), seed, None, duration_s, rate_scale)]
     third = duration_s / len(STAIRCASE)
-    return [
-        parse_workload(workload, seed + i, None, third, rate_scale * factor)
-        for i, factor in enumerate(STAIRCASE)
-    ]
+    try:
+        # A closed loop needs a request count to parse at all: one, to ask what it is.
+        if parse_workload(workload, seed, 1, third, rate_scale).concurrency is not None:
+            raise PdserveError(
+                "a closed loop (concurrency(n)) has no rate to climb; give an arrival process "
+                "(poisson, gamma, constant) or a trace replay"
+            )
+        return [
+            parse_workload(workload, seed + i, None, third, rate_scale * factor)
+            for i, factor in enumerate(STAIRCASE)
+        ]
+    except PdserveError as exc:
+        raise PdserveError(f"--served-workload: {exc}") from None
 
 
 def trace(
@@ -72,6 +81,8 @@ def trace(
     prepared = [
         prepare(w, model, "completions", "ids", seed + PROMPT_SEED_STEP * i) for i, w in enumerate(loads)
     ]
+    # Conversations go on with their answers, which come back as text: re-encoded for the next turn.
+    encode = conversation_encoder(loads[0], model, "completions", "ids")
     total = sum(len(p) for p in prepared)
     traces = []
     for name, flags in DEPLOYMENTS:
@@ -79,10 +90,14 @@ def trace(
         logger.info("served steps: %s under %d requests in %g s", name, total, duration_s)
         records = []
         with running(model, [*flags, "--step-trace", str(path)], threads) as server:
-            for requests in prepared:
+            for phase, requests in zip(loads, prepared, strict=True):
                 done, _ = asyncio.run(
                     run_load(
-                        Target(server.url, model, request_timeout_s=300.0), requests, drain_timeout_s=300.0
+                        Target(server.url, model, request_timeout_s=300.0),
+                        requests,
+                        duration_s=phase.duration_s,  # a conversation's later turns stop with it
+                        drain_timeout_s=300.0,
+                        encode=encode,
                     )
                 )
                 records += done

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import statistics
 from collections import defaultdict
 from dataclasses import replace
@@ -189,8 +188,9 @@ def fit_alone_and_busy(
 
 def spread_of(fitted_and_measured: list[tuple[float, float]]) -> tuple[Spread, ...]:
     """How the measured steps spread around their fit, in up to SPREAD_BANDS bands of fitted length
-    that each took a like share of the time (each of MIN_STEPS steps or more): measured / fitted at
-    the quantiles (i + 0.5) / SPREAD_POINTS (fewer with fewer steps) in each. The simulation draws
+    that each took a like share of the time (each of MIN_STEPS steps or more, but for one band when
+    there are fewer): measured / fitted at the quantiles (i + 0.5) / SPREAD_POINTS (fewer with fewer
+    steps) in each. The simulation draws
     each step's deviation from its band, so that its steps spread, and add up, as the served ones
     did: their right tail puts their mean 2-8% above the fit's median, and the tail is a short
     step's (a 40 ms step that waited on another process took 3x; a 300 ms one, 1.3x at most)."""
@@ -202,7 +202,12 @@ def spread_of(fitted_and_measured: list[tuple[float, float]]) -> tuple[Spread, .
     done = 0.0
     for fitted, t in steps:
         share = len(bands) / SPREAD_BANDS  # the time the bands so far should hold between them
-        if done >= share * total and len(bands[-1]) >= MIN_STEPS and len(bands) < SPREAD_BANDS:
+        if (
+            done >= share * total
+            and len(bands[-1]) >= MIN_STEPS
+            and len(bands) < SPREAD_BANDS
+            and fitted > bands[-1][-1][0]  # not inside a run of like steps: a band ends between two
+        ):
             bands.append([])
         bands[-1].append((fitted, t))
         done += t
@@ -216,10 +221,10 @@ def spread_of(fitted_and_measured: list[tuple[float, float]]) -> tuple[Spread, .
         # A band ends where the next begins (halfway between their steps), the last just past its
         # longest step: a longer one's deviation was not measured.
         if index + 1 < len(bands):
-            below = round((band[-1][0] + bands[index + 1][0][0]) / 2, 6)
+            below = float(f"{(band[-1][0] + bands[index + 1][0][0]) / 2:.6g}")
         else:
-            below = math.ceil(band[-1][0] * 1.001 * 1e6) / 1e6
-        spread.append(Spread(below, tuple(round(float(q), 4) for q in quantiles)))
+            below = float(f"{band[-1][0] * 1.001:.6g}")
+        spread.append(Spread(below, tuple(float(f"{q:.4g}") for q in quantiles)))
     return tuple(spread)
 
 

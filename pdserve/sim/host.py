@@ -144,7 +144,8 @@ class HostLoad:
     def sharing(self, worker_id: str, seconds: float, beside_itself: bool = False) -> float:
         """How much longer a step of `seconds` takes for the other workers on its CPU(s) (1: none).
         `beside_itself`: work the worker does beside its own engine (a KV pull, on a thread of its
-        own), which then shares the CPU with the worker's steps too."""
+        own), which then waits on the worker's steps for the CPU too (one way only: the steps are
+        not slowed by it, a pull being short)."""
         if self.pinned:
             cpu = self._cpu.get(worker_id)
             others = [w for w, c in self._cpu.items() if c == cpu and w != worker_id]

@@ -18,6 +18,7 @@ prompt attention, decode streams, decode context). Two forms:
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -71,6 +72,16 @@ class LinearStep:
     # a right tail, so their mean is above the fit's, the short steps' tail the longest). Empty:
     # a lognormal spread of the median error instead.
     spread: tuple[Spread, ...] = ()
+
+    def __post_init__(self) -> None:
+        ends = [band.below_s for band in self.spread]
+        if any(end is None for end in ends[:-1]):
+            raise ProfileError("only a step time's last spread band may have no end (below_s null)")
+        bounded = [end for end in ends if end is not None]
+        if any(not (math.isfinite(end) and end > 0) for end in bounded) or any(
+            b <= a for a, b in itertools.pairwise(bounded)
+        ):
+            raise ProfileError("a step time's spread bands must end (below_s) at ascending seconds > 0")
 
     def spread_at(self, seconds: float) -> tuple[float, ...]:
         """The measured / fitted quantiles of steps the fit puts at `seconds` (empty: none known).
@@ -272,6 +283,26 @@ class Profile:
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
 
+def _listed(role: str, fields: dict[str, Any]) -> list[Any]:
+    spread = fields.pop("spread", [])
+    if not isinstance(spread, list):
+        raise ProfileError(f"steps.{role}.spread must be a list of bands")
+    return spread
+
+
+def _spread_band(role: str, index: int, band: Any) -> Spread:
+    shape = f'steps.{role}.spread[{index}] must be {{"below_s": seconds or null, "quantiles": [ratios]}}'
+    if not isinstance(band, dict) or set(band) != {"below_s", "quantiles"}:
+        raise ProfileError(shape)
+    end, quantiles = band["below_s"], band["quantiles"]
+    if not isinstance(quantiles, list) or not (end is None or isinstance(end, int | float)):
+        raise ProfileError(shape)
+    try:
+        return Spread(None if end is None else float(end), tuple(float(q) for q in quantiles))
+    except (TypeError, ValueError):
+        raise ProfileError(shape) from None
+
+
 def _step_from_json(role: str, body: Any) -> StepTime:
     if not isinstance(body, dict):
         raise ProfileError(f"steps.{role} must be an object")
@@ -283,13 +314,7 @@ def _step_from_json(role: str, body: Any) -> StepTime:
             if len(coefficients) != 5 or not all(math.isfinite(c) and c >= 0 for c in coefficients):
                 raise ProfileError(f"steps.{role}.coefficients must be 5 finite numbers >= 0")
             try:
-                spread = tuple(
-                    Spread(
-                        None if band["below_s"] is None else float(band["below_s"]),
-                        tuple(float(r) for r in band["quantiles"]),
-                    )
-                    for band in fields.pop("spread", ())
-                )
+                spread = tuple(_spread_band(role, i, band) for i, band in enumerate(_listed(role, fields)))
                 return LinearStep(coefficients, spread=spread, **fields)
             except ProfileError as exc:
                 raise ProfileError(f"steps.{role}: {exc}") from None

@@ -152,20 +152,16 @@ def simulate_in_sequence(
     finished (its requests done, or `finish_timeout_s` after its last was sent), as `pdserve bench
     compare --rate-scales` runs its rates on one server: what a run learnt (the router's path-choice
     cost model, the pools the planner sized, the workers' CPU history) carries into the next. One
-    result per workload, each with its own records, clock (from its first request), pool samples and
-    the router's TTFT parts and path counts over that workload alone; `wall_s` is the whole
-    simulation's."""
+    result per workload, each with its own records, clock (from when it starts), pool samples,
+    workers started, the router's TTFT parts and path counts over that workload alone, and the wall
+    time it took to simulate (the first's with the deployment's start)."""
     if not workloads:
         raise PdserveError("nothing to simulate: no workload")
-    started = time.perf_counter()
     results: list[SimResult] = clock.run_virtual(
         functools.partial(
             _simulate, o, profile, list(workloads), finish_timeout_s, pool_sample_interval_s, client_on_host
         )
     )  # type: ignore[assignment]
-    wall_s = time.perf_counter() - started
-    for result in results:
-        result.wall_s = wall_s
     return results
 
 
@@ -230,6 +226,7 @@ async def _simulate(
     )
     results: list[SimResult] = []
     started_before = 0  # the first workload's count has the deployment's first workers in it
+    wall_from = time.perf_counter()  # and its wall time, their start
     try:
         await pools.start()
         planner.start()
@@ -262,7 +259,8 @@ async def _simulate(
                     server_parts.summary_section(before, after),
                 )
             )
-            started_before = backend.started
+            results[-1].wall_s = time.perf_counter() - wall_from
+            started_before, wall_from = backend.started, time.perf_counter()
         return results
     finally:
         await planner.close()
