@@ -226,3 +226,21 @@ def test_workloads_in_sequence_run_on_one_deployment_each_reported_apart(tmp_pat
     assert sum(second.server["paths"].values()) == len(light.requests)
     alone = runner.simulate(o, profile, light, pool_sample_interval_s=5.0)
     assert alone.pool_samples[0]["pools"]["decode"]["active"] == 1
+
+
+def test_another_noise_seed_draws_the_steps_anew_on_the_same_load(tmp_path: Path) -> None:
+    # A trace replay is the same load on every run: what varies between its runs is how the steps
+    # come out, and `plan --repeats` draws that anew for each run (noise_seed), reproducibly.
+    step = LinearStep((0.01, 1e-4, 0.0, 1e-3, 0.0), median_error=0.05)
+    profile = replace(fixed_profile(), steps={"prefill": step, "decode": step})
+    parser = argparse.ArgumentParser()
+    runner.add_arguments(parser)
+    o = runner.resolve(parser.parse_args(["--profile", "unused", "--colocated", "1"]), profile)
+    load = parse_workload("poisson(5) prompt=fixed(64) output=fixed(16)", 0, 30, None, 1.0)
+
+    def gaps(noise_seed: int) -> list[float]:
+        result = runner.simulate(o, profile, load, pool_sample_interval_s=0, noise_seed=noise_seed)
+        return [g for r in sorted(result.records, key=lambda r: r.index) for g in r.itls]
+
+    assert gaps(1) == gaps(1) and gaps(0) == gaps(0)
+    assert gaps(1) != gaps(0)

@@ -50,9 +50,13 @@ class SimCluster:
 
     name = "sim"
 
-    def __init__(self, profile: Profile, connector: SimConnector, host: HostLoad | None = None) -> None:
-        """`host`: the CPUs the workers share with the router, whose load stretches their steps."""
+    def __init__(
+        self, profile: Profile, connector: SimConnector, host: HostLoad | None = None, noise_seed: int = 0
+    ) -> None:
+        """`host`: the CPUs the workers share with the router, whose load stretches their steps.
+        `noise_seed`: which draw of the steps' deviations from their fit (0: each worker's own)."""
         self.profile = profile
+        self.noise_seed = noise_seed
         self.connector = connector
         self.host = host
         self.device_type = str(profile.meta.get("device", "cpu"))
@@ -84,7 +88,8 @@ class SimCluster:
         spread_at = step_time.spread_at if isinstance(step_time, LinearStep) and step_time.spread else None
         fit_error = step_time.median_error if isinstance(step_time, LinearStep) else None
         sigma = (fit_error or 0.0) / MEDIAN_ABS_NORMAL
-        spread = random.Random(zlib.crc32(worker_id.encode()))
+        noise = worker_id if self.noise_seed == 0 else f"{self.noise_seed}:{worker_id}"
+        spread = random.Random(zlib.crc32(noise.encode()))
 
         def step_seconds(out: SchedulerOutput) -> float:
             features = step_features(out)

@@ -18,7 +18,8 @@ kind (the best split, and colocated) that meet the SLO: "how many of each pool f
 a table and, with `--out`, the plot `plan.png`.
 
 `--repeats 5`: each deployment simulated on five draws of the workload (seeds --seed, --seed + 1,
-...); it meets the SLO when its median run does, the table shows each one's range, and the choice
+...) and of its steps' deviations from their fit (a trace replay, the same load each time, varies
+by those); it meets the SLO when its median run does, the table shows each one's range, and the choice
 says so when some of its runs missed: near its knee a deployment's runs differ, served as well as
 simulated (a real 1P+1D at its knee gave a TTFT p50 of 442 and 726 ms in two runs).
 """
@@ -62,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="simulate each deployment this many times, on the workload drawn with --seed, --seed + 1, "
-        "...: it meets the SLO when its median run does, and the table shows the range (near its knee a "
+        "... and the steps' deviations drawn anew: it meets the SLO when its median run does, and the table shows the range (near its knee a "
         "deployment's runs differ, served or simulated)",
     )
     p.add_argument(
@@ -169,10 +170,12 @@ def evaluate(
     percentile = o["slo_percentile"]
     key = f"p{round(percentile * 100):d}"
     runs = []
-    for seed in range(args.seed, args.seed + args.repeats):
+    for repeat in range(args.repeats):
         workload = parse_workload(
-            args.workload, seed, args.max_requests, args.duration, args.rate_scale * scale
+            args.workload, args.seed + repeat, args.max_requests, args.duration, args.rate_scale * scale
         )
+        # Each run draws its own steps' deviations too: a trace replay is the same load every
+        # time, and what varies between its served runs is how the steps come out.
         result = sim.simulate(
             o,
             profile,
@@ -180,6 +183,7 @@ def evaluate(
             finish_timeout_s=args.finish_timeout,
             pool_sample_interval_s=0,
             client_on_host=args.client_on_host,
+            noise_seed=repeat,
         )
         runs.append(summarize(result.records, result.duration_s, slos)["overall"])
     shares = [s["good_requests"] / s["requests"] if s["requests"] else 0.0 for s in runs]

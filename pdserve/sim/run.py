@@ -125,10 +125,12 @@ def simulate(
     finish_timeout_s: float = 120.0,
     pool_sample_interval_s: float = 1.0,
     client_on_host: bool = False,
+    noise_seed: int = 0,
 ) -> SimResult:
     """Runs the deployment `o` on `workload` in virtual time. The router shares the workers' CPUs
     when the profile says they are a host's (`profile.host`: a CPU deployment on one machine), and
-    so does the load's client with `client_on_host`."""
+    so does the load's client with `client_on_host`. `noise_seed` picks the draw of the steps'
+    deviations from their fit (another run of the same load, as a trace replay repeated is)."""
     return simulate_in_sequence(
         o,
         profile,
@@ -136,6 +138,7 @@ def simulate(
         finish_timeout_s=finish_timeout_s,
         pool_sample_interval_s=pool_sample_interval_s,
         client_on_host=client_on_host,
+        noise_seed=noise_seed,
     )[0]
 
 
@@ -147,6 +150,7 @@ def simulate_in_sequence(
     finish_timeout_s: float = 120.0,
     pool_sample_interval_s: float = 1.0,
     client_on_host: bool = False,
+    noise_seed: int = 0,
 ) -> list[SimResult]:
     """Runs the workloads one after another on one deployment, each once the one before has
     finished (its requests done, or `finish_timeout_s` after its last was sent), as `pdserve bench
@@ -159,7 +163,14 @@ def simulate_in_sequence(
         raise PdserveError("nothing to simulate: no workload")
     results: list[SimResult] = clock.run_virtual(
         functools.partial(
-            _simulate, o, profile, list(workloads), finish_timeout_s, pool_sample_interval_s, client_on_host
+            _simulate,
+            o,
+            profile,
+            list(workloads),
+            finish_timeout_s,
+            pool_sample_interval_s,
+            client_on_host,
+            noise_seed,
         )
     )  # type: ignore[assignment]
     return results
@@ -172,6 +183,7 @@ async def _simulate(
     finish_timeout_s: float,
     pool_sample_interval_s: float,
     client_on_host: bool,
+    noise_seed: int,
 ) -> list[SimResult]:
     # The router's parts, built as `pdserve serve` builds them, over simulated workers.
     from prometheus_client import generate_latest
@@ -201,7 +213,7 @@ async def _simulate(
         if profile.host is not None and o["cluster"] == "local"
         else None
     )
-    backend = SimCluster(profile, connector, host)
+    backend = SimCluster(profile, connector, host, noise_seed)
     pools = PoolManager(
         backend,
         workers,
