@@ -190,10 +190,10 @@ def spread_of(fitted_and_measured: list[tuple[float, float]]) -> tuple[Spread, .
     """How the measured steps spread around their fit, in up to SPREAD_BANDS bands of fitted length
     that each took a like share of the time (each of MIN_STEPS steps or more, but for one band when
     there are fewer): measured / fitted at the quantiles (i + 0.5) / SPREAD_POINTS (fewer with fewer
-    steps) in each. The simulation draws
-    each step's deviation from its band, so that its steps spread, and add up, as the served ones
-    did: their right tail puts their mean 2-8% above the fit's median, and the tail is a short
-    step's (a 40 ms step that waited on another process took 3x; a 300 ms one, 1.3x at most)."""
+    steps) in each. The simulation draws each step's deviation from its band, so that its steps
+    spread, and add up, as the served ones did: their right tail puts their mean 2-11% above the
+    fit's median, and the tail is a short step's (a 40 ms step that waited on another process took
+    up to 3.5x; a 300 ms one 1.8x at most)."""
     steps = sorted(fitted_and_measured)
     if not steps:
         return ()

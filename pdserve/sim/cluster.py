@@ -83,8 +83,8 @@ class SimCluster:
         # quantiles of steps of its length where the profile has them (served steps: their right
         # tail adds up to more work than the fit's median), else lognormal with the fit's median
         # error (median-preserving). The router's cost model sees that spread in the simulation as
-        # it does in serving (its stall margin and its fit). Seeded by the worker's id: a run is
-        # reproducible.
+        # it does in serving (its stall margin and its fit). Seeded by the worker's id (and the
+        # run's noise seed, `plan --repeats`): a run is reproducible.
         spread_at = step_time.spread_at if isinstance(step_time, LinearStep) and step_time.spread else None
         fit_error = step_time.median_error if isinstance(step_time, LinearStep) else None
         sigma = (fit_error or 0.0) / MEDIAN_ABS_NORMAL
