@@ -205,6 +205,7 @@ class Signals:
             "cost_model": {
                 "samples": self.cost.num_samples,
                 "ready": self.cost.ready,
+                "cold_start_s": self.cold_start_s,
                 "cold_steps_skipped": self.cold_steps_skipped,
                 "coefficients": None
                 if coef is None

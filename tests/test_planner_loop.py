@@ -285,7 +285,15 @@ def test_the_planner_follows_a_prefill_step_a_decode_step_and_idle(smollm2: str,
     )  # fmt: skip
     rng = random.Random(0)
     try:
-        time.sleep(6)  # past the workers' cold start (a time the planner sets): steps now count
+        # Past the workers' cold start (their first steps are left out of the cost model): awaited
+        # as the server says it, each worker's time up against the cold start it keeps.
+        cold = server.admin_view()["signals"]["cost_model"]["cold_start_s"]
+
+        def past_cold_start() -> bool:
+            up = [w for pool in server.pools().values() for w in pool["workers"] if w["state"] == "up"]
+            return len(up) == 2 and all(w["up_s"] >= cold for w in up)
+
+        server.wait_for(past_cold_start, 60, "the workers past their cold start")
         # How long one long prompt takes here alone (~4 s on a slow core, a tenth of that on a
         # fast one): the load below is sized by it, so that it overloads one worker on any machine.
         started = time.monotonic()

@@ -485,6 +485,8 @@ class PoolManager:
             "held_leases": load.num_held if load else None,
             "prefill_tokens_per_s": worker.prefill_tokens_per_s,
             "last_step_s": load.last_step_ms / 1000 if load else None,
+            # Since it first said Ready: its first steps (the cost model's cold start) are left out.
+            "up_s": round(clock.monotonic() - worker.up_at, 3) if worker.up_at is not None else None,
         }
         if handle is not None:
             view.update(rpc_address=handle.rpc_address, node=handle.node, **handle.details)
