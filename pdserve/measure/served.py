@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 
 from pdserve.bench.client import Target, run_load
-from pdserve.bench.compare import PROMPT_SEED_STEP
+from pdserve.bench.compare import prompt_seed
 from pdserve.bench.run import conversation_encoder, prepare
 from pdserve.bench.workload import Workload, parse_workload
 from pdserve.errors import PdserveError
@@ -78,9 +78,7 @@ def trace(
     the plan is for, from light to past the knee)."""
     loads = phases(workload, duration_s, rate_scale, seed)
     # Each phase's prompts of their own: a server's prefix cache would find the last phase's again.
-    prepared = [
-        prepare(w, model, "completions", "ids", seed + PROMPT_SEED_STEP * i) for i, w in enumerate(loads)
-    ]
+    prepared = [prepare(w, model, "completions", "ids", prompt_seed(seed, i)) for i, w in enumerate(loads)]
     # Conversations go on with their answers, which come back as text: re-encoded for the next turn.
     encode = conversation_encoder(loads[0], model, "completions", "ids")
     total = sum(len(p) for p in prepared)

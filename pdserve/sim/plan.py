@@ -18,9 +18,9 @@ kind (the best split, and colocated) that meet the SLO: "how many of each pool f
 a table and, with `--out`, the plot `plan.png`.
 
 `--repeats 5`: each deployment simulated on five draws of the workload (seeds --seed, --seed + 1,
-...) and of its steps' deviations from their fit (a trace replay, the same load each time, varies
-by those); it meets the SLO when its median run does, the table shows each one's range, and the choice
-says so when some of its runs missed: near its knee a deployment's runs differ, served as well as
+...) and of its steps' deviations from their fit (a trace replay, the same load each time,
+varies by those); it meets the SLO when its median run does, the table shows each one's range,
+and the choice says so when some of its runs missed: near its knee a deployment's runs differ, served as well as
 simulated (a real 1P+1D at its knee gave a TTFT p50 of 442 and 726 ms in two runs).
 """
 
@@ -63,8 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="simulate each deployment this many times, on the workload drawn with --seed, --seed + 1, "
-        "... and the steps' deviations drawn anew: it meets the SLO when its median run does, and the table shows the range (near its knee a "
-        "deployment's runs differ, served or simulated)",
+        "... and the steps' deviations drawn anew: it meets the SLO when its median run does, and the "
+        "table shows the range (near its knee a deployment's runs differ, served or simulated)",
     )
     p.add_argument(
         "--vary",
