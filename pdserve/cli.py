@@ -167,6 +167,13 @@ def _info(args: argparse.Namespace) -> int:
                 f"    stream GEMV{stored} against it: {stream} -> "
                 + (f"used for steps of up to {rows} rows" if rows else "not used")
             )
+            if dtype in plan.logits_stream_speedup:
+                logits = ", ".join(f"M={r} {x:.2f}x" for r, x in plan.logits_stream_speedup[dtype].items())
+                used = min(rows, plan.logits_stream_rows.get(dtype, 0))
+                print(
+                    f"    on the logits' weight: {logits} -> "
+                    + (f"used for steps of up to {used} rows" if used else "not used")
+                )
     for what, why in plan.unavailable.items():
         print(f"  {what}: unavailable — {why}")
     built = f"{kernels} ({' '.join(isa_now.march)})" if kernels else f"unavailable: {unavailable_reason()}"

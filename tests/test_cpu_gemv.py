@@ -8,6 +8,8 @@ Skipped where the C++ kernels are unavailable or were built without AVX512-BF16.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -99,6 +101,31 @@ def test_a_packed_layer_takes_the_stream_only_for_its_few_rows() -> None:
     plain = PackedLinear(weight, bias, onednn=False, stream_rows=1)  # where oneDNN's layout does not pay
     x3, _ = case(3, 48, 64, seed=3)
     assert torch.equal(plain(x3), F.linear(x3, weight, bias))
+
+
+@pytest.mark.parametrize("logits_rows", [0, 4])
+def test_the_logits_take_the_stream_only_as_far_as_it_won_on_them(
+    tiny_llama: Path, logits_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A vocabulary-wide weight gains less from the stream than a layer's projections (on an AMX
+    Xeon it lost at every width): the plan measures it apart and the logits follow that."""
+    import dataclasses
+
+    from pdserve.engine import factory
+    from pdserve.ops.cpu.plan import cpu_plan
+
+    plan = dataclasses.replace(
+        cpu_plan(), stream_rows={"bfloat16": 4}, logits_stream_rows={"bfloat16": logits_rows}
+    )
+    monkeypatch.setattr(factory, "cpu_plan", lambda: plan)
+    monkeypatch.setenv("PDSERVE_STREAM_GEMV", "1")
+    llm = LLM(str(tiny_llama), dtype="bfloat16", kv_cache_memory_gib=0.05)
+    model = llm.engine.runner.model
+    assert model.layers[0].qkv_proj.stream is not None and model.layers[0].qkv_proj.stream_rows == 4
+    assert model.packed_logits is not None
+    assert (model.packed_logits.stream is not None) == (logits_rows > 0)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert len(llm.generate(["a b c", "d e"], params)[0].outputs[0].token_ids) == 4
 
 
 def test_smollm2_in_bf16_gives_the_same_greedy_text_through_the_stream(

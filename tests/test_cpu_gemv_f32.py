@@ -106,7 +106,12 @@ def test_smollm2_in_fp32_gives_the_same_greedy_text_through_the_stream(
     from pdserve.ops.cpu.plan import cpu_plan
 
     # The stream for any step of up to 256 rows, whatever this machine's plan chose.
-    plan = dataclasses.replace(cpu_plan(), prepack={"float32": False}, stream_rows={"float32": 256})
+    plan = dataclasses.replace(
+        cpu_plan(),
+        prepack={"float32": False},
+        stream_rows={"float32": 256},
+        logits_stream_rows={"float32": 256},
+    )
     monkeypatch.setattr(factory, "cpu_plan", lambda: plan)
     monkeypatch.setenv("PDSERVE_STREAM_GEMV", "1")
     prompts = ["The capital of France is", "def fibonacci(n):"]

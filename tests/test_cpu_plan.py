@@ -90,19 +90,25 @@ def test_the_stream_gemv_is_measured_where_it_can_run(cache_dir: Path, dtype: to
             or name not in plan.gflops
         )
         return
-    speedups = plan.stream_speedup[name]
     tried = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    assert all(x > 0 for x in speedups.values())
-    rows = plan.stream_rows[name]
-    # Used up to the last row count that won, and for no more rows than won in a row from 1.
-    assert rows in (0, *tried) and all(speedups[str(r)] >= 1.05 for r in tried if r <= rows)
-    if rows < tried[-1]:  # and it stopped at the first count that did not win, measuring no more
-        first_loss = tried[tried.index(rows) + 1] if rows else tried[0]
-        assert speedups[str(first_loss)] < 1.05
-        assert set(speedups) == {str(r) for r in tried if r <= first_loss}
-    else:
-        assert set(speedups) == {str(r) for r in tried}
+    # The layers' projections and the logits' weight, each measured apart, by the same rule.
+    for speedups, rows in (
+        (plan.stream_speedup[name], plan.stream_rows[name]),
+        (plan.logits_stream_speedup[name], plan.logits_stream_rows[name]),
+    ):
+        assert all(x > 0 for x in speedups.values())
+        # Used up to the last row count that won, and for no more rows than won in a row from 1.
+        assert rows in (0, *tried) and all(speedups[str(r)] >= 1.05 for r in tried if r <= rows)
+        if rows < tried[-1]:  # and it stopped at the first count that did not win, measuring no more
+            first_loss = tried[tried.index(rows) + 1] if rows else tried[0]
+            assert speedups[str(first_loss)] < 1.05
+            assert set(speedups) == {str(r) for r in tried if r <= first_loss}
+        else:
+            assert set(speedups) == {str(r) for r in tried}
+    rows, logits = plan.stream_rows[name], min(plan.stream_rows[name], plan.logits_stream_rows[name])
     assert ("stream GEMV up to" in plan.summary(dtype)) == (rows > 0)
+    if rows:
+        assert (f"the logits' up to {logits}" if logits else "the logits' never") in plan.summary(dtype)
 
 
 def test_a_plan_measured_with_the_kernels_off_is_measured_again_once_they_are_on(
@@ -124,6 +130,8 @@ def quick(monkeypatch: pytest.MonkeyPatch) -> None:
     """A measurement of a few seconds: fewer weights and stream row counts (the choices' logic is
     the same; only the timings are coarser)."""
     monkeypatch.setattr(cpu_choice, "_WEIGHTS", 2)
+    monkeypatch.setattr(cpu_choice, "_STREAM_LAYERS", 1)
+    monkeypatch.setattr(cpu_choice, "_LOGITS_SHAPE", (4096, 576))
     monkeypatch.setattr(cpu_choice, "_STREAM_ROWS", (1, 2))
 
 

@@ -105,8 +105,9 @@ def build_engine(
             # an operator short of memory, or who wants the full fp32 weights, opts out.
             logger.info("stream GEMV disabled by PDSERVE_STREAM_GEMV")
             stream_rows = 0
+        logits_rows = min(stream_rows, plan.logits_stream_rows.get(name, 0))
         if onednn or stream_rows:
-            model.pack_for_cpu(onednn, stream_rows)
+            model.pack_for_cpu(onednn, stream_rows, logits_rows)
         logger.info("CPU plan: %s; layer ops: %s", plan.summary(dtype, stream_rows), model.ops.name)
     engine = _engine_core(config, model_config, model, eos_ids, device, dtype, kv_allocator)
     logger.info("loaded %s in %.1f s", config.model, time.perf_counter() - started)

@@ -183,20 +183,24 @@ class LlamaForCausalLM(nn.Module):
     def logits_weight(self) -> torch.Tensor:  # [vocab, hidden]: lm_head's, or the embedding's if tied
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def pack_for_cpu(self, onednn: bool = True, stream_rows: int = 0) -> int:
+    def pack_for_cpu(
+        self, onednn: bool = True, stream_rows: int = 0, logits_stream_rows: int | None = None
+    ) -> int:
         """Repack every projection's weight, the logits' too, for oneDNN and/or the stream GEMV of
-        steps up to `stream_rows` rows (cpu/linear.py): after the weights are loaded and cast, on
-        CPU. Returns how many layers were packed.
+        steps up to `stream_rows` rows (cpu/linear.py), the logits' up to `logits_stream_rows`
+        (None: `stream_rows`; a vocabulary-wide weight gains less from it): after the weights are
+        loaded and cast, on CPU. Returns how many layers were packed.
 
-        In float32 a stream stores the weights in bf16: then every matrix of the model is rounded
-        to bf16 (the projections and the logits' by PackedLinear, the embedding table here, which a
-        tied lm_head shares), so that the model computes in fp32 with one set of rounded weights,
-        whatever the step's width; norms and biases stay fp32."""
+        In float32 a stream stores the weights in bf16: then the model's matrices are rounded to
+        bf16 (the projections, and an untied lm_head where its stream is used, by PackedLinear; the
+        embedding table here, which a tied lm_head shares), so that each computes in fp32 with one
+        set of weights, whatever the step's width; norms and biases stay fp32."""
         if stream_rows > 0 and self.embed_tokens.weight.dtype == torch.float32:
             with torch.no_grad():
                 self.embed_tokens.weight.copy_(self.embed_tokens.weight.to(torch.bfloat16))
             self.weights_in_bf16 = True
-        self.packed_logits = PackedLinear(self.logits_weight, None, onednn, stream_rows)
+        logits_rows = stream_rows if logits_stream_rows is None else logits_stream_rows
+        self.packed_logits = PackedLinear(self.logits_weight, None, onednn, logits_rows)
         count = pack_linears(self.layers, onednn, stream_rows)
         return count + 1
 

@@ -60,12 +60,22 @@ logger = logging.getLogger(__name__)
 _SHAPE = (1536, 576)
 _ROWS = (1, 32, 256)
 _WEIGHTS = 12  # 42 MB in fp32, 21 MB in bf16: past most L3 caches
+# The stream GEMVs are timed over a decoder layer's projections (SmolLM2-sized: qkv, o, gate+up,
+# down), _STREAM_LAYERS layers in turn (21 MB in bf16), as a decode step runs them: the GEMV reads
+# a weight again for each row, which costs little on a weight that stays in the core's cache and
+# much on a wide one (gate+up). Timed on one 1536x576 weight it won up to 4 rows on an AMX Xeon,
+# where a real step of 2 to 4 streams ran 10-20% slower with it than without.
+_STREAM_LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+_STREAM_LAYERS = 3
+# The logits' weight (a vocabulary's rows: SmolLM2's 49152), far past any cache: timed apart, and
+# the stream used for it only up to the rows where it wins there (on an AMX Xeon: never).
+_LOGITS_SHAPE = (49152, 576)
 # A choice must win by this much to be taken: below it, the machine's noise decides.
 _MARGIN = 1.05
 # The stream GEMVs are tried at these row counts, in order; each is used up to the last that wins.
 _STREAM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Part of the cache key and of the file: a plan cached by an older version of this file is measured again.
-_PLAN_VERSION = 6
+_PLAN_VERSION = 7
 # oneDNN's bf16 matmuls and reorders (and torch's use of them for bf16 F.linear) need these.
 _ONEDNN_BF16 = "oneDNN needs AVX512-BW/VL/DQ or AVX-NE-CONVERT"
 _NATIVE_BF16 = "not used where bf16 is native (dtype=float32 keeps the full fp32 weights there)"
@@ -85,6 +95,9 @@ class CpuPlan:
     # over the linear path chosen above (rows -> x)
     stream_rows: dict[str, int] = field(default_factory=dict)
     stream_speedup: dict[str, dict[str, float]] = field(default_factory=dict)
+    # the same for the logits' weight (a vocabulary wide), measured apart
+    logits_stream_rows: dict[str, int] = field(default_factory=dict)
+    logits_stream_speedup: dict[str, dict[str, float]] = field(default_factory=dict)
     # what cannot run on this CPU (or under its cap) -> why, e.g. "bfloat16 prepack" -> _ONEDNN_BF16
     unavailable: dict[str, str] = field(default_factory=dict)
     isa: str = ""  # the level in force (cpu/isa.py), "" below AVX2
@@ -101,7 +114,8 @@ class CpuPlan:
         rows = self.stream_rows.get(name, 0) if stream_rows is None else stream_rows
         if rows > 0:
             stored = ", weights stored in bf16" if name == "float32" else ""
-            linear += f", stream GEMV up to {rows} rows{stored}"
+            logits = min(rows, self.logits_stream_rows.get(name, 0))
+            linear += f", stream GEMV up to {rows} rows{stored} (the logits' {f'up to {logits}' if logits else 'never'})"
         bf16, fp32 = self.gflops.get("bfloat16", {}), self.gflops.get("float32", {})
         rates = f"fp32 {fp32.get('32', 0):.0f}" + (f", bf16 {bf16['32']:.0f}" if "32" in bf16 else "")
         cap = f", capped by {cpu_isa.ISA_ENV}={self.isa_cap}" if self.isa_capped else ""
@@ -235,7 +249,6 @@ def _measure_dtype(plan: CpuPlan, isa: cpu_isa.CpuIsa, dtype: torch.dtype) -> No
     speedups = plan.prepack_speedup[name]
     # Decode rows must gain and prompt chunks must not lose: decodes are most of the steps.
     plan.prepack[name] = bool(speedups) and speedups["1"] >= _MARGIN and speedups["256"] >= 1 / _MARGIN
-    chosen = packed if plan.prepack[name] else None
     stream = "bfloat16 stream GEMV" if dtype == torch.bfloat16 else "float32 stream GEMV (bf16 weights)"
     if dtype == torch.float32 and (isa.has("avx512_bf16") or isa.has("amx_bf16")):
         # bf16 is this CPU's fast path; whoever asks for float32 here wants the full fp32 weights.
@@ -245,10 +258,15 @@ def _measure_dtype(plan: CpuPlan, isa: cpu_isa.CpuIsa, dtype: torch.dtype) -> No
     if not _guarded(plan, stream, available):
         plan.unavailable.setdefault(stream, _no_stream_reason(dtype))
         return
-    speedups = _guarded(plan, stream, lambda: _stream_speedups(weights, chosen))
+    layers = [shape for _ in range(_STREAM_LAYERS) for shape in _STREAM_LAYER]
+    speedups = _guarded(plan, stream, lambda: _stream_speedups(dtype, plan.prepack[name], layers))
     if speedups is not None:
         plan.stream_speedup[name] = speedups
         plan.stream_rows[name] = _stream_rows(speedups)
+        logits = _guarded(plan, stream, lambda: _stream_speedups(dtype, plan.prepack[name], [_LOGITS_SHAPE]))
+        if logits is not None:
+            plan.logits_stream_speedup[name] = logits
+            plan.logits_stream_rows[name] = _stream_rows(logits)
 
 
 def _time_rows(
@@ -292,25 +310,37 @@ def _no_stream_reason(dtype: torch.dtype) -> str:
     return f"the C++ kernels were built for {isa}, without {needs}"
 
 
-def _stream_speedups(weights: list[torch.Tensor], packed: list[torch.Tensor] | None) -> dict[str, float]:
-    """rows -> how much faster the stream GEMV runs than oneDNN's packed weights (or F.linear), up
-    to the first row count where it does not win. In fp32 the stream's weights are the bf16-rounded ones, against the full fp32 ones."""
-    out_features, in_features = weights[0].shape
-    dtype = weights[0].dtype
+def _stream_speedups(
+    dtype: torch.dtype, prepacked: bool, shapes: Sequence[tuple[int, int]]
+) -> dict[str, float]:
+    """rows -> how much faster the stream GEMV runs weights of these shapes, in turn, than oneDNN's
+    packed weights (`prepacked`) or F.linear, up to the first row count where it does not win. In
+    fp32 the stream's weights are the bf16-rounded ones, against the full fp32 ones."""
+    weights = [torch.randn(*shape).to(dtype) for shape in shapes]
+    packed = [pack_weight(w) for w in weights] if prepacked else None
     if dtype == torch.float32:
         streams = [stream_pack(w.to(torch.bfloat16), STREAM_F32_COLS) for w in weights]
         kernel = stream_linear_f32
     else:
         streams = [stream_pack(w) for w in weights]
         kernel = stream_linear
+    in_features = {w.shape[1] for w in weights}
     speedups = {}
     for rows in _STREAM_ROWS:
-        x = torch.randn(rows, in_features).to(dtype)
-        if packed is not None:
-            base = functools.partial(_in_turn, _packed, x, packed)
-        else:
-            base = functools.partial(_in_turn, F.linear, x, weights)
-        ours = functools.partial(_in_turn, lambda x, s: kernel(x, s, out_features, None), x, streams)
+        inputs = {n: torch.randn(rows, n).to(dtype) for n in in_features}
+
+        def base(inputs: dict[int, torch.Tensor] = inputs) -> None:
+            for weight, pack in zip(weights, packed or weights, strict=True):
+                x = inputs[weight.shape[1]]
+                if packed is not None:
+                    packed_linear(x, pack, None)
+                else:
+                    F.linear(x, weight)
+
+        def ours(inputs: dict[int, torch.Tensor] = inputs) -> None:
+            for weight, stream in zip(weights, streams, strict=True):
+                kernel(inputs[weight.shape[1]], stream, weight.shape[0], None)
+
         base_time, our_time = _times([base, ours])
         speedups[str(rows)] = base_time / our_time
         if speedups[str(rows)] < _MARGIN:
@@ -375,6 +405,7 @@ def _foreign(plan: CpuPlan, isa: cpu_isa.CpuIsa) -> str:
             and all(isinstance(v, int | float) for d in plan.gflops.values() for v in d.values())
             and all(isinstance(v, bool) for v in plan.prepack.values())
             and all(isinstance(v, int) and v >= 0 for v in plan.stream_rows.values())
+            and all(isinstance(v, int) and v >= 0 for v in plan.logits_stream_rows.values())
             and all(isinstance(v, str) for v in plan.unavailable.values())
         )
     except (AttributeError, TypeError):  # a list or a number where a dict belongs
