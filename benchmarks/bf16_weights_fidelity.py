@@ -55,7 +55,12 @@ def main() -> None:
 
     def answers(bf16_weights: bool) -> list[list[int]]:
         os.environ["PDSERVE_STREAM_GEMV"] = "1" if bf16_weights else "0"
-        plan = dataclasses.replace(cpu_plan(), prepack={"float32": False}, stream_rows={"float32": 256})
+        plan = dataclasses.replace(
+            cpu_plan(),
+            prepack={"float32": False},
+            stream_rows={"float32": 256},
+            logits_stream_rows={"float32": 256},
+        )
         factory.cpu_plan = lambda: plan  # type: ignore[assignment]  # the stream whatever this CPU chose
         llm = LLM("smollm2-135m", dtype="float32", kv_cache_memory_gib=0.5)
         assert llm.engine.runner.model.weights_in_bf16 == bf16_weights

@@ -103,7 +103,7 @@ def test_a_packed_layer_takes_the_stream_only_for_its_few_rows() -> None:
     assert torch.equal(plain(x3), F.linear(x3, weight, bias))
 
 
-@pytest.mark.parametrize("logits_rows", [0, 4])
+@pytest.mark.parametrize("logits_rows", [0, 4, 8])
 def test_the_logits_take_the_stream_only_as_far_as_it_won_on_them(
     tiny_llama: Path, logits_rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -124,6 +124,7 @@ def test_the_logits_take_the_stream_only_as_far_as_it_won_on_them(
     assert model.layers[0].qkv_proj.stream is not None and model.layers[0].qkv_proj.stream_rows == 4
     assert model.packed_logits is not None
     assert (model.packed_logits.stream is not None) == (logits_rows > 0)
+    assert model.packed_logits.stream_rows == min(logits_rows, 4)  # never wider than the layers'
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     assert len(llm.generate(["a b c", "d e"], params)[0].outputs[0].token_ids) == 4
 

@@ -9,6 +9,8 @@ Skipped where the C++ kernels are unavailable or were built without AVX2 and FMA
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,6 +96,27 @@ def test_a_packed_linear_stores_its_weight_in_bf16_for_every_width(onednn: bool)
         x = torch.randn(rows, 24, generator=gen)
         torch.testing.assert_close(layer(x), F.linear(x, rounded, bias), rtol=1e-5, atol=1e-5)
     assert not PackedLinear(weight, bias, onednn=onednn, stream_rows=0).bf16_weights
+
+
+def test_an_untied_lm_head_without_its_own_stream_is_rounded_with_the_rest(tiny_llama: Path) -> None:
+    """The logits may take no stream where the layers do (the plan measures them apart): an fp32
+    model still computes with one set of bf16-rounded matrices, its untied lm_head's included, as
+    the transformers reference of tests/conftest.py (load_hf_reference) rounds them."""
+    from pdserve.models.llama import LlamaForCausalLM
+    from pdserve.models.loader import iter_weights, load_config, resolve_model
+
+    source = resolve_model(str(tiny_llama))
+    config = load_config(source)
+    model = LlamaForCausalLM(config, 64)
+    with torch.no_grad():
+        model.load_weights(iter_weights(source))
+    assert model.lm_head is not None  # the untied case
+    full = model.lm_head.weight.detach().clone()
+    model.pack_for_cpu(onednn=False, stream_rows=4, logits_stream_rows=0)
+    assert model.weights_in_bf16 and model.packed_logits is not None and model.packed_logits.stream is None
+    rounded = full.to(torch.bfloat16).float()
+    hidden = torch.randn(3, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, rounded), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

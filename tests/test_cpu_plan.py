@@ -91,21 +91,27 @@ def test_the_stream_gemv_is_measured_where_it_can_run(cache_dir: Path, dtype: to
         )
         return
     tried = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    # The layers' projections and the logits' weight, each measured apart, by the same rule.
-    for speedups, rows in (
-        (plan.stream_speedup[name], plan.stream_rows[name]),
-        (plan.logits_stream_speedup[name], plan.logits_stream_rows[name]),
-    ):
+
+    def used_up_to_the_last_win(speedups: dict[str, float], rows: int, limit: int) -> None:
+        """Used up to the last row count that won, for no more rows than won in a row from 1, and
+        measured up to the first count that did not win (or `limit`), no further."""
         assert all(x > 0 for x in speedups.values())
-        # Used up to the last row count that won, and for no more rows than won in a row from 1.
         assert rows in (0, *tried) and all(speedups[str(r)] >= 1.05 for r in tried if r <= rows)
-        if rows < tried[-1]:  # and it stopped at the first count that did not win, measuring no more
+        if rows < limit:
             first_loss = tried[tried.index(rows) + 1] if rows else tried[0]
             assert speedups[str(first_loss)] < 1.05
             assert set(speedups) == {str(r) for r in tried if r <= first_loss}
         else:
-            assert set(speedups) == {str(r) for r in tried}
-    rows, logits = plan.stream_rows[name], min(plan.stream_rows[name], plan.logits_stream_rows[name])
+            assert set(speedups) == {str(r) for r in tried if r <= limit}
+
+    # The layers' projections; then the logits' weight apart, up to the layers' rows at most.
+    rows = plan.stream_rows[name]
+    used_up_to_the_last_win(plan.stream_speedup[name], rows, tried[-1])
+    if rows == 0:
+        assert name not in plan.logits_stream_speedup and name not in plan.logits_stream_rows
+    else:
+        used_up_to_the_last_win(plan.logits_stream_speedup[name], plan.logits_stream_rows[name], rows)
+    logits = plan.logits_stream_rows.get(name, 0)
     assert ("stream GEMV up to" in plan.summary(dtype)) == (rows > 0)
     if rows:
         assert (f"the logits' up to {logits}" if logits else "the logits' never") in plan.summary(dtype)
@@ -118,11 +124,13 @@ def test_a_plan_measured_with_the_kernels_off_is_measured_again_once_they_are_on
     if not plan.stream_speedup:
         pytest.skip("no stream GEMV in this build")
     stored = json.loads(cpu_choice.cache_path().read_text())
-    stored["stream_rows"], stored["stream_speedup"] = {}, {}  # what PDSERVE_CPU_KERNELS=0 leaves
+    for key in ("stream_rows", "stream_speedup", "logits_stream_rows", "logits_stream_speedup"):
+        stored[key] = {}  # what PDSERVE_CPU_KERNELS=0 leaves
     cpu_choice.cache_path().write_text(json.dumps(stored))
     cpu_choice.cpu_plan.cache_clear()
     again = cpu_choice.cpu_plan()
     assert set(again.stream_speedup) == set(plan.stream_speedup) and again.measured_at > plan.measured_at
+    assert set(again.logits_stream_rows) == {name for name, rows in again.stream_rows.items() if rows > 0}
 
 
 @pytest.fixture
@@ -235,6 +243,8 @@ def test_the_cache_is_keyed_by_the_cap_and_a_foreign_plan_is_measured_again(
         {**stored, "gflops": {}},
         {**stored, "gflops": [1.0]},
         {**stored, "stream_rows": {"float32": -1}},
+        {**stored, "logits_stream_rows": {"float32": -1}},
+        {**stored, "logits_stream_speedup": {"float32": [1.2]}},
         {**stored, "extra": 1},
     ):
         native.write_text(json.dumps(broken))

@@ -191,15 +191,18 @@ class LlamaForCausalLM(nn.Module):
         (None: `stream_rows`; a vocabulary-wide weight gains less from it): after the weights are
         loaded and cast, on CPU. Returns how many layers were packed.
 
-        In float32 a stream stores the weights in bf16: then the model's matrices are rounded to
-        bf16 (the projections, and an untied lm_head where its stream is used, by PackedLinear; the
-        embedding table here, which a tied lm_head shares), so that each computes in fp32 with one
-        set of weights, whatever the step's width; norms and biases stay fp32."""
+        In float32 a stream stores the weights in bf16: then every matrix of the model is rounded
+        to bf16 (the projections by PackedLinear, the embedding table and the logits' weight here,
+        whether their stream is used or not), so that the model computes in fp32 with one set of
+        rounded weights, whatever the step's width; norms and biases stay fp32."""
+        # The logits never take the stream for wider steps than the layers do.
+        logits_rows = stream_rows if logits_stream_rows is None else min(stream_rows, logits_stream_rows)
         if stream_rows > 0 and self.embed_tokens.weight.dtype == torch.float32:
             with torch.no_grad():
                 self.embed_tokens.weight.copy_(self.embed_tokens.weight.to(torch.bfloat16))
+                if self.lm_head is not None:  # untied: rounded too, its own stream used or not
+                    self.lm_head.weight.copy_(self.lm_head.weight.to(torch.bfloat16))
             self.weights_in_bf16 = True
-        logits_rows = stream_rows if logits_stream_rows is None else logits_stream_rows
         self.packed_logits = PackedLinear(self.logits_weight, None, onednn, logits_rows)
         count = pack_linears(self.layers, onednn, stream_rows)
         return count + 1

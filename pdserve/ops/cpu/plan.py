@@ -3,12 +3,13 @@
 Machines of one kind differ from one day to the next (AVX2 only, AVX512-BF16, AMX), and what is
 fast on one is slow on another: bf16 matmuls are emulated, ~8x slower than fp32, without native bf16
 instructions, and twice as fast as fp32 with them; oneDNN's prepacked weights pay off on some and
-not others. So on first use a machine measures, in about a second:
+not others. So on first use a machine measures, in a second or two:
 - the dtype `auto` means: bfloat16 when its matmul beats float32's, else float32;
 - for each dtype, whether prepacked oneDNN weights (cpu/linear.py) beat plain `F.linear` for the
   few rows of a decode step and the hundreds of a prompt chunk;
 - in bf16, with the C++ kernels built for AVX512-BF16, up to how many rows the stream GEMV
-  (cpu_gemv.cpp) beats that choice: a step of at most that many rows uses it;
+  (cpu_gemv.cpp) beats that choice over a decoder layer's projections, and apart over the logits'
+  vocabulary-wide weight: a step of at most that many rows uses it there;
 - in fp32, with the C++ kernels built for AVX2 and FMA, up to how many rows the fp32 stream GEMV
   over weights stored in bf16 (cpu_gemv_f32.cpp) beats that choice;
 and keeps the answer in `$PDSERVE_CACHE_DIR` (default `~/.cache/pdserve`) under a key made of the
@@ -64,7 +65,7 @@ _WEIGHTS = 12  # 42 MB in fp32, 21 MB in bf16: past most L3 caches
 # down), _STREAM_LAYERS layers in turn (21 MB in bf16), as a decode step runs them: the GEMV reads
 # a weight again for each row, which costs little on a weight that stays in the core's cache and
 # much on a wide one (gate+up). Timed on one 1536x576 weight it won up to 4 rows on an AMX Xeon,
-# where a real step of 2 to 4 streams ran 10-20% slower with it than without.
+# where a real step of 2 to 4 streams ran 7-21% slower with it than without.
 _STREAM_LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 _STREAM_LAYERS = 3
 # The logits' weight (a vocabulary's rows: SmolLM2's 49152), far past any cache: timed apart, and
@@ -115,7 +116,8 @@ class CpuPlan:
         if rows > 0:
             stored = ", weights stored in bf16" if name == "float32" else ""
             logits = min(rows, self.logits_stream_rows.get(name, 0))
-            linear += f", stream GEMV up to {rows} rows{stored} (the logits' {f'up to {logits}' if logits else 'never'})"
+            on_logits = f"up to {logits}" if logits else "never"
+            linear += f", stream GEMV up to {rows} rows{stored} (the logits' {on_logits})"
         bf16, fp32 = self.gflops.get("bfloat16", {}), self.gflops.get("float32", {})
         rates = f"fp32 {fp32.get('32', 0):.0f}" + (f", bf16 {bf16['32']:.0f}" if "32" in bf16 else "")
         cap = f", capped by {cpu_isa.ISA_ENV}={self.isa_cap}" if self.isa_capped else ""
@@ -262,8 +264,14 @@ def _measure_dtype(plan: CpuPlan, isa: cpu_isa.CpuIsa, dtype: torch.dtype) -> No
     speedups = _guarded(plan, stream, lambda: _stream_speedups(dtype, plan.prepack[name], layers))
     if speedups is not None:
         plan.stream_speedup[name] = speedups
-        plan.stream_rows[name] = _stream_rows(speedups)
-        logits = _guarded(plan, stream, lambda: _stream_speedups(dtype, plan.prepack[name], [_LOGITS_SHAPE]))
+        plan.stream_rows[name] = rows = _stream_rows(speedups)
+        if rows == 0:
+            return  # the logits take the stream for no more rows than the layers
+        logits = _guarded(
+            plan,
+            f"{stream} on the logits' weight",
+            lambda: _stream_speedups(dtype, plan.prepack[name], [_LOGITS_SHAPE], rows),
+        )
         if logits is not None:
             plan.logits_stream_speedup[name] = logits
             plan.logits_stream_rows[name] = _stream_rows(logits)
@@ -311,11 +319,12 @@ def _no_stream_reason(dtype: torch.dtype) -> str:
 
 
 def _stream_speedups(
-    dtype: torch.dtype, prepacked: bool, shapes: Sequence[tuple[int, int]]
+    dtype: torch.dtype, prepacked: bool, shapes: Sequence[tuple[int, int]], max_rows: int | None = None
 ) -> dict[str, float]:
     """rows -> how much faster the stream GEMV runs weights of these shapes, in turn, than oneDNN's
-    packed weights (`prepacked`) or F.linear, up to the first row count where it does not win. In
-    fp32 the stream's weights are the bf16-rounded ones, against the full fp32 ones."""
+    packed weights (`prepacked`) or F.linear, up to the first row count where it does not win (and
+    to `max_rows` at most). In fp32 the stream's weights are the bf16-rounded ones, against the full
+    fp32 ones."""
     weights = [torch.randn(*shape).to(dtype) for shape in shapes]
     packed = [pack_weight(w) for w in weights] if prepacked else None
     if dtype == torch.float32:
@@ -327,6 +336,8 @@ def _stream_speedups(
     in_features = {w.shape[1] for w in weights}
     speedups = {}
     for rows in _STREAM_ROWS:
+        if max_rows is not None and rows > max_rows:
+            break
         inputs = {n: torch.randn(rows, n).to(dtype) for n in in_features}
 
         def base(inputs: dict[int, torch.Tensor] = inputs) -> None:
@@ -406,6 +417,8 @@ def _foreign(plan: CpuPlan, isa: cpu_isa.CpuIsa) -> str:
             and all(isinstance(v, bool) for v in plan.prepack.values())
             and all(isinstance(v, int) and v >= 0 for v in plan.stream_rows.values())
             and all(isinstance(v, int) and v >= 0 for v in plan.logits_stream_rows.values())
+            and all(isinstance(d, dict) for d in plan.stream_speedup.values())
+            and all(isinstance(d, dict) for d in plan.logits_stream_speedup.values())
             and all(isinstance(v, str) for v in plan.unavailable.values())
         )
     except (AttributeError, TypeError):  # a list or a number where a dict belongs
