@@ -13,80 +13,14 @@ step with an idle neighbour; `--out` keeps every step's time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-from pdserve.measure.steps import StepProbe
-
-# The neighbour: its own process, pinned; it works until its stdin closes.
-NEIGHBOUR = r"""
-import os, sys, threading
-model, kind, cpu, dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-os.sched_setaffinity(0, {cpu})
-stop = threading.Event()
-def until_stdin_closes():
-    sys.stdin.read()
-    stop.set()
-threading.Thread(target=until_stdin_closes, daemon=True).start()
-if kind == "spin":
-    print("ready", flush=True)
-    total = 0
-    while not stop.is_set():
-        for i in range(100000):
-            total += i
-    sys.exit(0)
-from pdserve.config import EngineConfig, Role
-from pdserve.engine.factory import build_engine
-from pdserve.sampling_params import SamplingParams
-engine, _ = build_engine(
-    EngineConfig(model=model, device="cpu", dtype=dtype, role=Role.MIXED, threads=1, chunk_size=2048,
-                 max_num_batched_tokens=2112, max_num_seqs=256, kv_cache_memory_gib=1.0),
-    eos_token_ids=(0,),
-)
-serial = 0
-def add(tokens, max_tokens):
-    global serial
-    serial += 1
-    prompt = [1 + (serial * 7919 + i) % 40000 for i in range(tokens)]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    engine.add_request(f"n{serial}", prompt, params)
-print("ready", flush=True)
-while not stop.is_set():
-    if not engine.has_unfinished:
-        if kind == "decode":  # 16 streams at a few hundred tokens of context
-            for _ in range(16):
-                add(300, 200)
-        else:  # "prefill<N>": one N-token prompt a step, one token out
-            add(int(kind.removeprefix("prefill")), 1)
-    engine.step()
-"""
-
-
-def start_neighbour(model: str, kind: str, cpu: int, dtype: str) -> subprocess.Popen[str]:
-    process = subprocess.Popen(
-        [sys.executable, "-c", NEIGHBOUR, model, kind, str(cpu), dtype],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert process.stdout is not None
-    if process.stdout.readline().strip() != "ready":  # it loads a model: a readline, no timeout race
-        raise SystemExit(f"the {kind} neighbour exited with {process.wait(timeout=30)} before it was ready")
-    return process
-
-
-def stop_neighbour(process: subprocess.Popen[str]) -> None:
-    assert process.stdin is not None
-    process.stdin.close()
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=30)
+from pdserve.measure.neighbour import kind_error
+from pdserve.measure.steps import StepProbe, busy_neighbour
 
 
 def main() -> None:
@@ -102,8 +36,8 @@ def main() -> None:
     args = p.parse_args()
     kinds = args.kinds.split(",")
     for kind in kinds:
-        if kind not in ("none", "decode", "spin") and not kind.removeprefix("prefill").isdigit():
-            p.error(f"unknown neighbour kind {kind!r}: none, decode, spin or prefill<N>")
+        if kind != "none" and (error := kind_error(kind)) is not None:
+            p.error(f"{error}, or none")
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         p.error("needs two CPUs: the probe on one, the neighbour on another")
@@ -112,15 +46,12 @@ def main() -> None:
     seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
     for round_ in range(args.rounds):
         for kind in kinds:
-            neighbour = start_neighbour(args.model, kind, cpus[0], args.dtype) if kind != "none" else None
-            try:
+            beside = busy_neighbour(args.model, args.dtype, cpus[0], kind) if kind != "none" else None
+            with beside or contextlib.nullcontext():
                 for _ in range(args.streams):
                     probe.add(args.context, args.steps + 1)
                 probe.samples.clear()
                 probe.run_all()
-            finally:
-                if neighbour is not None:
-                    stop_neighbour(neighbour)
             full = [
                 s.seconds
                 for s in probe.samples

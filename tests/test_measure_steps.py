@@ -3,9 +3,14 @@ the engine times them, and each role's step time fitted to the steps it runs."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
+import pytest
+
 from pdserve.costmodel import Step
+from pdserve.errors import PdserveError
 from pdserve.measure import steps
 
 TINY = steps.Sweep(
@@ -46,3 +51,41 @@ def test_a_time_budget_stops_the_sweep_early_and_keeps_what_was_measured(tiny_ll
     samples = steps.sweep(probe, TINY, budget_s=0.0)
     assert samples and all(s.step.decode_streams == 0 or s.step.prefill_tokens == 0 for s in samples[:3])
     assert not any(s.step.prefill_tokens and s.step.decode_streams for s in samples)  # no mixed part ran
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's CPU time so far (user + system), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill24", "spin"])
+def test_a_busy_neighbour_of_each_kind_works_until_it_is_let_go(tiny_llama: Path, kind: str) -> None:
+    cpu = max(os.sched_getaffinity(0))
+    with steps.busy_neighbour(str(tiny_llama), "float32", cpu, kind) as process:
+        ready = cpu_seconds(process.pid)
+        deadline = time.monotonic() + 120  # an explicit bound: it works at once, on any machine
+        while cpu_seconds(process.pid) < ready + 0.5:  # half a CPU-second of work after "ready"
+            assert process.poll() is None, f"the {kind} neighbour exited with {process.returncode}"
+            assert time.monotonic() < deadline, f"the {kind} neighbour did no work"
+            time.sleep(0.05)
+    assert process.returncode == 0  # it stopped when its stdin closed, not killed
+
+
+@pytest.mark.parametrize("kind", ["prefill", "prefill0", "prefillx", "idle"])
+def test_an_unknown_neighbour_kind_is_refused_before_anything_starts(kind: str) -> None:
+    with (
+        pytest.raises(PdserveError, match="unknown neighbour kind"),
+        steps.busy_neighbour("no-such-model", "float32", 0, kind),
+    ):
+        pass
+
+
+def test_a_neighbour_that_cannot_start_says_so(tiny_llama: Path) -> None:
+    # A prompt longer than the tiny model's context: refused before "ready", not after.
+    cpu = max(os.sched_getaffinity(0))
+    with (
+        pytest.raises(PdserveError, match="before it was ready"),
+        steps.busy_neighbour(str(tiny_llama), "float32", cpu, "prefill100000"),
+    ):
+        pass

@@ -28,6 +28,7 @@ from pdserve.config import EngineConfig, Role
 from pdserve.costmodel import Step
 from pdserve.engine.factory import build_engine
 from pdserve.errors import PdserveError
+from pdserve.measure import neighbour
 from pdserve.sampling_params import SamplingParams
 from pdserve.sim.profile import LinearStep
 
@@ -179,10 +180,13 @@ def fit_roles(samples: list[Sample]) -> dict[str, LinearStep]:
 
 
 @contextlib.contextmanager
-def busy_neighbour(model: str, dtype: str, cpu: int) -> Iterator[None]:
-    """A second engine decoding without end on `cpu` meanwhile (pdserve/measure/neighbour.py)."""
+def busy_neighbour(model: str, dtype: str, cpu: int, kind: str = "decode") -> Iterator[subprocess.Popen[str]]:
+    """A second engine working without end on `cpu` meanwhile, decoding unless `kind` says
+    otherwise (pdserve/measure/neighbour.py); yields its process."""
+    if (error := neighbour.kind_error(kind)) is not None:
+        raise PdserveError(error)
     process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.measure.neighbour", model, str(cpu), dtype],
+        [sys.executable, "-m", "pdserve.measure.neighbour", model, str(cpu), dtype, kind],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -193,7 +197,7 @@ def busy_neighbour(model: str, dtype: str, cpu: int) -> Iterator[None]:
             raise PdserveError(
                 f"the busy neighbour exited with {process.wait(timeout=30)} before it was ready"
             )
-        yield
+        yield process
     finally:
         if process.stdin is not None:
             process.stdin.close()
