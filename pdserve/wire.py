@@ -219,6 +219,9 @@ class StepSample(msgspec.Struct, frozen=True, array_like=True):
     # The part of loop_seconds the loop waited on KV pulls (up to kv_join_wait): a simulation
     # models the pulls apart, so a fit of the loop's own work leaves this out.
     pull_wait_seconds: float = 0.0
+    # The KV blocks of the pulls the loop started (and waited on) since the step before: a served
+    # pull's wait is fitted against them (pdserve/sim/calibrate.py).
+    pull_blocks: int = 0
 
 
 MAX_STEP_SAMPLES = 64  # per load report; a worker drops older ones (reports come every 0.1 s)

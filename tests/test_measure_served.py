@@ -33,6 +33,14 @@ def test_both_deployments_are_traced_under_load_and_refit_the_profile(
         assert all(0 <= row["pull_wait_seconds"] <= row["loop_seconds"] for row in rows)
         pools.append({row["pool"] for row in rows})
     assert pools == [{"prefill", "decode"}, {"colocated"}]
+    # The real decode worker says the blocks of the pulls it waited on (the documents' 200-token
+    # prompts, pulled from the prefill worker: blocks of 64, 3 or 4 a prompt); nothing else pulls.
+    pulled = [json.loads(line) for line in traces[0].read_text().splitlines()]
+    assert any(row["pull_blocks"] >= 3 for row in pulled if row["pool"] == "decode")
+    assert all(row["pull_blocks"] == 0 for row in pulled if row["pool"] == "prefill")
+    assert all(
+        row["pull_blocks"] == 0 for line in traces[1].read_text().splitlines() if (row := json.loads(line))
+    )
     base = fixed_profile()
     profile = calibrated(base, traces)
     assert profile.steps_from == "serving"

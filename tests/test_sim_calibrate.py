@@ -19,6 +19,7 @@ from pdserve.sim.calibrate import (
     calibrated,
     fit_alone_and_busy,
     fit_loop,
+    fit_pull,
     others_busy,
     read_trace,
     spread_of,
@@ -56,6 +57,8 @@ def test_the_fit_to_a_simulated_runs_trace_gives_its_profile_back(tmp_path: Path
     decode = [row for row in rows if row["pool"] == "decode"]
     assert all(0 <= row["pull_wait_seconds"] <= row["loop_seconds"] for row in decode)
     assert any(row["pull_wait_seconds"] > 0 for row in decode)
+    # ... with the blocks those pulls moved: a step that waited moved some, one that did not none.
+    assert all((row["pull_blocks"] > 0) == (row["pull_wait_seconds"] > 0) for row in decode)
 
     fitted = calibrated(truth, [trace])
     assert fitted.steps_from == "serving"
@@ -74,6 +77,13 @@ def test_the_fit_to_a_simulated_runs_trace_gives_its_profile_back(tmp_path: Path
     # step samples each prompt's first token: its loop is at least the 1 ms.
     assert fitted.loops["decode"] == LoopTime(0.001, 0.0005)
     assert fitted.loops["prefill"].step_s >= 0.0015 and fitted.loops["prefill"].stream_s == 0
+    # Each pull took 1 ms whatever its blocks, the other worker's work or not: so did their waits.
+    pull = fitted.served_pull("decode", "shm")
+    assert pull is not None and pull.samples >= 20
+    assert (pull.alone.base_s, pull.alone.per_block_s) == pytest.approx((0.001, 0.0), abs=1e-6)
+    assert (pull.busy.base_s, pull.busy.per_block_s) == pytest.approx((0.001, 0.0), abs=1e-6)
+    assert fitted.served_pull("decode", "tcp") is None  # traced over shm: another keeps its own line
+    assert any("decode pulls: their wait fitted to" in a for a in fitted.assumptions)
     assert fitted.overhead == truth.overhead  # the request's overhead: the base's probe
     # No colocated pool traced: a mixed worker steps as the decode pool's fit says.
     assert "colocated" not in fitted.steps and fitted.step_time("colocated") is fitted.steps["decode"]
@@ -139,6 +149,30 @@ def test_the_loop_is_a_line_through_each_stream_counts_own_loop_time() -> None:
         for own in [0.002 + 0.001 * n] * 5 + [0.008 + 0.001 * n]
     ]
     assert fit_loop(skewed) == pytest.approx((0.003, 0.001))
+
+
+def test_a_served_pulls_wait_is_a_line_in_its_blocks_slowed_by_busy_neighbours() -> None:
+    # Waits of 2 ms + 0.1 ms a block beside idle workers, 4 ms + 0.3 ms a block beside busy ones.
+    def wait(blocks: int, busy: float) -> float:
+        alone, beside = 0.002 + 1e-4 * blocks, 0.004 + 3e-4 * blocks
+        return alone + (beside - alone) * busy
+
+    rows = [
+        {"pull_blocks": n, "pull_wait_seconds": wait(n, b), "busy": b}
+        for n in (1, 2, 8, 16)
+        for b in (0.0, 0.3, 0.7, 1.0)
+        for _ in range(2)
+    ]
+    rows += [{"pull_blocks": 0, "pull_wait_seconds": 0.0, "busy": 1.0}] * 10  # no pull: not a wait
+    fitted = fit_pull(rows)
+    assert fitted is not None
+    alone, busy, steps = fitted
+    assert steps == 32
+    assert (alone.base_s, alone.per_block_s) == pytest.approx((0.002, 1e-4), rel=1e-4)
+    assert (busy.base_s, busy.per_block_s) == pytest.approx((0.004, 3e-4), rel=1e-4)
+    # Too few steps that waited, or a trace from before the pulls' blocks were traced: no fit.
+    assert fit_pull(rows[:19]) is None
+    assert fit_pull([{k: v for k, v in row.items() if k != "pull_blocks"} for row in rows]) is None
 
 
 def test_bad_traces_are_refused_with_where_and_why(tmp_path: Path) -> None:

@@ -58,6 +58,21 @@ def test_two_workers_starting_on_one_cpu_take_twice_as_long() -> None:
     assert start_times(2, ["a", "b", "c"], pinned=False) == pytest.approx([6.0] * 3, abs=0.3)
 
 
+def test_a_start_takes_longer_beside_the_routers_work_whatever_the_steps_fit() -> None:
+    # The router keeps half of each of the two CPUs busy: a start (timed on a quiet host) gets the
+    # other half, also with a profile fitted to served steps (whose steps have the router in them).
+    for stretches in (True, False):
+
+        async def main(stretches: bool = stretches) -> float:
+            host = HostLoad(HostCpu(cpus=2, router_idle=1.0), client_on_host=False, stretches=stretches)
+            cluster = SimCluster(fixed_profile(start_s=4.0), SimConnector(), host)
+            begun = clock.monotonic()
+            await cluster.start_worker(config("a"), timeout=60.0)
+            return clock.monotonic() - begun
+
+        assert clock.run_virtual(main) == pytest.approx(8.0), stretches
+
+
 def test_a_start_that_cannot_finish_in_time_is_refused_and_frees_its_cpu() -> None:
     profile = fixed_profile(start_s=4.0)
 

@@ -18,6 +18,7 @@ from pdserve.sim.profile import (
     Profile,
     ProfileError,
     RooflineStep,
+    ServedPull,
     Spread,
     TransferTime,
 )
@@ -67,6 +68,7 @@ def test_a_profile_reads_back_as_written(tmp_path: Path) -> None:
         steps={**original.steps, "colocated": roofline, "decode": spread},
         steps_from="serving",
         loops={"decode": LoopTime(0.001, 2e-4), "prefill": LoopTime(0.0015)},
+        pulls={"decode": ServedPull("shm", TransferTime(0.002, 1e-4), TransferTime(0.003, 3e-4), 41)},
     )
     original.save(tmp_path / "p.json")
     back = profiles.load(tmp_path / "p.json")
@@ -102,6 +104,14 @@ def test_a_role_without_its_own_step_time_and_a_missing_transport() -> None:
     served = replace(p, loops={"decode": LoopTime(0.002, 1e-4)})
     assert served.loop_time("colocated") == LoopTime(0.002, 1e-4)
     assert served.loop_time("prefill") == LoopTime(p.overhead.step_s, p.overhead.stream_s)
+    # A served pull wait: for its role (a mixed worker: the decode one's) and its transport only.
+    pull = ServedPull("shm", TransferTime(0.002, 1e-4), TransferTime(0.004, 3e-4))
+    assert p.served_pull("decode", "shm") is None
+    served = replace(p, pulls={"decode": pull})
+    assert served.served_pull("decode", "shm") is pull and served.served_pull("colocated", "shm") is pull
+    assert served.served_pull("decode", "tcp") is None
+    assert pull.seconds(10, 0.0) == pytest.approx(0.003)
+    assert pull.seconds(10, 0.5) == pytest.approx(0.003 + (0.007 - 0.003) * 0.5)
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from test_sim_profile import fixed_profile
 from pdserve.bench.workload import parse_workload
 from pdserve.cli import main
 from pdserve.sim import run as runner
-from pdserve.sim.profile import HostCpu, LinearStep, Profile
+from pdserve.sim.profile import HostCpu, LinearStep, Profile, ServedPull, TransferTime
 
 
 def sim(tmp_path: Path, profile: Profile, *flags: str) -> dict:  # type: ignore[type-arg]
@@ -93,6 +93,20 @@ def test_the_disaggregated_path_adds_the_prefill_step_and_the_pull(tmp_path: Pat
     decode = 0.010 + 1e-3  # one stream on the decode worker
     expected = [ttft] + [ttft + 0.004 + decode * k for k in range(1, 4)]
     assert chunk_times(record) == pytest.approx(expected, abs=1e-9)
+    # Fitted to served pulls over shm, the pull takes the served wait (6 ms alone) instead; a
+    # deployment over tcp keeps the profile's line for tcp.
+    served = replace(
+        profile, pulls={"decode": ServedPull("shm", TransferTime(0.006, 0.0), TransferTime(0.009, 0.0))}
+    )
+    for transport, pull in (("shm", 0.006), ("tcp", 0.004)):
+        run = sim(
+            tmp_path / transport, served, "--prefill", "1", "--decode", "1", "--path-choice", "threshold",
+            "--local-prefill-threshold", "64", "--workload", "constant(1) prompt=fixed(200) output=fixed(4)",
+            "--max-requests", "1", "--transport", transport,
+        )  # fmt: skip
+        (record,) = run["records"]
+        expected = [ttft] + [ttft + pull + decode * k for k in range(1, 4)]
+        assert chunk_times(record) == pytest.approx(expected, abs=1e-9), transport
 
 
 def test_a_conversation_s_next_turn_computes_only_what_the_cache_lacks(tmp_path: Path) -> None:

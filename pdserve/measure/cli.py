@@ -201,6 +201,13 @@ def describe(profile: Profile) -> list[str]:
         )
     for name, t in profile.transfers.items():
         lines.append(f"  {name} pull: {t.base_s * 1000:.3f} ms + {t.per_block_s * 1000:.4f} ms per block")
+    for role, pull in profile.pulls.items():
+        a, b = pull.alone, pull.busy
+        lines.append(
+            f"  {role} served pull wait ({pull.transport}, {pull.samples} steps): {a.base_s * 1000:.3f} ms + "
+            f"{a.per_block_s * 1000:.4f} ms per block, beside busy neighbours {b.base_s * 1000:.3f} ms + "
+            f"{b.per_block_s * 1000:.4f} ms per block"
+        )
     if profile.host is not None:
         h = profile.host
         lines.append(

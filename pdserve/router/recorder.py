@@ -26,6 +26,7 @@ STEP_TRACE_KEYS = (
     "decode_context",
     "loop_seconds",
     "pull_wait_seconds",
+    "pull_blocks",
 )
 
 

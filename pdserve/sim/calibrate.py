@@ -7,8 +7,9 @@ sends tokens and handles messages. On a small shared host that moves a step's ti
 more than any fit's error, and by how much depends on the load. `pdserve serve --step-trace FILE`
 writes every worker's steps as its load reports bring them (router.recorder.STEP_TRACE_KEYS);
 this fits each pool role's step time to the steps that pool's workers ran, and each role's worker
-loop time around a step (per step and per stream: a decode worker's loop also takes its KV pulls),
-into a copy of a base profile (its KV transfers, start time, blocks and overhead are kept). Each
+loop time around a step (per step and per stream, its waits on KV pulls left out) and, where
+the trace says what they moved, its waits on KV pulls (per pull and per block, as the steps,
+alone and beside busy neighbours), into a copy of a base profile (its KV transfers, start time, blocks and overhead are kept). Each
 step is fitted as alone + (beside busy neighbours - alone) x how busy the other workers were in the
 2 s before it (read from the trace as the simulation reckons it), so the fit keeps how the steps
 slow as the load rises. The result says `steps_from: serving`: the simulation then adds the
@@ -31,11 +32,13 @@ import numpy as np
 from pdserve import slo
 from pdserve.costmodel import Step
 from pdserve.router.recorder import STEP_TRACE_KEYS
-from pdserve.sim.profile import LinearStep, LoopTime, Profile, ProfileError, Spread
+from pdserve.sim.profile import LinearStep, LoopTime, Profile, ProfileError, ServedPull, Spread, TransferTime
 
-OPTIONAL_KEYS = ("pull_wait_seconds",)  # traces from before it was traced lack it
+OPTIONAL_KEYS = ("pull_wait_seconds", "pull_blocks")  # traces from before they were traced lack them
 MIN_STEPS = 30  # per pool role, to fit five coefficients with any confidence
 MIN_BUCKET = 5  # steps of one stream count for its median loop time to count
+MIN_PULL_STEPS = 20  # steps that waited on pulls, for a role's served pull wait to be fitted
+SERVED_TRANSPORT = "shm"  # what a step trace's pulls went over: `pdserve serve`'s default on one host
 PROMPT_CHUNK_TOKENS = 128  # a step with this many prompt tokens or more computes a prompt's chunk
 BUSY_WINDOW_S = 2.0  # as pdserve.sim.host.HostLoad's window
 BUCKET_S = 0.1  # a trace's times are its load reports' (every 0.1 s)
@@ -154,17 +157,9 @@ def fit_alone_and_busy(
     scale = np.abs(a).max(axis=0)  # columns of like size, for the solver; a column of zeros stays 0
     scale[scale == 0] = 1.0
     a = a / scale
-    active = [i for i in range(a.shape[1]) if i % 5 not in given]
-    while True:  # non-negative least squares by an active set: drop the most negative, refit
-        coef = np.zeros(a.shape[1])
-        solution, *_ = np.linalg.lstsq(a[:, active], target, rcond=None)
-        coef[active] = solution
-        negative = [i for i in active if coef[i] < 0]
-        if not negative:
-            break
-        active.remove(min(negative, key=lambda i: coef[i]))
-        if not active:
-            raise ProfileError("the served steps fit no step time with non-negative coefficients")
+    coef = _nonnegative_fit(a, target, [i for i in range(a.shape[1]) if i % 5 not in given])
+    if coef is None:
+        raise ProfileError("the served steps fit no step time with non-negative coefficients")
     c = [float(x) for x in coef / scale + known]
     alone = LinearStep((c[0], c[1], c[2], c[3], c[4]))
     busy = LinearStep((c[0] + c[5], c[1] + c[6], c[2] + c[7], c[3] + c[8], c[4] + c[9]))
@@ -184,6 +179,46 @@ def fit_alone_and_busy(
         ),
         replace(busy, samples=len(samples)),
     )
+
+
+def _nonnegative_fit(a: np.ndarray, target: np.ndarray, active: list[int]) -> np.ndarray | None:
+    """Least squares with every coefficient >= 0, over the columns `active` (the rest 0), by an
+    active set: the most negative dropped and the rest refitted. None: no column is left."""
+    active = list(active)
+    while active:
+        coef = np.zeros(a.shape[1])
+        solution, *_ = np.linalg.lstsq(a[:, active], target, rcond=None)
+        coef[active] = solution
+        negative = [i for i in active if coef[i] < 0]
+        if not negative:
+            return coef
+        active.remove(min(negative, key=lambda i: coef[i]))
+    return None
+
+
+def fit_pull(rows: list[dict[str, Any]]) -> tuple[TransferTime, TransferTime, int] | None:
+    """(alone, busy, steps) of a served pull's wait: seconds = alone(n) + (busy(n) - alone(n)) x b
+    for a step whose loop waited on pulls of n blocks (`pull_blocks`), b how busy the other workers
+    were (`busy`), each coefficient >= 0; least squares on the seconds, so that the fit keeps the
+    waits' mean (their right tail, a few waits of 20-50 ms, is time the streams lose). None: fewer
+    than MIN_PULL_STEPS such steps (or a trace from before the pulls' blocks were traced)."""
+    waits = [
+        (int(r["pull_blocks"]), float(r["pull_wait_seconds"]), float(r["busy"]))
+        for r in rows
+        if int(r.get("pull_blocks", 0)) > 0 and float(r.get("pull_wait_seconds", 0.0)) > 0
+    ]
+    if len(waits) < MIN_PULL_STEPS:
+        return None
+    a = np.array([(1.0, n, b, n * b) for n, _, b in waits])
+    scale = a.max(axis=0)
+    scale[scale == 0] = 1.0
+    coef = _nonnegative_fit(a / scale, np.array([t for _, t, _ in waits]), [0, 1, 2, 3])
+    if coef is None:
+        return None
+    base, per_block, busy_base, busy_block = (float(x) for x in coef / scale)
+    alone = TransferTime(round(base, 7), round(per_block, 8))
+    busy = TransferTime(round(base + busy_base, 7), round(per_block + busy_block, 8))
+    return alone, busy, len(waits)
 
 
 def spread_of(fitted_and_measured: list[tuple[float, float]]) -> tuple[Spread, ...]:
@@ -284,6 +319,15 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
             )
         else:
             loops[role] = LoopTime(*fit_loop(pools[role]))
+    pulls = {}
+    for role in steps:
+        fitted = fit_pull(pools[role]) if role != "prefill" else None
+        if fitted is not None:
+            pulls[role] = ServedPull(SERVED_TRANSPORT, *fitted)
+            notes.append(
+                f"{role} pulls: their wait fitted to {fitted[2]} served steps that waited on pulls, "
+                f"taken as over {SERVED_TRANSPORT} (pdserve serve's default on one host)"
+            )
     kept = sorted(set(base.steps) - set(steps))
     if "colocated" not in steps and "decode" in steps:
         kept = [role for role in kept if role != "colocated"]  # a mixed worker steps like a decode one
@@ -301,6 +345,7 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
         },
         steps_from="serving",
         loops=loops,
+        pulls=pulls,
         meta=base.meta
         | {
             "calibrated": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -7,7 +7,9 @@ step: the profile's per-step and per-stream time for that role), spread as the p
 measured steps spread around their fit (their quantiles, else `median_error`), and stretched by
 the CPU the router takes from the workers on a shared host and by the other workers pinned to its
 CPU, a starting one included (pdserve/sim/host.py);
-a pull takes the profile's time for the deployment's transport; its KV cache has the profile's
+a pull takes the profile's time for the deployment's transport (or, in a profile fitted to
+served steps over that transport, the served pulls' wait, as busy as the other workers are); its
+KV cache has the profile's
 blocks for its role. The engine settings (chunk size, step budget, batch limits) are the worker
 configuration's, as `pdserve serve` builds it from the same flags.
 """
@@ -73,6 +75,7 @@ class SimCluster:
         loop_time = self.profile.loop_time(pool)
         per_step, per_stream = loop_time.step_s, loop_time.stream_s
         transfer = self.profile.transfer(config.transport) if pool != "prefill" else None
+        served_pull = self.profile.served_pull(pool, config.transport)
 
         host = self.host
         busy_time = self.profile.busy_step_time(pool)
@@ -124,6 +127,8 @@ class SimCluster:
 
         def pull_seconds(blocks: int) -> float:
             assert transfer is not None  # only workers that take KV pull
+            if served_pull is not None:  # as the served pulls waited, beside neighbours as busy
+                return served_pull.seconds(blocks * scale, host.others_busy(worker_id) if host else 0.0)
             seconds = transfer.seconds(blocks * scale)
             if host is None:
                 return seconds
@@ -167,8 +172,10 @@ class SimCluster:
     async def _load(self, worker_id: str, timeout: float) -> bool:
         """Waits out the worker's start (False: it would pass `timeout`). On a shared host loading
         the model is the profile's start time of work on its CPU (a CPU-second a second, measured:
-        8.0 s of CPU in 8.4 s alone), done at the share of the CPU the worker gets: beside a busy
-        process it took 14 s (measured), beside a busy prefill worker 31-37 s (simulated: 20)."""
+        8.0 s of CPU in 8.4 s alone), done at the share of the CPU the worker gets beside its
+        CPU-mates and the router's (and the client's) work, which the profile's quiet start left
+        out: beside a busy process it took 14 s (measured), beside a busy prefill worker while
+        serving 31-37 s."""
         host = self.host
         if host is None:
             if self.profile.start_s > timeout:
@@ -180,7 +187,7 @@ class SimCluster:
         work, waited = self.profile.start_s, 0.0
         while work > 0:
             tick = min(START_TICK_S, work)
-            seconds = tick * host.sharing(worker_id, tick)
+            seconds = tick * host.sharing(worker_id, tick) * host.router_stretch()
             if waited + seconds > timeout:
                 await asyncio.sleep(max(0.0, timeout - waited))
                 host.leave(worker_id)

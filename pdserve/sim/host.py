@@ -84,7 +84,13 @@ class HostLoad:
 
     def stretch(self) -> float:
         """How much longer a worker's step takes now."""
-        return 1.0 / (1.0 - self.share()) if self.stretches else 1.0
+        return self.router_stretch() if self.stretches else 1.0
+
+    def router_stretch(self) -> float:
+        """How much longer work measured on a quiet host takes now for the router's (and the
+        client's) CPU: a step's, unless its fit has that in it already; a start's, always (the
+        profile times a start on a quiet host)."""
+        return 1.0 / (1.0 - self.share())
 
     def worked(self, worker_id: str, seconds: float) -> None:
         """A worker's step of `seconds` starts now."""

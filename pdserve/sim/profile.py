@@ -184,6 +184,23 @@ class LoopTime:
 
 
 @dataclass(frozen=True)
+class ServedPull:
+    """How long a decode worker's loop waited on a KV pull of n blocks in serving (`pdserve profile
+    --from-trace`): alone + (busy - alone) x how busy the host's other workers were, each a line in
+    the blocks. It holds what a pull between idle caches leaves out: the copy beside the other
+    workers' memory traffic and the router's CPU, the pull thread's hand-over of its result."""
+
+    transport: str  # the transport of the traced pulls; another deployment's keeps its idle line
+    alone: TransferTime
+    busy: TransferTime
+    samples: int = 0  # steps that waited on pulls, fitted
+
+    def seconds(self, blocks: float, others_busy: float) -> float:
+        alone = self.alone.seconds(blocks)
+        return alone + (self.busy.seconds(blocks) - alone) * others_busy
+
+
+@dataclass(frozen=True)
 class HostCpu:
     """The CPUs of the host the workers share with the router (and, in a benchmark, the client),
     and what those two spend per request and per token (pdserve/sim/host.py)."""
@@ -220,6 +237,14 @@ class Profile:
     # Per pool role, the worker loop's time as fitted to served steps (empty: the overhead's
     # step_s and stream_s for every role). A decode worker's loop also takes its KV pulls.
     loops: dict[str, LoopTime] = field(default_factory=dict)
+    # Per pool role that pulls KV, its pulls' wait as fitted to served steps (empty: the transfer's
+    # time between idle caches, slowed by the worker's CPU-mates).
+    pulls: dict[str, ServedPull] = field(default_factory=dict)
+
+    def served_pull(self, role: str, transport: str) -> ServedPull | None:
+        """The role's served pull wait over `transport`, if the profile was fitted to one."""
+        pull = self.pulls.get(role) or (self.pulls.get("decode") if role == "colocated" else None)
+        return pull if pull is not None and pull.transport == transport else None
 
     def loop_time(self, role: str) -> LoopTime:
         if role in self.loops:
@@ -276,11 +301,24 @@ class Profile:
             "steps_busy": {role: step.to_json() for role, step in self.steps_busy.items()},
             "steps_from": self.steps_from,
             "loops": {role: asdict(loop) for role, loop in self.loops.items()},
+            "pulls": {role: asdict(pull) for role, pull in self.pulls.items()},
         }
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+
+def _transfer(body: dict[str, Any]) -> TransferTime:
+    return TransferTime(
+        float(body["base_s"]), float(body["per_block_s"]), [tuple(x) for x in body.get("samples", [])]
+    )
+
+
+def _served_pull(body: dict[str, Any]) -> ServedPull:
+    return ServedPull(
+        str(body["transport"]), _transfer(body["alone"]), _transfer(body["busy"]), int(body.get("samples", 0))
+    )
 
 
 def _listed(role: str, fields: dict[str, Any]) -> list[Any]:
@@ -337,12 +375,7 @@ def load(path: Path) -> Profile:
         raise ProfileError(f'{path} is not a pdserve profile (no "format": "{FORMAT}")')
     try:
         steps = {role: _step_from_json(role, s) for role, s in body["steps"].items()}
-        transfers = {
-            name: TransferTime(
-                float(t["base_s"]), float(t["per_block_s"]), [tuple(x) for x in t.get("samples", [])]
-            )
-            for name, t in body.get("transfers", {}).items()
-        }
+        transfers = {name: _transfer(t) for name, t in body.get("transfers", {}).items()}
         profile = Profile(
             source=str(body["source"]),
             model=str(body["model"]),
@@ -359,6 +392,7 @@ def load(path: Path) -> Profile:
             steps_busy={role: _step_from_json(role, s) for role, s in body.get("steps_busy", {}).items()},
             steps_from=str(body.get("steps_from", "alone")),
             loops={str(role): LoopTime(**loop) for role, loop in body.get("loops", {}).items()},
+            pulls={str(role): _served_pull(pull) for role, pull in body.get("pulls", {}).items()},
         )
         if profile.steps_from not in STEPS_FROM:
             raise ProfileError(

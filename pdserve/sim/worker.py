@@ -140,7 +140,7 @@ class SimWorker:
     async def _loop(self) -> None:
         engine, core = self.engine, self.core
         last_load = -float("inf")
-        pull_wait = 0.0  # since the last step
+        pull_wait, pull_blocks = 0.0, 0  # since the last step: the loop's wait on pulls, their blocks
         idled = False  # as the real worker's: it waited with no work since the last step
         while not self.closed:
             idled = idled or not engine.has_unfinished
@@ -156,6 +156,7 @@ class SimWorker:
                 waiting = clock.monotonic()
                 await self._wait(self.config.kv_join_wait, until=lambda: not core.pulls_in_flight)
                 pull_wait += clock.monotonic() - waiting
+                pull_blocks += sum(len(order.dst_blocks) for order in orders)
                 self._apply_inbox()
             core.hand_over()
             stepped = False
@@ -174,9 +175,9 @@ class SimWorker:
                     loop = self.loop_seconds(out)
                     # Traced as the real worker's: the loop's time with the pull waits in it
                     # (none counted after an idle wait).
-                    waited = 0.0 if idled else pull_wait
-                    self._log_step(core.record_step(loop + waited, waited))
-                    pull_wait, idled = 0.0, False
+                    waited, blocks = (0.0, 0) if idled else (pull_wait, pull_blocks)
+                    self._log_step(core.record_step(loop + waited, waited, blocks))
+                    pull_wait, pull_blocks, idled = 0.0, 0, False
                     core.hand_over()
                     if loop > 0:  # the loop's own work before the next step
                         await asyncio.sleep(loop)

@@ -385,11 +385,11 @@ class WorkerCore:
         self._send(message, out.finished and kv is None)
 
     def record_step(
-        self, loop_seconds: float = 0.0, pull_wait_seconds: float = 0.0
+        self, loop_seconds: float = 0.0, pull_wait_seconds: float = 0.0, pull_blocks: int = 0
     ) -> wire.StepSample | None:
         """The engine's last step as a sample for the next load report (None: no new step), with
-        the loop's time around it and the part of it spent waiting on pulls
-        (wire.StepSample.loop_seconds, pull_wait_seconds)."""
+        the loop's time around it, the part of it spent waiting on pulls and the blocks those
+        pulls moved (wire.StepSample.loop_seconds, pull_wait_seconds, pull_blocks)."""
         step = self.engine.last_step
         if step is None or step is self._last_recorded:  # an empty step leaves the last one
             return None
@@ -402,6 +402,7 @@ class WorkerCore:
             step.decode_context,
             max(0.0, loop_seconds),
             min(max(0.0, pull_wait_seconds), max(0.0, loop_seconds)),
+            max(0, pull_blocks),
         )
         self._steps.append(sample)
         if len(self._steps) > wire.MAX_STEP_SAMPLES:

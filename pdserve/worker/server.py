@@ -64,6 +64,7 @@ class WorkerServer:
         self._idled = False  # the loop waited with no work since that step
         self._nested_seconds = 0.0  # steps run between the layers of the step in progress
         self._pull_wait = 0.0  # seconds the loop waited on KV pulls since the last recorded step
+        self._pulled_blocks = 0  # the blocks of the pulls it waited on, since then
         self.config = config
         self._on_bound = on_bound
         # The pulls run here, on the pool; the core keeps the addresses and tells the exporter of
@@ -178,10 +179,12 @@ class WorkerServer:
                 break
             if self.importer is not None:
                 engine.admit_remote_kv()
-            if self._start_pulls():
+            blocks = self._start_pulls()
+            if blocks:
                 waiting = time.perf_counter()
                 self._await_pulls(time.monotonic() + self.config.kv_join_wait)
                 self._pull_wait += time.perf_counter() - waiting
+                self._pulled_blocks += blocks
             core.hand_over()
             if engine.has_unfinished:
                 step_started = time.perf_counter()
@@ -232,14 +235,15 @@ class WorkerServer:
             self._record_step(started, nested=True)
 
     # -- KV pulls (decode side) -------------------------------------------------------------------------
-    def _start_pulls(self) -> bool:
-        """Submits the pulls the engine asks for to the pool; True if any started."""
+    def _start_pulls(self) -> int:
+        """Submits the pulls the engine asks for to the pool; returns the blocks they move (0: no
+        pull started)."""
         orders = self.core.pulls_to_start()
         assert self._pulls is not None or not orders, "a pull ordered on a worker without an importer"
         for order in orders:
             assert self._pulls is not None
             self._pulls.submit(self._pull, order)
-        return bool(orders)
+        return sum(len(order.dst_blocks) for order in orders)
 
     def _await_pulls(self, deadline: float) -> None:
         """Apply messages until no pull is in flight or the deadline passes (see kv_join_wait)."""
@@ -318,12 +322,12 @@ class WorkerServer:
             # The loop's work since the last step (messages, KV pulls it waited for, hand-overs),
             # unless it waited idle meanwhile: that is no cost of serving.
             since_last = started - self._last_step_ended if self._last_step_ended and not self._idled else 0.0
-        pull_wait = self._pull_wait if since_last > 0 else 0.0
-        step = self.core.record_step(emit + since_last, pull_wait)
+        pull_wait, pull_blocks = (self._pull_wait, self._pulled_blocks) if since_last > 0 else (0.0, 0)
+        step = self.core.record_step(emit + since_last, pull_wait, pull_blocks)
         if not nested:
             self._last_step_ended = ended
             self._idled = False
-            self._pull_wait = 0.0
+            self._pull_wait, self._pulled_blocks = 0.0, 0
         if step is None or not logger.isEnabledFor(logging.DEBUG):
             return
         # A stream's gap is this step plus the loop's work since the last one: both, to tell a
