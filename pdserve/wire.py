@@ -222,6 +222,9 @@ class StepSample(msgspec.Struct, frozen=True, array_like=True):
     # The KV blocks of the pulls the loop started (and waited on) since the step before: a served
     # pull's wait is fitted against them (pdserve/sim/calibrate.py).
     pull_blocks: int = 0
+    # With pull_blocks: the seconds the pulls done since the step before took to copy (each its
+    # KVDone's own time), the part of the wait that was not the hand-over around them.
+    pull_seconds: float = 0.0
 
 
 MAX_STEP_SAMPLES = 64  # per load report; a worker drops older ones (reports come every 0.1 s)

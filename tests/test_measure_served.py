@@ -37,6 +37,9 @@ def test_both_deployments_are_traced_under_load_and_refit_the_profile(
     # prompts, pulled from the prefill worker: blocks of 64, 3 or 4 a prompt); nothing else pulls.
     pulled = [json.loads(line) for line in traces[0].read_text().splitlines()]
     assert any(row["pull_blocks"] >= 3 for row in pulled if row["pool"] == "decode")
+    # ... and the copies' own time (only with blocks: a step that waited on no pull says none).
+    assert any(row["pull_seconds"] > 0 for row in pulled if row["pull_blocks"] > 0)
+    assert all(row["pull_seconds"] == 0 for row in pulled if row["pull_blocks"] == 0)
     assert all(row["pull_blocks"] == 0 for row in pulled if row["pool"] == "prefill")
     assert all(
         row["pull_blocks"] == 0 for line in traces[1].read_text().splitlines() if (row := json.loads(line))

@@ -57,8 +57,11 @@ def test_the_fit_to_a_simulated_runs_trace_gives_its_profile_back(tmp_path: Path
     decode = [row for row in rows if row["pool"] == "decode"]
     assert all(0 <= row["pull_wait_seconds"] <= row["loop_seconds"] for row in decode)
     assert any(row["pull_wait_seconds"] > 0 for row in decode)
-    # ... with the blocks those pulls moved: a step that waited moved some, one that did not none.
+    # ... with the blocks those pulls moved (a step that waited moved some, one that did not none)
+    # and the copies' own time, 1 ms each (two pulls at once: 2 ms of copies in a 1 ms wait).
     assert all((row["pull_blocks"] > 0) == (row["pull_wait_seconds"] > 0) for row in decode)
+    copies = [row["pull_seconds"] / 0.001 for row in decode if row["pull_blocks"] > 0]
+    assert all(n >= 0.999 and abs(n - round(n)) < 1e-6 for n in copies) and 1 in {round(n) for n in copies}
 
     fitted = calibrated(truth, [trace])
     assert fitted.steps_from == "serving"
@@ -82,6 +85,11 @@ def test_the_fit_to_a_simulated_runs_trace_gives_its_profile_back(tmp_path: Path
     assert pull is not None and pull.samples >= 20
     assert (pull.alone.base_s, pull.alone.per_block_s) == pytest.approx((0.001, 0.0), abs=1e-6)
     assert (pull.busy.base_s, pull.busy.per_block_s) == pytest.approx((0.001, 0.0), abs=1e-6)
+    # The copies: each pull's own time, 1 ms, the whole of its wait (a step's two pulls' 2 ms of
+    # copies make the fitted copy longer than the wait, which caps it).
+    assert pull.copy_alone is not None and pull.copy_busy is not None
+    assert pull.copy_alone.seconds(4) >= 0.001 - 1e-6
+    assert pull.copy_seconds(4, 1.0) == pytest.approx(0.001, abs=1e-6)
     assert fitted.served_pull("decode", "tcp") is None  # traced over shm: another keeps its own line
     assert any("decode pulls: their wait fitted to" in a for a in fitted.assumptions)
     assert fitted.overhead == truth.overhead  # the request's overhead: the base's probe
@@ -172,6 +180,12 @@ def test_a_served_pulls_wait_is_a_line_in_its_blocks_slowed_by_busy_neighbours()
     assert (busy.base_s, busy.per_block_s) == pytest.approx((0.004, 3e-4), rel=1e-4)
     # Too few steps that waited, or a trace from before the pulls' blocks were traced: no fit.
     assert fit_pull(rows[:19]) is None
+    # The copies' own time is fitted the same way, from `pull_seconds`.
+    copies = [row | {"pull_seconds": row["pull_wait_seconds"] / 2} for row in rows]
+    copy = fit_pull(copies, "pull_seconds")
+    assert copy is not None and (copy[0].base_s, copy[1].per_block_s) == pytest.approx(
+        (0.001, 1.5e-4), rel=1e-4
+    )
     assert fit_pull([{k: v for k, v in row.items() if k != "pull_blocks"} for row in rows]) is None
 
 

@@ -68,7 +68,17 @@ def test_a_profile_reads_back_as_written(tmp_path: Path) -> None:
         steps={**original.steps, "colocated": roofline, "decode": spread},
         steps_from="serving",
         loops={"decode": LoopTime(0.001, 2e-4), "prefill": LoopTime(0.0015)},
-        pulls={"decode": ServedPull("shm", TransferTime(0.002, 1e-4), TransferTime(0.003, 3e-4), 41)},
+        pulls={
+            "decode": ServedPull(
+                "shm",
+                TransferTime(0.002, 1e-4),
+                TransferTime(0.003, 3e-4),
+                41,
+                TransferTime(0.001, 1e-4),
+                TransferTime(0.001, 2e-4),
+            ),
+            "colocated": ServedPull("tcp", TransferTime(0.002, 1e-4), TransferTime(0.003, 3e-4)),
+        },
     )
     original.save(tmp_path / "p.json")
     back = profiles.load(tmp_path / "p.json")
@@ -112,6 +122,11 @@ def test_a_role_without_its_own_step_time_and_a_missing_transport() -> None:
     assert served.served_pull("decode", "tcp") is None
     assert pull.seconds(10, 0.0) == pytest.approx(0.003)
     assert pull.seconds(10, 0.5) == pytest.approx(0.003 + (0.007 - 0.003) * 0.5)
+    # Its copy's own part: the whole wait where not traced, else its own line, never past the wait.
+    assert pull.copy_seconds(10, 0.5) == pull.seconds(10, 0.5)
+    traced = replace(pull, copy_alone=TransferTime(0.001, 1e-4), copy_busy=TransferTime(0.001, 1e-3))
+    assert traced.copy_seconds(10, 0.0) == pytest.approx(0.002)
+    assert traced.copy_seconds(10, 1.0) == pytest.approx(traced.seconds(10, 1.0))  # 11 ms of copy: capped
 
 
 @pytest.mark.parametrize(

@@ -95,10 +95,22 @@ def test_the_disaggregated_path_adds_the_prefill_step_and_the_pull(tmp_path: Pat
     assert chunk_times(record) == pytest.approx(expected, abs=1e-9)
     # Fitted to served pulls over shm, the pull takes the served wait (6 ms alone) instead; a
     # deployment over tcp keeps the profile's line for tcp.
+    # Its copy's own part (2 ms) is what TTFT's transfer part says; the wait around it holds the
+    # stream back all the same.
     served = replace(
-        profile, pulls={"decode": ServedPull("shm", TransferTime(0.006, 0.0), TransferTime(0.009, 0.0))}
+        profile,
+        pulls={
+            "decode": ServedPull(
+                "shm",
+                TransferTime(0.006, 0.0),
+                TransferTime(0.009, 0.0),
+                30,
+                TransferTime(0.002, 0.0),
+                TransferTime(0.003, 0.0),
+            )
+        },
     )
-    for transport, pull in (("shm", 0.006), ("tcp", 0.004)):
+    for transport, pull, copy in (("shm", 0.006, 0.002), ("tcp", 0.004, 0.004)):
         run = sim(
             tmp_path / transport, served, "--prefill", "1", "--decode", "1", "--path-choice", "threshold",
             "--local-prefill-threshold", "64", "--workload", "constant(1) prompt=fixed(200) output=fixed(4)",
@@ -107,6 +119,7 @@ def test_the_disaggregated_path_adds_the_prefill_step_and_the_pull(tmp_path: Pat
         (record,) = run["records"]
         expected = [ttft] + [ttft + pull + decode * k for k in range(1, 4)]
         assert chunk_times(record) == pytest.approx(expected, abs=1e-9), transport
+        assert run["ttft_parts"]["kv_transfer"]["mean_ms"] == pytest.approx(copy * 1000, abs=1e-3), transport
 
 
 def test_a_conversation_s_next_turn_computes_only_what_the_cache_lacks(tmp_path: Path) -> None:

@@ -42,7 +42,7 @@ def sim_workers(pools: dict[str, int], device_type: str = "cuda") -> tuple[Worke
             engine = EngineConfig("modelled", role=POOL_ROLES[pool], block_size=16)
             config = WorkerConfig(worker_id, pool, engine, transport="tcp")
             connector.factories[worker_id] = lambda events, c=config: SimWorker(
-                c, MODEL, 256, events, step_seconds=step_seconds, pull_seconds=lambda _blocks: PULL,
+                c, MODEL, 256, events, step_seconds=step_seconds, pull_seconds=lambda _blocks: (PULL, PULL),
                 device_type=device_type,
             )  # fmt: skip
             workers.add_worker(worker_id, pool, f"sim://{worker_id}", "sim")

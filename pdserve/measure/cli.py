@@ -207,6 +207,13 @@ def describe(profile: Profile) -> list[str]:
             f"  {role} served pull wait ({pull.transport}, {pull.samples} steps): {a.base_s * 1000:.3f} ms + "
             f"{a.per_block_s * 1000:.4f} ms per block, beside busy neighbours {b.base_s * 1000:.3f} ms + "
             f"{b.per_block_s * 1000:.4f} ms per block"
+            + (
+                f"; its copy {pull.copy_alone.base_s * 1000:.3f} ms + {pull.copy_alone.per_block_s * 1000:.4f} "
+                f"ms per block, beside busy {pull.copy_busy.base_s * 1000:.3f} ms + "
+                f"{pull.copy_busy.per_block_s * 1000:.4f} ms per block"
+                if pull.copy_alone is not None and pull.copy_busy is not None
+                else ""
+            )
         )
     if profile.host is not None:
         h = profile.host

@@ -27,6 +27,7 @@ STEP_TRACE_KEYS = (
     "loop_seconds",
     "pull_wait_seconds",
     "pull_blocks",
+    "pull_seconds",
 )
 
 

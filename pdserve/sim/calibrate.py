@@ -34,7 +34,11 @@ from pdserve.costmodel import Step
 from pdserve.router.recorder import STEP_TRACE_KEYS
 from pdserve.sim.profile import LinearStep, LoopTime, Profile, ProfileError, ServedPull, Spread, TransferTime
 
-OPTIONAL_KEYS = ("pull_wait_seconds", "pull_blocks")  # traces from before they were traced lack them
+OPTIONAL_KEYS = (
+    "pull_wait_seconds",
+    "pull_blocks",
+    "pull_seconds",
+)  # traces from before they were traced lack them
 MIN_STEPS = 30  # per pool role, to fit five coefficients with any confidence
 MIN_BUCKET = 5  # steps of one stream count for its median loop time to count
 MIN_PULL_STEPS = 20  # steps that waited on pulls, for a role's served pull wait to be fitted
@@ -196,16 +200,19 @@ def _nonnegative_fit(a: np.ndarray, target: np.ndarray, active: list[int]) -> np
     return None
 
 
-def fit_pull(rows: list[dict[str, Any]]) -> tuple[TransferTime, TransferTime, int] | None:
-    """(alone, busy, steps) of a served pull's wait: seconds = alone(n) + (busy(n) - alone(n)) x b
-    for a step whose loop waited on pulls of n blocks (`pull_blocks`), b how busy the other workers
-    were (`busy`), each coefficient >= 0; least squares on the seconds, so that the fit keeps the
-    waits' mean (their right tail, a few waits of 20-50 ms, is time the streams lose). None: fewer
-    than MIN_PULL_STEPS such steps (or a trace from before the pulls' blocks were traced)."""
+def fit_pull(
+    rows: list[dict[str, Any]], key: str = "pull_wait_seconds"
+) -> tuple[TransferTime, TransferTime, int] | None:
+    """(alone, busy, steps) of a served pull's wait (`key`: or of its copy, `pull_seconds`):
+    seconds = alone(n) + (busy(n) - alone(n)) x b for a step whose loop waited on pulls of n blocks
+    (`pull_blocks`), b how busy the other workers were (`busy`), each coefficient >= 0; least
+    squares on the seconds, so that the fit keeps the waits' mean (their right tail, a few waits
+    of 20-50 ms, is time the streams lose). None: fewer than MIN_PULL_STEPS such steps (or a trace
+    from before the pulls' blocks were traced)."""
     waits = [
-        (int(r["pull_blocks"]), float(r["pull_wait_seconds"]), float(r["busy"]))
+        (int(r["pull_blocks"]), float(r[key]), float(r["busy"]))
         for r in rows
-        if int(r.get("pull_blocks", 0)) > 0 and float(r.get("pull_wait_seconds", 0.0)) > 0
+        if int(r.get("pull_blocks", 0)) > 0 and float(r.get(key, 0.0)) > 0
     ]
     if len(waits) < MIN_PULL_STEPS:
         return None
@@ -323,7 +330,10 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
     for role in steps:
         fitted = fit_pull(pools[role]) if role != "prefill" else None
         if fitted is not None:
-            pulls[role] = ServedPull(SERVED_TRANSPORT, *fitted)
+            copy = fit_pull(pools[role], "pull_seconds")
+            pulls[role] = ServedPull(
+                SERVED_TRANSPORT, *fitted, *(copy[:2] if copy is not None else (None, None))
+            )
             notes.append(
                 f"{role} pulls: their wait fitted to {fitted[2]} served steps that waited on pulls, "
                 f"taken as over {SERVED_TRANSPORT} (pdserve serve's default on one host)"

@@ -125,16 +125,19 @@ class SimCluster:
         scale = config.engine.block_size / self.profile.block_size
         num_blocks = config.engine.num_kv_blocks or int(self.profile.blocks(pool) / scale)
 
-        def pull_seconds(blocks: int) -> float:
+        def pull_seconds(blocks: int) -> tuple[float, float]:
             assert transfer is not None  # only workers that take KV pull
             if served_pull is not None:  # as the served pulls waited, beside neighbours as busy
-                return served_pull.seconds(blocks * scale, host.others_busy(worker_id) if host else 0.0)
+                busy = host.others_busy(worker_id) if host else 0.0
+                return served_pull.seconds(blocks * scale, busy), served_pull.copy_seconds(
+                    blocks * scale, busy
+                )
             seconds = transfer.seconds(blocks * scale)
-            if host is None:
-                return seconds
-            # The profile times a pull between idle caches; served, the pull's thread shares the
-            # worker's CPU with its engine's steps (and its CPU-mates): slower as they are busy.
-            return seconds * host.sharing(worker_id, seconds, beside_itself=True)
+            if host is not None:
+                # The profile times a pull between idle caches; served, the pull's thread shares the
+                # worker's CPU with its engine's steps (and its CPU-mates): slower as they are busy.
+                seconds *= host.sharing(worker_id, seconds, beside_itself=True)
+            return seconds, seconds
 
         def make(events: ChannelEvents) -> SimWorker:
             return SimWorker(

@@ -194,10 +194,25 @@ class ServedPull:
     alone: TransferTime
     busy: TransferTime
     samples: int = 0  # steps that waited on pulls, fitted
+    # The copy's own part of the wait (each pull's own time, as TTFT's transfer part counts it),
+    # alone and beside busy neighbours; None: not traced (the whole wait counts as the copy).
+    copy_alone: TransferTime | None = None
+    copy_busy: TransferTime | None = None
 
     def seconds(self, blocks: float, others_busy: float) -> float:
-        alone = self.alone.seconds(blocks)
-        return alone + (self.busy.seconds(blocks) - alone) * others_busy
+        return _beside(self.alone, self.busy, blocks, others_busy)
+
+    def copy_seconds(self, blocks: float, others_busy: float) -> float:
+        """The pull's own time within its wait (never more than the wait)."""
+        wait = self.seconds(blocks, others_busy)
+        if self.copy_alone is None or self.copy_busy is None:
+            return wait
+        return min(wait, _beside(self.copy_alone, self.copy_busy, blocks, others_busy))
+
+
+def _beside(alone: TransferTime, busy: TransferTime, blocks: float, others_busy: float) -> float:
+    at_rest = alone.seconds(blocks)
+    return at_rest + (busy.seconds(blocks) - at_rest) * others_busy
 
 
 @dataclass(frozen=True)
@@ -316,8 +331,13 @@ def _transfer(body: dict[str, Any]) -> TransferTime:
 
 
 def _served_pull(body: dict[str, Any]) -> ServedPull:
+    copy = [_transfer(body[k]) if body.get(k) is not None else None for k in ("copy_alone", "copy_busy")]
     return ServedPull(
-        str(body["transport"]), _transfer(body["alone"]), _transfer(body["busy"]), int(body.get("samples", 0))
+        str(body["transport"]),
+        _transfer(body["alone"]),
+        _transfer(body["busy"]),
+        int(body.get("samples", 0)),
+        *copy,
     )
 
 

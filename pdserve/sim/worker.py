@@ -4,7 +4,7 @@ event loop's time, behind the router's channel interface. No torch, no process, 
 What runs for real: the scheduler (chunked prefill, the step budget, preemption, hand-over), the KV
 cache's bookkeeping, the worker's handling of every command (leases, pulls, moves, refusals) and
 its load reports. What is modelled: how long a step takes (`step_seconds`, from a profile), how
-long a KV pull takes (`pull_seconds`), and the tokens (token `i` of a request, its prompt counted,
+long a KV pull takes (`pull_seconds`: until the loop hears of it, and its copy's own part), and the tokens (token `i` of a request, its prompt counted,
 is `1000 + i`). Under `pdserve.clock.VirtualTimeLoop` an hour of serving runs in the time the
 Python takes.
 
@@ -34,7 +34,8 @@ logger = logging.getLogger("pdserve.sim.worker")
 StepSeconds = Callable[[SchedulerOutput], float]  # a step's duration, from what it computes
 # The worker loop's time around a step (sending its outputs, handling messages) before the next.
 LoopSeconds = Callable[[SchedulerOutput], float]
-PullSeconds = Callable[[int], float]  # a pull's duration, from the blocks it moves
+# A pull, from the blocks it moves: (until the loop hears it is done, the copy's own part of that).
+PullSeconds = Callable[[int], tuple[float, float]]
 
 
 def token_at(position: int, vocab_size: int = 1 << 30) -> int:
@@ -255,8 +256,8 @@ class SimWorker:
             self._apply_inbox()
 
     def _start_pull(self, order: PullOrder) -> None:
-        seconds = self.pull_seconds(len(order.dst_blocks))
-        done = KVDone(order.request_id, True, None, 0, seconds, False, order.transport)
+        seconds, copy = self.pull_seconds(len(order.dst_blocks))
+        done = KVDone(order.request_id, True, None, 0, copy, False, order.transport)
 
         def arrived() -> None:
             self._inbox.append((done, clock.monotonic()))

@@ -117,6 +117,7 @@ class WorkerCore:
         self.kv_failures = 0
         self._steps: list[wire.StepSample] = []  # since the last load report
         self._last_recorded: object = None
+        self._pull_seconds = 0.0  # the copies of the pulls done since the last recorded step
 
     def ready(self, rpc_address: str, rpc_public_key: str, prefill_interrupts: bool) -> wire.Ready:
         """This worker's greeting: its role, its engine's limits, where it is reached."""
@@ -269,6 +270,7 @@ class WorkerCore:
 
     def _pull_done(self, done: KVDone) -> None:
         engine = self.engine
+        self._pull_seconds += done.seconds if done.ok else 0.0
         record = self.requests.get(done.request_id)
         if record is not None:
             record.pulling = False
@@ -389,11 +391,13 @@ class WorkerCore:
     ) -> wire.StepSample | None:
         """The engine's last step as a sample for the next load report (None: no new step), with
         the loop's time around it, the part of it spent waiting on pulls and the blocks those
-        pulls moved (wire.StepSample.loop_seconds, pull_wait_seconds, pull_blocks)."""
+        pulls moved (wire.StepSample.loop_seconds, pull_wait_seconds, pull_blocks; with blocks,
+        the time the pulls done since the last step took to copy, pull_seconds)."""
         step = self.engine.last_step
         if step is None or step is self._last_recorded:  # an empty step leaves the last one
             return None
         self._last_recorded = step
+        pull_seconds, self._pull_seconds = (self._pull_seconds if pull_blocks > 0 else 0.0), 0.0
         sample = wire.StepSample(
             step.step_seconds,
             step.num_prefill_tokens,
@@ -403,6 +407,7 @@ class WorkerCore:
             max(0.0, loop_seconds),
             min(max(0.0, pull_wait_seconds), max(0.0, loop_seconds)),
             max(0, pull_blocks),
+            max(0.0, pull_seconds),
         )
         self._steps.append(sample)
         if len(self._steps) > wire.MAX_STEP_SAMPLES:
