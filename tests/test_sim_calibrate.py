@@ -86,9 +86,9 @@ def test_the_fit_to_a_simulated_runs_trace_gives_its_profile_back(tmp_path: Path
     assert (pull.alone.base_s, pull.alone.per_block_s) == pytest.approx((0.001, 0.0), abs=1e-6)
     assert (pull.busy.base_s, pull.busy.per_block_s) == pytest.approx((0.001, 0.0), abs=1e-6)
     # The copies: each pull's own time, 1 ms, the whole of its wait (a step's two pulls' 2 ms of
-    # copies make the fitted copy longer than the wait, which caps it).
+    # copies pull the line in blocks up a little; the wait caps it).
     assert pull.copy_alone is not None and pull.copy_busy is not None
-    assert pull.copy_alone.seconds(4) >= 0.001 - 1e-6
+    assert 0.0009 <= pull.copy_alone.seconds(4) <= 0.002
     assert pull.copy_seconds(4, 1.0) == pytest.approx(0.001, abs=1e-6)
     assert fitted.served_pull("decode", "tcp") is None  # traced over shm: another keeps its own line
     assert any("decode pulls: their wait fitted to" in a for a in fitted.assumptions)
@@ -182,7 +182,7 @@ def test_a_served_pulls_wait_is_a_line_in_its_blocks_slowed_by_busy_neighbours()
     assert fit_pull(rows[:19]) is None
     # The copies' own time is fitted the same way, from `pull_seconds`.
     copies = [row | {"pull_seconds": row["pull_wait_seconds"] / 2} for row in rows]
-    copy = fit_pull(copies, "pull_seconds")
+    copy = fit_pull(copies, "pull_seconds")  # on the relative error: exact data, the same line
     assert copy is not None and (copy[0].base_s, copy[1].per_block_s) == pytest.approx(
         (0.001, 1.5e-4), rel=1e-4
     )

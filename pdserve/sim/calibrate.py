@@ -205,10 +205,11 @@ def fit_pull(
 ) -> tuple[TransferTime, TransferTime, int] | None:
     """(alone, busy, steps) of a served pull's wait (`key`: or of its copy, `pull_seconds`):
     seconds = alone(n) + (busy(n) - alone(n)) x b for a step whose loop waited on pulls of n blocks
-    (`pull_blocks`), b how busy the other workers were (`busy`), each coefficient >= 0; least
-    squares on the seconds, so that the fit keeps the waits' mean (their right tail, a few waits
-    of 20-50 ms, is time the streams lose). None: fewer than MIN_PULL_STEPS such steps (or a trace
-    from before the pulls' blocks were traced)."""
+    (`pull_blocks`), b how busy the other workers were (`busy`), each coefficient >= 0. The wait:
+    least squares on the seconds, so that the fit keeps the waits' mean (their right tail, a few
+    waits of 20-50 ms, is time the streams lose). The copy: on the relative error, as each pull's
+    own time is a request's transfer part, a 2-block chat prompt's as much as a document's. None:
+    fewer than MIN_PULL_STEPS such steps (or a trace from before the pulls' blocks were traced)."""
     waits = [
         (int(r["pull_blocks"]), float(r[key]), float(r["busy"]))
         for r in rows
@@ -217,9 +218,12 @@ def fit_pull(
     if len(waits) < MIN_PULL_STEPS:
         return None
     a = np.array([(1.0, n, b, n * b) for n, _, b in waits])
-    scale = a.max(axis=0)
+    target = np.array([t for _, t, _ in waits])
+    if key != "pull_wait_seconds":  # relative: each row over its own seconds
+        a, target = a / target[:, None], np.ones(len(waits))
+    scale = np.abs(a).max(axis=0)
     scale[scale == 0] = 1.0
-    coef = _nonnegative_fit(a / scale, np.array([t for _, t, _ in waits]), [0, 1, 2, 3])
+    coef = _nonnegative_fit(a / scale, target, [0, 1, 2, 3])
     if coef is None:
         return None
     base, per_block, busy_base, busy_block = (float(x) for x in coef / scale)
