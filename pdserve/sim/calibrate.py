@@ -9,7 +9,8 @@ writes every worker's steps as its load reports bring them (router.recorder.STEP
 this fits each pool role's step time to the steps that pool's workers ran, and each role's worker
 loop time around a step (per step and per stream, its waits on KV pulls left out) and, where
 the trace says what they moved, its waits on KV pulls (per pull and per block, as the steps,
-alone and beside busy neighbours), into a copy of a base profile (its KV transfers, start time, blocks and overhead are kept). Each
+alone and beside busy neighbours), into a copy of a base profile (its KV transfers, start time,
+blocks and overhead are kept). Each
 step is fitted as alone + (beside busy neighbours - alone) x how busy the other workers were in the
 2 s before it (read from the trace as the simulation reckons it), so the fit keeps how the steps
 slow as the load rises. The result says `steps_from: serving`: the simulation then adds the

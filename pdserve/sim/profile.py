@@ -188,7 +188,9 @@ class ServedPull:
     """How long a decode worker's loop waited on a KV pull of n blocks in serving (`pdserve profile
     --from-trace`): alone + (busy - alone) x how busy the host's other workers were, each a line in
     the blocks. It holds what a pull between idle caches leaves out: the copy beside the other
-    workers' memory traffic and the router's CPU, the pull thread's hand-over of its result."""
+    workers' memory traffic and the router's CPU, the pull thread's hand-over of its result.
+    Fitted per step (the blocks of every pull one loop waited on; mostly one) and taken per pull:
+    a simulated step's two pulls at once wait a little less than their served pair did."""
 
     transport: str  # the transport of the traced pulls; another deployment's keeps its idle line
     alone: TransferTime
