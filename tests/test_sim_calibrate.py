@@ -182,7 +182,7 @@ def test_a_served_pulls_wait_is_a_line_in_its_blocks_slowed_by_busy_neighbours()
     assert fit_pull(rows[:19]) is None
     # The copies' own time is fitted the same way, from `pull_seconds`.
     copies = [row | {"pull_seconds": row["pull_wait_seconds"] / 2} for row in rows]
-    copy = fit_pull(copies, "pull_seconds")  # on the relative error: exact data, the same line
+    copy = fit_pull(copies, "pull_seconds", relative=True)  # exact data: the same line
     assert copy is not None and (copy[0].base_s, copy[1].per_block_s) == pytest.approx(
         (0.001, 1.5e-4), rel=1e-4
     )

@@ -144,6 +144,30 @@ def test_a_file_that_is_not_a_profile_is_said_so(tmp_path: Path, content: str, m
         profiles.load(path)
 
 
+def test_a_negative_or_missing_pull_time_is_refused_by_where_it_is(tmp_path: Path) -> None:
+    pull = ServedPull("shm", TransferTime(0.002, 1e-4), TransferTime(0.003, 3e-4))
+    good = replace(fixed_profile(), pulls={"decode": pull}).to_json()
+    cases = [
+        (
+            ("transfers", "shm", "per_block_s"),
+            -1e-4,
+            r"transfers\.shm: base_s and per_block_s must be finite",
+        ),
+        (("pulls", "decode", "busy", "base_s"), float("nan"), r"pulls\.decode\.busy: base_s and per_block_s"),
+        (("pulls", "decode", "copy_alone"), {"base_s": -1, "per_block_s": 0}, r"pulls\.decode\.copy_alone: "),
+        (("pulls", "decode", "alone"), {"base_s": 0.001}, "incomplete or malformed"),
+    ]
+    for path, value, message in cases:
+        body = json.loads(json.dumps(good))
+        node = body
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        (tmp_path / "p.json").write_text(json.dumps(body))
+        with pytest.raises(ProfileError, match=message):
+            profiles.load(tmp_path / "p.json")
+
+
 def test_negative_coefficients_and_unknown_kinds_are_refused(tmp_path: Path) -> None:
     body = fixed_profile().to_json()
     body["steps"]["decode"]["coefficients"] = [0.01, -1, 0, 0, 0]

@@ -202,14 +202,15 @@ def _nonnegative_fit(a: np.ndarray, target: np.ndarray, active: list[int]) -> np
 
 
 def fit_pull(
-    rows: list[dict[str, Any]], key: str = "pull_wait_seconds"
+    rows: list[dict[str, Any]], key: str = "pull_wait_seconds", relative: bool = False
 ) -> tuple[TransferTime, TransferTime, int] | None:
     """(alone, busy, steps) of a served pull's wait (`key`: or of its copy, `pull_seconds`):
     seconds = alone(n) + (busy(n) - alone(n)) x b for a step whose loop waited on pulls of n blocks
     (`pull_blocks`), b how busy the other workers were (`busy`), each coefficient >= 0. The wait:
     least squares on the seconds, so that the fit keeps the waits' mean (their right tail, a few
-    waits of 20-50 ms, is time the streams lose). The copy: on the relative error, as each pull's
-    own time is a request's transfer part, a 2-block chat prompt's as much as a document's. None:
+    waits of 20-50 ms, is time the streams lose). The copy: `relative`, on the relative error, as
+    each pull's own time is a request's transfer part, a 2-block chat prompt's as much as a
+    document's. None:
     fewer than MIN_PULL_STEPS such steps (or a trace from before the pulls' blocks were traced)."""
     waits = [
         (int(r["pull_blocks"]), float(r[key]), float(r["busy"]))
@@ -220,7 +221,7 @@ def fit_pull(
         return None
     a = np.array([(1.0, n, b, n * b) for n, _, b in waits])
     target = np.array([t for _, t, _ in waits])
-    if key != "pull_wait_seconds":  # relative: each row over its own seconds
+    if relative:  # each row over its own seconds
         a, target = a / target[:, None], np.ones(len(waits))
     scale = np.abs(a).max(axis=0)
     scale[scale == 0] = 1.0
@@ -335,7 +336,7 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
     for role in steps:
         fitted = fit_pull(pools[role]) if role != "prefill" else None
         if fitted is not None:
-            copy = fit_pull(pools[role], "pull_seconds")
+            copy = fit_pull(pools[role], "pull_seconds", relative=True)
             pulls[role] = ServedPull(
                 SERVED_TRANSPORT, *fitted, *(copy[:2] if copy is not None else (None, None))
             )

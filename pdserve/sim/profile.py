@@ -326,18 +326,23 @@ class Profile:
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
 
-def _transfer(body: dict[str, Any]) -> TransferTime:
-    return TransferTime(
-        float(body["base_s"]), float(body["per_block_s"]), [tuple(x) for x in body.get("samples", [])]
-    )
+def _transfer(body: dict[str, Any], where: str) -> TransferTime:
+    base, per_block = float(body["base_s"]), float(body["per_block_s"])
+    if not all(math.isfinite(x) and x >= 0 for x in (base, per_block)):
+        raise ProfileError(f"{where}: base_s and per_block_s must be finite numbers >= 0")
+    return TransferTime(base, per_block, [tuple(x) for x in body.get("samples", [])])
 
 
-def _served_pull(body: dict[str, Any]) -> ServedPull:
-    copy = [_transfer(body[k]) if body.get(k) is not None else None for k in ("copy_alone", "copy_busy")]
+def _served_pull(role: str, body: dict[str, Any]) -> ServedPull:
+    where = f"pulls.{role}"
+    copy = [
+        _transfer(body[k], f"{where}.{k}") if body.get(k) is not None else None
+        for k in ("copy_alone", "copy_busy")
+    ]
     return ServedPull(
         str(body["transport"]),
-        _transfer(body["alone"]),
-        _transfer(body["busy"]),
+        _transfer(body["alone"], f"{where}.alone"),
+        _transfer(body["busy"], f"{where}.busy"),
         int(body.get("samples", 0)),
         *copy,
     )
@@ -397,7 +402,7 @@ def load(path: Path) -> Profile:
         raise ProfileError(f'{path} is not a pdserve profile (no "format": "{FORMAT}")')
     try:
         steps = {role: _step_from_json(role, s) for role, s in body["steps"].items()}
-        transfers = {name: _transfer(t) for name, t in body.get("transfers", {}).items()}
+        transfers = {name: _transfer(t, f"transfers.{name}") for name, t in body.get("transfers", {}).items()}
         profile = Profile(
             source=str(body["source"]),
             model=str(body["model"]),
@@ -414,7 +419,7 @@ def load(path: Path) -> Profile:
             steps_busy={role: _step_from_json(role, s) for role, s in body.get("steps_busy", {}).items()},
             steps_from=str(body.get("steps_from", "alone")),
             loops={str(role): LoopTime(**loop) for role, loop in body.get("loops", {}).items()},
-            pulls={str(role): _served_pull(pull) for role, pull in body.get("pulls", {}).items()},
+            pulls={str(role): _served_pull(str(role), pull) for role, pull in body.get("pulls", {}).items()},
         )
         if profile.steps_from not in STEPS_FROM:
             raise ProfileError(
