@@ -73,6 +73,26 @@ def test_a_start_takes_longer_beside_the_routers_work_whatever_the_steps_fit() -
         assert clock.run_virtual(main) == pytest.approx(8.0), stretches
 
 
+def test_a_scale_up_beside_a_busy_worker_takes_the_profiles_time_measured_for_it() -> None:
+    # The profile timed a start at 4 s quiet and 12 s beside a busy worker while serving (a VM's
+    # page faults under load: more than the half of the CPU the mate leaves would say, 8 s).
+    async def main(start_busy_s: float) -> tuple[float, float]:
+        profile = replace(fixed_profile(start_s=4.0), start_busy_s=start_busy_s)
+        host = HostLoad(HostCpu(cpus=2), client_on_host=False)
+        cluster = SimCluster(profile, SimConnector(), host)
+        host.place("busy")  # CPU 0, busy all along
+        host.occupy("busy", 100.0)
+        begun = clock.monotonic()
+        await cluster.start_worker(config("alone"), timeout=60.0)  # CPU 1
+        alone = clock.monotonic() - begun
+        begun = clock.monotonic()
+        await cluster.start_worker(config("beside"), timeout=60.0)  # CPU 0 (fewest workers; lowest)
+        return alone, clock.monotonic() - begun
+
+    assert clock.run_virtual(lambda: main(12.0)) == pytest.approx((4.0, 12.0))
+    assert clock.run_virtual(lambda: main(0.0)) == pytest.approx((4.0, 8.0))  # not measured: the share
+
+
 def test_a_start_that_cannot_finish_in_time_is_refused_and_frees_its_cpu() -> None:
     profile = fixed_profile(start_s=4.0)
 

@@ -121,3 +121,52 @@ def test_a_pull_beside_the_workers_own_steps_shares_its_cpu_with_them() -> None:
     assert clock.run_virtual(main) == pytest.approx(
         {"idle engine": 1.0, "engine stepping": 2.0, "a step of its own": 1.0}
     )
+
+
+def test_a_start_beside_busy_mates_goes_at_the_pace_measured_for_it() -> None:
+    # Measured: a start beside a busy CPU-mate took 3x its quiet time (the share of the CPU alone
+    # says 2x); with k mates busy, 3x over the measurement's 2 ways of time-slicing times k + 1.
+    async def main() -> dict[str, float]:
+        host = HostLoad(HostCpu(cpus=2), client_on_host=False, window_s=2.0)
+        for worker in ("a", "b", "c"):  # a and c share CPU 0; b has CPU 1 to itself
+            host.place(worker)
+        seen = {
+            "own cpu": host.start_stretch("b", 0.25, 3.0),
+            "mate idle": host.start_stretch("a", 0.25, 3.0),
+        }
+        host.occupy("c", 1.0)
+        seen["mate busy"] = host.start_stretch("a", 0.25, 3.0)
+        seen["mate busy, not measured"] = host.start_stretch("a", 0.25, 0.0)
+        await asyncio.sleep(2.0)  # c worked 1 s of the last 2, and nothing now
+        seen["mate busy half the time"] = host.start_stretch("a", 0.25, 3.0)
+        host.place("d")  # CPU 1, beside b
+        host.place("e")  # CPU 0: a's second mate
+        host.occupy("c", 10.0)
+        host.occupy("e", 10.0)
+        seen["two mates busy"] = host.start_stretch("a", 0.25, 3.0)
+        return seen
+
+    assert clock.run_virtual(main) == pytest.approx(
+        {
+            "own cpu": 1.0,
+            "mate idle": 1.0,
+            "mate busy": 3.0,
+            "mate busy, not measured": 2.0,
+            # half the time at full pace, half at a third: the pace averaged, not the stretch
+            "mate busy half the time": 1 / (0.5 * 1 + 0.5 / 3),
+            "two mates busy": 3.0 * 3 / 2,
+        }
+    )
+
+
+def test_a_starts_measured_pace_beside_busy_mates_has_the_routers_work_in_it() -> None:
+    # The router keeps half of each CPU busy: a quiet CPU's start takes twice as long for it; beside
+    # a busy mate the measured pace (taken while the host served) stands as it is.
+    async def main() -> tuple[float, float]:
+        host = HostLoad(HostCpu(cpus=2, router_idle=1.0), client_on_host=False)
+        for worker in ("a", "b", "c"):
+            host.place(worker)
+        host.occupy("c", 10.0)
+        return host.start_stretch("b", 0.25, 3.0), host.start_stretch("a", 0.25, 3.0)
+
+    assert clock.run_virtual(main) == pytest.approx((2.0, 3.0))

@@ -67,6 +67,7 @@ def test_a_profile_reads_back_as_written(tmp_path: Path) -> None:
         original,
         steps={**original.steps, "colocated": roofline, "decode": spread},
         steps_from="serving",
+        start_busy_s=21.5,
         loops={"decode": LoopTime(0.001, 2e-4), "prefill": LoopTime(0.0015)},
         pulls={
             "decode": ServedPull(
@@ -144,7 +145,7 @@ def test_a_file_that_is_not_a_profile_is_said_so(tmp_path: Path, content: str, m
         profiles.load(path)
 
 
-def test_a_negative_or_missing_pull_time_is_refused_by_where_it_is(tmp_path: Path) -> None:
+def test_a_negative_or_missing_pull_or_start_time_is_refused_by_where_it_is(tmp_path: Path) -> None:
     pull = ServedPull("shm", TransferTime(0.002, 1e-4), TransferTime(0.003, 3e-4))
     good = replace(fixed_profile(), pulls={"decode": pull}).to_json()
     cases = [
@@ -156,6 +157,8 @@ def test_a_negative_or_missing_pull_time_is_refused_by_where_it_is(tmp_path: Pat
         (("pulls", "decode", "busy", "base_s"), float("nan"), r"pulls\.decode\.busy: base_s and per_block_s"),
         (("pulls", "decode", "copy_alone"), {"base_s": -1, "per_block_s": 0}, r"pulls\.decode\.copy_alone: "),
         (("pulls", "decode", "alone"), {"base_s": 0.001}, "incomplete or malformed"),
+        (("start_busy_s",), -3.0, r"start_busy_s must be a finite number of seconds >= 0, got -3\.0"),
+        (("start_s",), float("inf"), "start_s must be a finite number"),
     ]
     for path, value, message in cases:
         body = json.loads(json.dumps(good))

@@ -31,6 +31,7 @@ import os
 import platform
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--served",
         action="store_true",
         help="with --model: then trace a real DPD and colocated server under a climbing load (3-4 min) "
-        "and refit the step times to their steps (pdserve/measure/served.py)",
+        "and refit the step times to their steps (pdserve/measure/served.py), and time a worker's "
+        "start beside a busy one while serving, as the planner's scale-up (2 min; pdserve/measure/start.py)",
     )
     p.add_argument(
         "--served-rate-scale", type=float, default=None, help="with --served: scale that load's rates (1)"
@@ -163,7 +165,12 @@ def served_profile(args: argparse.Namespace, profile: Profile) -> Profile:
         rate_scale=args.served_rate_scale,
         workload=args.served_workload,
     )
-    return calibrated(profile, traces)
+    from pdserve.measure.start import start_beside_busy
+
+    busy_start = start_beside_busy(
+        args.model, threads=args.threads, rate_scale=args.served_rate_scale, workload=args.served_workload
+    )
+    return replace(calibrated(profile, traces), start_busy_s=round(busy_start, 2))
 
 
 def describe(profile: Profile) -> list[str]:
@@ -225,7 +232,9 @@ def describe(profile: Profile) -> list[str]:
     lines.append(
         f"  overhead: {profile.overhead.request_s * 1000:.2f} ms a request, {profile.overhead.step_s * 1000:.3f} ms a step "
         f"+ {profile.overhead.stream_s * 1000:.3f} ms a stream; "
-        f"start {profile.start_s:.1f} s; KV blocks {profile.kv_blocks}"
+        f"start {profile.start_s:.1f} s"
+        + (f" ({profile.start_busy_s:.1f} s beside a busy worker, serving)" if profile.start_busy_s else "")
+        + f"; KV blocks {profile.kv_blocks}"
     )
     return lines
 
@@ -248,8 +257,6 @@ def _machine() -> dict[str, Any]:
 
 
 def _stamped(profile: Profile, extra: dict[str, Any]) -> Profile:
-    from dataclasses import replace
-
     import pdserve
 
     meta = dict(profile.meta) | extra

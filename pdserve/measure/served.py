@@ -24,13 +24,16 @@ logger = logging.getLogger("pdserve.measure")
 
 # A staircase of chat and documents over the run's thirds: x1, x2, then x3.5 (past the knee of
 # SmolLM2 on two cores). Scale it to the hardware with --served-rate-scale.
+CLASSES = (
+    "chat: poisson(2) prompt=lognormal(128,0.6,16,1024) output=uniform(8,96)",
+    "docs: poisson(0.1) prompt=uniform(400,1600) output=uniform(4,32)",
+)
+
+
 def load(duration_s: float) -> str:
     third = duration_s / 3
     steps = f"step({third:g},{third:g},2) step({2 * third:g},{third:g},3.5)"
-    return (
-        f"chat: poisson(2) prompt=lognormal(128,0.6,16,1024) output=uniform(8,96) {steps}; "
-        f"docs: poisson(0.1) prompt=uniform(400,1600) output=uniform(4,32) {steps}"
-    )
+    return "; ".join(f"{spec} {steps}" for spec in CLASSES)
 
 
 DURATION_S = 90.0

@@ -65,6 +65,10 @@ class SimCluster:
         self._alive: dict[str, WorkerHandle] = {}
         self._on_exit: ExitCallback | None = None
         self.started = 0  # workers started over the run (the planner's scale-ups count here)
+        # A start beside a busy CPU-mate over a quiet one, as measured (0: not measured).
+        self._beside_busy = (
+            profile.start_busy_s / profile.start_s if profile.start_busy_s and profile.start_s else 0.0
+        )
 
     def set_exit_callback(self, callback: ExitCallback) -> None:
         self._on_exit = callback
@@ -177,8 +181,9 @@ class SimCluster:
         the model is the profile's start time of work on its CPU (a CPU-second a second, measured:
         8.0 s of CPU in 8.4 s alone), done at the share of the CPU the worker gets beside its
         CPU-mates and the router's (and the client's) work, which the profile's quiet start left
-        out: beside a busy process it took 14 s (measured), beside a busy prefill worker while
-        serving 31-37 s."""
+        out; beside a busy CPU-mate, at the pace of the profile's start measured beside a busy
+        worker while the host served (`start_busy_s`: 30-42 s where the quiet start took 10 s and
+        the share of the CPU says 20; `HostLoad.start_stretch`)."""
         host = self.host
         if host is None:
             if self.profile.start_s > timeout:
@@ -190,7 +195,7 @@ class SimCluster:
         work, waited = self.profile.start_s, 0.0
         while work > 0:
             tick = min(START_TICK_S, work)
-            seconds = tick * host.sharing(worker_id, tick) * host.router_stretch()
+            seconds = tick * host.start_stretch(worker_id, tick, self._beside_busy)
             if waited + seconds > timeout:
                 await asyncio.sleep(max(0.0, timeout - waited))
                 host.leave(worker_id)

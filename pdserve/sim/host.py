@@ -147,11 +147,9 @@ class HostLoad:
         ahead = sum(max(0.0, min(end, now + ahead_s) - max(start, now)) for start, end in spans)
         return min(1.0, max(past / window if window > 0 else 0.0, ahead / ahead_s if ahead_s > 0 else 0.0))
 
-    def sharing(self, worker_id: str, seconds: float, beside_itself: bool = False) -> float:
-        """How much longer a step of `seconds` takes for the other workers on its CPU(s) (1: none).
-        `beside_itself`: work the worker does beside its own engine (a KV pull, on a thread of its
-        own), which then waits on the worker's steps for the CPU too (one way only: the steps are
-        not slowed by it, a pull being short)."""
+    def _busy_chances(self, worker_id: str, seconds: float, beside_itself: bool) -> tuple[list[float], int]:
+        """The chance that k of the workers sharing `worker_id`'s CPU(s) are busy over the next
+        `seconds` (each on its own), by k; and the CPUs they share."""
         if self.pinned:
             cpu = self._cpu.get(worker_id)
             others = [w for w, c in self._cpu.items() if c == cpu and w != worker_id]
@@ -161,10 +159,6 @@ class HostLoad:
             cpus = self.host.cpus
         if beside_itself and worker_id in self._busy:
             others.append(worker_id)
-        if not others:
-            return 1.0
-        # The chance that k of the others are busy at a moment (each on its own), and the share of
-        # a CPU left to this worker then: all of one while the busy ones fit on the other CPUs.
         chances = [1.0]
         for other in others:
             b = self._busy_share(other, seconds)
@@ -172,5 +166,38 @@ class HostLoad:
                 (chances[k] if k < len(chances) else 0.0) * (1 - b) + (chances[k - 1] * b if k >= 1 else 0.0)
                 for k in range(len(chances) + 1)
             ]
+        return chances, cpus
+
+    def sharing(self, worker_id: str, seconds: float, beside_itself: bool = False) -> float:
+        """How much longer a step of `seconds` takes for the other workers on its CPU(s) (1: none).
+        `beside_itself`: work the worker does beside its own engine (a KV pull, on a thread of its
+        own), which then waits on the worker's steps for the CPU too (one way only: the steps are
+        not slowed by it, a pull being short)."""
+        chances, cpus = self._busy_chances(worker_id, seconds, beside_itself)
+        # The share of a CPU left to this worker while k others are busy: all of one while the
+        # busy ones fit on the other CPUs.
         speed = sum(chance * min(1.0, cpus / (1 + k)) for k, chance in enumerate(chances))
+        return 1.0 / speed
+
+    def start_stretch(self, worker_id: str, seconds: float, beside_busy: float) -> float:
+        """How much longer `seconds` of a worker's start (measured on a quiet host) take now.
+
+        `beside_busy`: the profile's start beside one busy CPU-mate on a host serving past its
+        knee, over its quiet start (0: not measured). A start faults in a gigabyte or more of
+        fresh memory (the weights, the KV cache); on a virtual machine under load each fault
+        waits on the host (measured: populating the KV segment, 0.3 s quiet, took 19 s while
+        serving), so a start beside a busy worker takes several times its share of the CPU says.
+        Measured, that factor replaces the share of the CPU and the router's work (both were in
+        the measurement) while mates are busy; with k busy, it counts k + 1 ways of time-slicing
+        instead of the measurement's 2. Not measured, or no mate busy: the share of the CPU and
+        the router's work alone."""
+        chances, cpus = self._busy_chances(worker_id, seconds, False)
+        router = self.router_stretch()
+        speed = 0.0  # the start's progress per second, on average over the mates' busy and idle times
+        for busy, chance in enumerate(chances):
+            sliced = 1.0 / min(1.0, cpus / (1 + busy))
+            if busy and beside_busy > 0 and sliced > 1.0:
+                speed += chance * 2 / (beside_busy * sliced)
+            else:
+                speed += chance / (sliced * router)
         return 1.0 / speed

@@ -241,6 +241,9 @@ class Profile:
     transfers: dict[str, TransferTime]  # per transport
     overhead: Overhead = Overhead()
     start_s: float = 0.0  # a worker's start, from asked to ready
+    # A worker's start beside a busy worker on its CPU, the host serving past its knee, from asked
+    # to ready (the planner's scale-up; `pdserve profile --served`). 0: not measured.
+    start_busy_s: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)  # machine, versions, date, engine settings
     assumptions: list[str] = field(default_factory=list)
     host: HostCpu | None = None  # None: the workers' CPUs (or GPUs) are theirs alone
@@ -311,6 +314,7 @@ class Profile:
             "block_size": self.block_size,
             "kv_blocks": self.kv_blocks,
             "start_s": self.start_s,
+            "start_busy_s": self.start_busy_s,
             "overhead": asdict(self.overhead),
             "steps": {role: step.to_json() for role, step in self.steps.items()},
             "transfers": {name: asdict(t) for name, t in self.transfers.items()},
@@ -413,6 +417,7 @@ def load(path: Path) -> Profile:
             transfers=transfers,
             overhead=Overhead(**body.get("overhead", {})),
             start_s=float(body.get("start_s", 0.0)),
+            start_busy_s=float(body.get("start_busy_s", 0.0)),
             meta=dict(body.get("meta", {})),
             assumptions=list(body.get("assumptions", [])),
             host=HostCpu(**body["host"]) if body.get("host") else None,
@@ -421,6 +426,11 @@ def load(path: Path) -> Profile:
             loops={str(role): LoopTime(**loop) for role, loop in body.get("loops", {}).items()},
             pulls={str(role): _served_pull(str(role), pull) for role, pull in body.get("pulls", {}).items()},
         )
+        for name in ("start_s", "start_busy_s"):
+            if not (math.isfinite(getattr(profile, name)) and getattr(profile, name) >= 0):
+                raise ProfileError(
+                    f"{name} must be a finite number of seconds >= 0, got {getattr(profile, name)!r}"
+                )
         if profile.steps_from not in STEPS_FROM:
             raise ProfileError(
                 f"steps_from must be one of {', '.join(STEPS_FROM)}, got {profile.steps_from!r}"
