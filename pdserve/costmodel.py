@@ -37,7 +37,11 @@ _RIDGE = 1e-9
 # percentile, not on average: a step predicted at exactly the budget runs over it about half the
 # time. The path choice divides its budget by the recent under-prediction of such steps: the SLO
 # percentile of observed / predicted over the last MIXED_WINDOW of them (1 until MIXED_MIN_SAMPLES
-# were seen; never below 1).
+# were seen; never below 1), predicted by the fit of the moment. Not by the fit each was predicted
+# with as it ran: a young fit's errors would outlive it, since a margin that keeps local prefills
+# off keeps new mixed steps from coming to correct it (measured: a margin of 2.24 from a DPD
+# server's first seconds held it to no local prefill at all through documents x8 and x16; the
+# same server's margin by the fit of the moment ran 1.1-1.5 in five runs of that load).
 MIXED_WINDOW = 200
 MIXED_MIN_SAMPLES = 20
 
@@ -77,17 +81,21 @@ class StepCostModel:
         # one a second (busy workers report steps ten times a second each).
         self.refit_seconds = refit_seconds
         self._fitted_at = -math.inf
-        self._mixed_ratios: deque[float] = deque(maxlen=MIXED_WINDOW)  # observed / predicted
+        # The last mixed steps (prompt tokens beside decode streams): (features, seconds).
+        self._mixed: deque[tuple[tuple[float, ...], float]] = deque(maxlen=MIXED_WINDOW)
+        self._fits = 0  # how many fits so far: a margin is reckoned once per fit and mixed step
+        self._margin_for: tuple[int, int, float] | None = None  # (fits, mixed steps seen, quantile)
+        self._mixed_seen = 0
+        self._margin = 1.0
 
     def add(self, step: Step, seconds: float) -> None:
         if seconds > 0 and math.isfinite(seconds):
-            if self.ready and step.prefill_tokens and step.decode_streams:
-                predicted = self.step_seconds(step)  # before this step enters the fit
-                if predicted > 0:
-                    self._mixed_ratios.append(seconds / predicted)
             if len(self._samples) == self._samples.maxlen:
                 self._count(self._samples[0][0], -1)  # about to fall out of the window
             features = step.features()
+            if step.prefill_tokens and step.decode_streams:
+                self._mixed.append((features, seconds))
+                self._mixed_seen += 1
             self.largest_prompt_step = max(self.largest_prompt_step, step.prefill_tokens)
             self._samples.append((features, seconds))
             self._count(features, 1)
@@ -98,12 +106,24 @@ class StepCostModel:
         self._with_streams += sign * (features[3] > 0)
 
     def mixed_step_margin(self, quantile: float = 0.9) -> float:
-        """How much longer than predicted the recent steps with prompt tokens beside decode streams
-        ran (this quantile of observed / predicted; never below 1, and 1 until MIXED_MIN_SAMPLES
-        of them were seen)."""
-        if len(self._mixed_ratios) < MIXED_MIN_SAMPLES:
+        """How much longer than the fit of the moment predicts the recent steps with prompt tokens
+        beside decode streams ran (this quantile of observed / predicted; never below 1, and 1
+        until MIXED_MIN_SAMPLES of them were seen or while the model is not `ready`)."""
+        if len(self._mixed) < MIXED_MIN_SAMPLES or self.coefficients() is None:
             return 1.0
-        return max(1.0, slo.quantile(self._mixed_ratios, quantile) or 1.0)
+        key = (self._fits, self._mixed_seen, quantile)
+        if self._margin_for != key:  # a path choice a request: reckoned again only when it can change
+            assert self._coef is not None
+            coef = self._coef
+            ratios = [
+                seconds / predicted
+                for features, seconds in self._mixed
+                if (predicted := sum(c * x for c, x in zip(coef, features, strict=True))) > 0
+            ]
+            enough = len(ratios) >= MIXED_MIN_SAMPLES
+            self._margin = max(1.0, slo.quantile(ratios, quantile) or 1.0) if enough else 1.0
+            self._margin_for = key
+        return self._margin
 
     @property
     def num_samples(self) -> int:
@@ -126,6 +146,7 @@ class StepCostModel:
             self._coef = _fit_non_negative(list(self._samples))
             self._dirty = False
             self._fitted_at = now
+            self._fits += 1
         return tuple(c * s for c, s in zip(self._coef, _SCALE, strict=True))
 
     def step_seconds(self, step: Step) -> float:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 
 import pytest
 
+from pdserve import clock
 from pdserve.costmodel import (
     Step,
     StepCostModel,
@@ -110,6 +112,33 @@ def test_stall_margin_is_the_recent_under_prediction_of_prompt_steps_beside_stre
     for step in mixed[:30]:
         model.add(step, 1.5 * model.step_seconds(step))
     assert model.mixed_step_margin() == pytest.approx(1.5, rel=0.02)
+
+
+def test_stall_margin_is_the_fit_of_the_moments_not_a_young_fits() -> None:
+    # A young fit (a dozen steps: short decode contexts, short prompts) cannot see what context
+    # costs and under-predicts the first mixed steps (8 streams at 4000 tokens of context) by 30%
+    # and more. Once the fit has seen long contexts it predicts those same steps right: the margin
+    # follows, though no mixed step came since (a margin from the young fit's errors would keep
+    # local prefills off, and with them the mixed steps that could correct it).
+    async def main() -> tuple[float, float]:
+        model = StepCostModel()  # refits at most once a second (of virtual time here)
+        for i in range(12):
+            step = Step(16 + i, chunk_attention(0, 16 + i)) if i % 2 else Step(0, 0, 1 + i, 10 * (1 + i))
+            model.add(step, true_seconds(step))
+        mixed = [Step(t, chunk_attention(0, t), 8, 4000) for t in range(8, 32)]
+        young_error = min(true_seconds(step) / model.step_seconds(step) for step in mixed)
+        for step in mixed:
+            model.add(step, true_seconds(step))
+        await asyncio.sleep(1.0)
+        for streams in range(1, 33):  # long contexts, no prompt tokens beside them
+            for context in (500, 1000, 1500):
+                step = Step(0, 0, streams, streams * context)
+                model.add(step, true_seconds(step))
+        return young_error, model.mixed_step_margin()
+
+    young_error, margin = clock.run_virtual(main)
+    assert young_error > 1.3
+    assert margin == pytest.approx(1.0, abs=0.02)
 
 
 def test_stall_margin_is_taken_at_the_slo_s_percentile() -> None:
