@@ -3,12 +3,17 @@ worker, timed from asking to its being up."""
 
 from __future__ import annotations
 
+import asyncio
+import http.server
+import threading
 from pathlib import Path
 
+import httpx
 import pytest
 
 from pdserve.errors import PdserveError
 from pdserve.measure import start
+from pdserve.measure.server import free_port
 
 
 def test_a_second_prefill_worker_is_timed_from_asked_to_up_while_the_server_serves(tiny_llama: Path) -> None:
@@ -28,3 +33,34 @@ def test_the_load_is_the_top_of_the_profiles_staircase() -> None:
     assert not builtin.steps and given.duration_s == start.LOAD_S
     with pytest.raises(PdserveError):
         start.top_load("poisson(2) prompt=nonsense", 1.0, 7)
+
+
+def test_an_admin_route_that_fails_or_is_not_pdserves_is_said_plainly() -> None:
+    class NotPdserve(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"<html>not pdserve</html>" if self.path == "/pools" else b"{}"
+            self.send_response(200 if self.path == "/pools" else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotPdserve)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    closed = free_port()  # nothing listens there
+
+    async def ask(url: str, path: str) -> str:
+        async with httpx.AsyncClient(base_url=url, timeout=5.0) as client:
+            with pytest.raises(PdserveError) as said:
+                await start._admin(client, "GET", path)
+            return str(said.value)
+
+    try:
+        url = f"http://127.0.0.1:{other.server_address[1]}"
+        assert "answered something other than JSON" in asyncio.run(ask(url, "/pools"))
+        assert "answered HTTP 404" in asyncio.run(ask(url, "/elsewhere"))
+        assert "GET /pools failed: ConnectError" in asyncio.run(ask(f"http://127.0.0.1:{closed}", "/pools"))
+    finally:
+        other.shutdown()
+        other.server_close()

@@ -88,14 +88,13 @@ async def _timed_start(
                 load.result()  # its error, if it failed
                 raise PdserveError("the load ended before the start was asked for")
             asked = time.perf_counter()
-            answer = await client.put("/pools/prefill", json={"replicas": 2})
-            if answer.status_code != 200:
-                raise PdserveError(
-                    f"PUT /pools/prefill answered HTTP {answer.status_code}: {answer.text[:300]}"
-                )
+            await _admin(client, "PUT", "/pools/prefill", {"replicas": 2})
             prefill: dict[str, object] = {}
             while time.perf_counter() - asked < START_TIMEOUT_S:
-                prefill = pool_counts((await client.get("/pools")).json()).get("prefill", {})
+                try:
+                    prefill = pool_counts(await _admin(client, "GET", "/pools")).get("prefill", {})
+                except ValueError as exc:  # JSON, but not the shape of pdserve's pools
+                    raise PdserveError(f"GET /pools answered something else: {exc}") from None
                 workers = prefill.get("workers")
                 if isinstance(workers, dict) and workers.get("up", 0) >= 2:
                     return time.perf_counter() - asked
@@ -107,3 +106,17 @@ async def _timed_start(
         load.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await load
+
+
+async def _admin(client: httpx.AsyncClient, method: str, path: str, body: object = None) -> object:
+    """The admin route's JSON answer; a failed call, an error status or an answer that is not
+    pdserve's raise PdserveError saying which."""
+    try:
+        answer = await client.request(method, path, json=body)
+        if answer.status_code != 200:
+            raise PdserveError(f"{method} {path} answered HTTP {answer.status_code}: {answer.text[:300]}")
+        return answer.json()
+    except httpx.HTTPError as exc:
+        raise PdserveError(f"{method} {path} failed: {type(exc).__name__}: {exc}") from None
+    except ValueError as exc:  # not JSON
+        raise PdserveError(f"{method} {path} answered something other than JSON: {exc}") from None

@@ -10,10 +10,9 @@ this fits each pool role's step time to the steps that pool's workers ran, and e
 loop time around a step (per step and per stream, its waits on KV pulls left out) and, where
 the trace says what they moved, its waits on KV pulls (per pull and per block, as the steps,
 alone and beside busy neighbours), into a copy of a base profile (its KV transfers, start time,
-blocks and overhead are kept). Each
-step is fitted as alone + (beside busy neighbours - alone) x how busy the other workers were in the
-2 s before it (read from the trace as the simulation reckons it), so the fit keeps how the steps
-slow as the load rises. The result says `steps_from: serving`: the simulation then adds the
+blocks and overhead are kept). Each step is fitted as alone + (beside busy neighbours - alone) x
+how busy the other workers were in the 2 s before it (read from the trace as the simulation
+reckons it), so the fit keeps how the steps slow as the load rises. The result says `steps_from: serving`: the simulation then adds the
 neighbours' term and no stretch for the router's and the client's CPU (that is in the fit, at the
 loads the trace covered: trace a load that climbs past the knee, as `pdserve profile --served` does).
 """
@@ -210,8 +209,8 @@ def fit_pull(
     least squares on the seconds, so that the fit keeps the waits' mean (their right tail, a few
     waits of 20-50 ms, is time the streams lose). The copy: `relative`, on the relative error, as
     each pull's own time is a request's transfer part, a 2-block chat prompt's as much as a
-    document's. None:
-    fewer than MIN_PULL_STEPS such steps (or a trace from before the pulls' blocks were traced)."""
+    document's. None: fewer than MIN_PULL_STEPS such steps (or a trace from before the pulls'
+    blocks were traced)."""
     waits = [
         (int(r["pull_blocks"]), float(r[key]), float(r["busy"]))
         for r in rows

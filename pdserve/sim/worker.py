@@ -5,8 +5,8 @@ What runs for real: the scheduler (chunked prefill, the step budget, preemption,
 cache's bookkeeping, the worker's handling of every command (leases, pulls, moves, refusals) and
 its load reports. What is modelled: how long a step takes (`step_seconds`, from a profile), how
 long a KV pull takes (`pull_seconds`: until the loop hears of it, and its copy's own part), and
-the tokens (token `i` of a request, its prompt counted, is `1000 + i`). Under `pdserve.clock.VirtualTimeLoop` an hour of serving runs in the time the
-Python takes.
+the tokens (token `i` of a request, its prompt counted, is `1000 + i`). Under
+`pdserve.clock.VirtualTimeLoop` an hour of serving runs in the time the Python takes.
 
 The loop mirrors `WorkerServer._engine_loop`: commands applied between steps, pulls started and
 awaited up to `kv_join_wait`, hand-overs, a step (its outputs leave when it ends), expired leases,
