@@ -161,6 +161,10 @@ class WorkerConfig:
     # a decode step ~100 ms on one CPU). A slower pull finishes in the background meanwhile.
     kv_join_wait: float = 0.05
     load_interval: float = 0.1  # seconds between the worker's load reports
+    # A report goes sooner, this long after the last, when its prefix cache stored or evicted
+    # blocks: the router routes a conversation's next turn by them, and an agent's tool call can
+    # follow an answer within milliseconds.
+    prefix_report_interval: float = 0.01
     # Prefill role on CPU: a prompt of at most one chunk that arrives while a step runs is
     # prefilled between two of that step's layers, when it is shorter than what each prompt of
     # the step has left (shortest remaining first), instead of waiting for the step to end.
@@ -178,7 +182,7 @@ class WorkerConfig:
             raise ValueError(f"a {self.pool} worker runs a {POOL_ROLES[self.pool].value} engine")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        for name in ("lease_seconds", "kv_pull_timeout", "load_interval"):
+        for name in ("lease_seconds", "kv_pull_timeout", "load_interval", "prefix_report_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("kv_fault_rate", "kv_corrupt_rate"):

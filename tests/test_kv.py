@@ -184,3 +184,20 @@ def test_with_prefix_caching_off_nothing_is_kept_or_found() -> None:
     assert kv.num_cached_blocks == 0 and kv.match_prefix("b", list(range(10)), 9) == 0
     kv.count_lookup(10, 0)
     assert kv.prefix_queries == 0
+
+
+def test_the_keys_stored_and_evicted_are_told_once_each() -> None:
+    kv = cached()
+    kv.record_events = True
+    assert not kv.has_events
+    prompt = list(range(100, 110))  # 2 full blocks
+    compute(kv, "a", prompt)
+    assert kv.has_events
+    stored, evicted = kv.take_events()
+    assert len(stored) == 2 and evicted == [] and not kv.has_events
+    kv.free("a")  # still cached: nothing to tell
+    assert not kv.has_events
+    # A prompt that needs every block evicts a's two: told as evicted (its own, as stored).
+    compute(kv, "b", list(range(500, 532)))
+    stored_b, evicted = kv.take_events()
+    assert sorted(evicted) == sorted(stored) and len(stored_b) == 8 and not set(stored_b) & set(stored)

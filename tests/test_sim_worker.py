@@ -33,14 +33,16 @@ def step_seconds(out: SchedulerOutput) -> float:
     return BASE + PER_PROMPT_TOKEN * prompt + PER_STREAM * decodes
 
 
-def sim_workers(pools: dict[str, int], device_type: str = "cuda") -> tuple[WorkerSet, SimConnector]:
+def sim_workers(
+    pools: dict[str, int], device_type: str = "cuda", **settings: object
+) -> tuple[WorkerSet, SimConnector]:
     connector = SimConnector()
     workers = WorkerSet(connector)
     for pool, count in pools.items():
         for i in range(count):
             worker_id = f"{pool}-{i}"
             engine = EngineConfig("modelled", role=POOL_ROLES[pool], block_size=16)
-            config = WorkerConfig(worker_id, pool, engine, transport="tcp")
+            config = WorkerConfig(worker_id, pool, engine, transport="tcp", **settings)  # type: ignore[arg-type]
             connector.factories[worker_id] = lambda events, c=config: SimWorker(
                 c, MODEL, 256, events, step_seconds=step_seconds, pull_seconds=lambda _blocks: (PULL, PULL),
                 device_type=device_type,
@@ -59,10 +61,13 @@ async def timed_stream(dispatcher: Dispatcher, prompt: int, max_tokens: int) -> 
 
 
 def run(
-    body: Callable[[WorkerSet, SimConnector], object], pools: dict[str, int], device_type: str = "cuda"
+    body: Callable[[WorkerSet, SimConnector], object],
+    pools: dict[str, int],
+    device_type: str = "cuda",
+    **settings: object,
 ) -> object:
     async def main() -> object:
-        workers, connector = sim_workers(pools, device_type)
+        workers, connector = sim_workers(pools, device_type, **settings)
         try:
             while len(workers.up(*pools)) < sum(pools.values()):  # their Ready, at once
                 await asyncio.sleep(0.001)
@@ -112,6 +117,26 @@ def test_the_router_knows_what_each_simulated_worker_has_cached() -> None:
         return True
 
     assert run(body, {"prefill": 1, "decode": 1})
+
+
+def test_a_simulated_worker_reports_what_it_cached_without_waiting_for_its_next_load_report() -> None:
+    prompt = list(range(300))
+
+    async def body(workers: WorkerSet, connector: SimConnector) -> object:
+        dispatcher = Dispatcher(workers, RouterConfig(local_prefill_threshold=16), RouterMetrics())
+        params = wire.WireSamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        async for _ in dispatcher.generate(RequestState("r"), prompt, params):
+            pass
+        answered = clock.monotonic()
+        keys = PromptKeys([*prompt, 7])
+        views = [workers.view(w) for w in ("prefill-0", "decode-0")]
+        # The answer took ~45 ms of virtual time; load reports come every 30 s here (one at the
+        # start), so only the prompt report of what the prefix cache stored can say it by now.
+        await until(lambda: all(v is not None and v.cached_tokens(keys) == 288 for v in views), "keys")
+        return clock.monotonic() - answered
+
+    waited = run(body, {"prefill": 1, "decode": 1}, load_interval=30.0)
+    assert waited <= 0.01  # type: ignore[operator]
 
 
 def test_a_short_prompt_is_prefilled_on_the_decode_worker_itself() -> None:

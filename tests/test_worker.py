@@ -212,6 +212,28 @@ def test_load_reports_carry_each_step_for_the_cost_model(tiny_llama: Path) -> No
         assert worker.stop() == 0
 
 
+def test_what_the_prefix_cache_stored_is_reported_without_waiting_for_the_next_load_report(
+    tiny_llama: Path,
+) -> None:
+    # Load reports every 60 s: after the first (at start), only the prompt report of the prefix
+    # cache's news can tell the router, within the wait below, what the worker has cached.
+    worker = Worker(tiny_llama, "mixed", "m0", load_interval=60.0)
+    try:
+        while not isinstance(worker.recv(), wire.Load):  # the report at start
+            pass
+        params = wire.WireSamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        worker.send(wire.AddRequest("r1", list(range(20, 120)), params))  # one full 64-token block
+        stored: list[object] = []
+        deadline = time.monotonic() + 30
+        while not stored:
+            message = worker.recv(max(0.1, deadline - time.monotonic()))
+            if isinstance(message, wire.Load):
+                stored += message.prefix_stored
+        assert len(stored) == 1
+    finally:
+        assert worker.stop() == 0
+
+
 def test_a_request_s_chunk_limit_reaches_the_engine(tiny_llama: Path) -> None:
     # What the router sends for a prompt it prefills on a decode worker: at most 16 tokens a step.
     worker = Worker(tiny_llama, "mixed", "m0")

@@ -205,6 +205,11 @@ class KVCacheManager:
             self._touched.add(key)
         return block
 
+    @property
+    def has_events(self) -> bool:
+        """Keys were stored or evicted since the last `take_events`."""
+        return bool(self._touched)
+
     def take_events(self) -> tuple[list[BlockKey], list[BlockKey]]:
         """(keys now cached, keys no longer cached) among those that changed since the last call:
         the net change, so that the two lists are disjoint and their order does not matter."""

@@ -10,7 +10,7 @@ the tokens (token `i` of a request, its prompt counted, is `1000 + i`). Under
 
 The loop mirrors `WorkerServer._engine_loop`: commands applied between steps, pulls started and
 awaited up to `kv_join_wait`, hand-overs, a step (its outputs leave when it ends), expired leases,
-a load report every `load_interval`.
+a load report every `load_interval` (sooner when the prefix cache has news, `WorkerCore.load_due`).
 """
 
 from __future__ import annotations
@@ -184,11 +184,13 @@ class SimWorker:
                         await asyncio.sleep(loop)
             core.expire_leases(clock.monotonic())
             now = clock.monotonic()
-            if now - last_load >= self.config.load_interval:
+            if core.load_due(now - last_load):
                 self._send(core.load())
                 last_load = now
             if not stepped and not self._inbox:  # idle, or waiting on a pull: until something comes
-                await self._wait(self.config.load_interval)
+                # or a report is due (sooner when the prefix cache has news for the router)
+                news = engine.kv.has_events
+                await self._wait(self.config.prefix_report_interval if news else self.config.load_interval)
 
     def _log_step(self, step: wire.StepSample | None) -> None:
         # The real worker's DEBUG step line, word for word: a simulated run's steps and a served

@@ -414,6 +414,14 @@ class WorkerCore:
             del self._steps[0]
         return sample
 
+    def load_due(self, since_last_s: float) -> bool:
+        """A load report is due: every `load_interval`, and after `prefix_report_interval` when
+        the prefix cache stored or evicted blocks since the last (the router's view of what each
+        worker has cached lags by that much, not by a whole interval)."""
+        if since_last_s >= self.config.load_interval:
+            return True
+        return self.engine.kv.has_events and since_last_s >= self.config.prefix_report_interval
+
     def load(self, rpc_refused: int = 0, rpc_dropped: int = 0) -> wire.Load:
         stats = self.engine.stats()
         step = self.engine.last_step

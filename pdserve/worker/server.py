@@ -194,7 +194,7 @@ class WorkerServer:
                 core.hand_over()  # right after their tokens: the next step would not wait
             core.expire_leases(time.monotonic())
             now = time.monotonic()
-            if now - last_load >= self.config.load_interval:
+            if core.load_due(now - last_load):
                 self._send(core.load(self.rpc.refused, self.rpc.dropped_frames))
                 last_load = now
 
