@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import pytest
 import zmq
 import zmq.asyncio
 from fakes import ScriptedConnector, until
@@ -212,3 +213,33 @@ def test_a_stalled_worker_that_still_answers_greetings_stays_down_until_it_repor
             await workers.close()
 
     asyncio.run(scenario())
+
+
+def test_a_prefill_workers_rate_weighs_the_same_time_of_steps_however_often_it_reports() -> None:
+    """A worker reports every 0.1 s, or 10 ms after a step its prefix cache stored blocks in: the
+    measured rate (the admission's prediction of a queue's wait) must not depend on which."""
+
+    async def scenario() -> list[float]:
+        workers = WorkerSet(ScriptedConnector())
+        rates = []
+        try:
+            for i, (reports, steps_each) in enumerate(((10, 10), (100, 1))):  # 1 s of 10-ms steps
+                link = workers.link(workers.add_worker(f"prefill-{i}", "prefill").worker_id)
+                link._handle(wire.Ready(f"prefill-{i}", "prefill", "m", 8192, 49152, "shm", "", ""))
+                slow = wire.StepSample(0.1, 10, 0, 0, 0)  # 100 prompt tokens a second, measured first
+                link._handle(wire.Load(f"prefill-{i}", 0, 0, 0, 0, 100, 0, 0.0, steps=[slow]))
+                fast = wire.StepSample(0.01, 10, 0, 0, 0)  # then 1000 a second
+                for _ in range(reports):
+                    link._handle(
+                        wire.Load(f"prefill-{i}", 0, 0, 0, 0, 100, 0, 0.0, steps=[fast] * steps_each)
+                    )
+                assert link.prefill_tokens_per_s is not None
+                rates.append(link.prefill_tokens_per_s)
+        finally:
+            await workers.close()
+        return rates
+
+    bundled, one_by_one = asyncio.run(scenario())
+    # After 1 s of the new rate, ~0.45 s of memory: most of the way there, by either cadence.
+    assert bundled == pytest.approx(one_by_one, rel=1e-9)
+    assert 850 < bundled < 950

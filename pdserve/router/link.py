@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,10 @@ from pdserve.router.views import DownCause, WorkerState, WorkerView
 logger = logging.getLogger("pdserve.router.workers")  # one logger for the links and their set
 
 STEP_MEMORY_S = 60.0  # how far back a worker's longest step is remembered
+# A prefill worker's measured rate weighs its prompt steps of about the last this many seconds
+# (an exponential average over the steps' own time, whatever the reports' cadence: a report may
+# carry one step, or a tenth of a second of them).
+PREFILL_RATE_MEMORY_S = 0.45
 
 
 @dataclass(frozen=True)
@@ -272,7 +277,8 @@ class WorkerLink:
         if tokens and seconds > 0:
             rate = tokens / seconds
             old = self.prefill_tokens_per_s
-            self.prefill_tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
+            weight = -math.expm1(-seconds / PREFILL_RATE_MEMORY_S)
+            self.prefill_tokens_per_s = rate if old is None else old + weight * (rate - old)
 
     def _come_back(self, role: str) -> None:
         if self._reachable or self.state is WorkerState.STOPPED:
