@@ -156,6 +156,8 @@ CASES = [
     ([12, 9], [40, 9], 16, 4, 4, 32, 0),
     ([5, 30], [5, 100], 3, 6, 3, 64, 10),
     ([16], [150], 16, 8, 1, 64, 0),
+    # whole decodes of very uneven contexts beside a chunk (the threads take the costliest first)
+    ([1] * 8 + [32], [2000, 3, 256, 40, 1, 700, 256, 90, 60], 16, 9, 3, 64, 0),
 ]
 
 
@@ -195,22 +197,32 @@ def assert_dense(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_two_threads_give_one_threads_output(dtype: torch.dtype) -> None:
-    """Prompt items (rows in lanes and row at a time) and decodes split over two threads."""
-    q_lens, seq_lens = [100, 1, 37, 1], [300, 40, 90, 200]
+@pytest.mark.parametrize(
+    ("q_lens", "seq_lens"),
+    [
+        ([100, 1, 37, 1], [300, 40, 90, 200]),
+        # Whole decodes of contexts 1 to 2000 beside a chunk: items whose costs differ 100-fold,
+        # taken by the threads as they come, the costliest first.
+        ([1] * 8 + [32], [2000, 3, 256, 40, 1, 700, 256, 90, 60]),
+    ],
+)
+def test_more_threads_give_one_threads_output(
+    dtype: torch.dtype, q_lens: list[int], seq_lens: list[int]
+) -> None:
+    """Prompt items (rows in lanes and row at a time) and decodes split over two and three threads."""
     qkv, k_cache, v_cache, tables, lens, starts = batch(q_lens, seq_lens, 16, 9, 3, 64, dtype, seed=5)
     q = qkv[:, : 9 * 64].view(-1, 9, 64)
     threads = torch.get_num_threads()
     outs = []
     try:
-        for n in (1, 2):
+        for n in (1, 2, 3):
             torch.set_num_threads(n)
             outs.append(
                 torch.ops.pdserve.paged_attention(q, k_cache, v_cache, tables, lens, starts, 0.125, 0)
             )
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.parametrize("explicit_mask", [True, False])

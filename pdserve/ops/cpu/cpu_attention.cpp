@@ -29,6 +29,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -259,16 +260,32 @@ void decode_kernel(const Shapes& s, const q_t* q, const cache_t* k_cache, const 
   const int64_t runs = KVH / span;
   const int64_t row_bytes = span * D * static_cast<int64_t>(sizeof(cache_t));
 
-  at::parallel_for(0, s.num_seqs * runs, 1, [&](int64_t begin, int64_t end) {
-    // Per-thread scratch, reused across work items: state for the span * G query heads; kbuf/vbuf
-    // hold one KV head's bf16 tile widened to fp32 (TILE * D floats each, L1-resident).
-    const int64_t heads = span * G;
-    std::vector<float> qf(heads * D), acc(heads * D), m(heads), l(heads);
-    std::vector<float> scores(G * TILE), kbuf(TILE * D), vbuf(TILE * D);
-    std::vector<const float*> krows(TILE), vrows(TILE);
-    std::vector<int64_t> offsets(TILE);
-
-    for (int64_t item = begin; item < end; ++item) {
+  // Per-thread scratch, reused across work items: state for the span * G query heads; kbuf/vbuf
+  // hold one KV head's bf16 tile widened to fp32 (TILE * D floats each, L1-resident).
+  const int64_t heads = span * G;
+  struct ThreadScratch {
+    std::vector<float> qf, acc, m, l, scores, kbuf, vbuf;
+    std::vector<const float*> krows, vrows;
+    std::vector<int64_t> offsets;
+  };
+  auto make_scratch = [&] {
+    return ThreadScratch{std::vector<float>(heads * D), std::vector<float>(heads * D), std::vector<float>(heads),
+                         std::vector<float>(heads), std::vector<float>(G * TILE), std::vector<float>(TILE * D),
+                         std::vector<float>(TILE * D), std::vector<const float*>(TILE),
+                         std::vector<const float*>(TILE), std::vector<int64_t>(TILE)};
+  };
+  // Threads take the items as they finish one, the longest contexts first (cpu_parallel.h).
+  std::vector<double> keys(s.num_seqs * runs);
+  for (int64_t item = 0; item < s.num_seqs * runs; ++item) {
+    const int64_t len = seq_lens[item / runs];
+    keys[item] = static_cast<double>(s.sliding_window > 0 ? std::min(len, s.sliding_window) : len);
+  }
+  pdserve_parallel::for_each_taken(
+      pdserve_parallel::costliest_first(keys), make_scratch, [&](int64_t item, ThreadScratch& own) {
+      std::vector<float>&qf = own.qf, &acc = own.acc, &m = own.m, &l = own.l, &scores = own.scores;
+      std::vector<float>&kbuf = own.kbuf, &vbuf = own.vbuf;
+      std::vector<const float*>&krows = own.krows, &vrows = own.vrows;
+      std::vector<int64_t>& offsets = own.offsets;
       const int64_t b = item / runs, kvh0 = (item % runs) * span;
       const int64_t len = seq_lens[b];
       const int64_t* table = block_tables + b * s.max_blocks;
@@ -325,7 +342,6 @@ void decode_kernel(const Shapes& s, const q_t* q, const cache_t* k_cache, const 
         const float inv = 1.0f / l[h];
         for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<q_t>(acc[h * D + d] * inv);
       }
-    }
   });
 }
 

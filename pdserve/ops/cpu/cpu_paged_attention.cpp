@@ -253,23 +253,25 @@ void run(const Problem& p, int64_t num_seqs, const at::Tensor& q, const at::Tens
   const cache_t* kc = k_cache.const_data_ptr<cache_t>();
   const cache_t* vc = v_cache.const_data_ptr<cache_t>();
   q_t* op = out.mutable_data_ptr<q_t>();
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    Scratch<V> sc(max_rows(p), p.head_dim);
+  struct ThreadScratch {
+    Scratch<V> sc;
     std::unique_ptr<LaneScratchF32> lanes;  // made by the first prompt item
-    for (int64_t i = begin; i < end; ++i) {
-      const Item& item = items[i];
-      // Rows in lanes when they fill a vector (decodes, and a chunk's last few queries when G is
-      // small: row at a time).
-      if constexpr (V::W > 1) {
-        if (item.kv_heads == 1 && item.num_queries * p.group >= V::W) {
-          if (!lanes) lanes = std::make_unique<LaneScratchF32>(lane_rows_f32<V>(QT * p.group), p.head_dim);
-          attend_lanes_f32<V, cache_t, q_t>(p, item, qp, kc, vc, op, *lanes);
-          continue;
+  };
+  pdserve_parallel::for_each_taken(
+      item_order(p, items), [&] { return ThreadScratch{Scratch<V>(max_rows(p), p.head_dim), nullptr}; },
+      [&](int64_t i, ThreadScratch& own) {
+        const Item& item = items[i];
+        // Rows in lanes when they fill a vector (decodes, and a chunk's last few queries when G is
+        // small: row at a time).
+        if constexpr (V::W > 1) {
+          if (item.kv_heads == 1 && item.num_queries * p.group >= V::W) {
+            if (!own.lanes) own.lanes = std::make_unique<LaneScratchF32>(lane_rows_f32<V>(QT * p.group), p.head_dim);
+            attend_lanes_f32<V, cache_t, q_t>(p, item, qp, kc, vc, op, *own.lanes);
+            return;
+          }
         }
-      }
-      attend_fp32<V, cache_t, q_t>(p, item, qp, kc, vc, op, sc);
-    }
-  });
+        attend_fp32<V, cache_t, q_t>(p, item, qp, kc, vc, op, own.sc);
+      });
 }
 
 template <typename cache_t, typename q_t>

@@ -490,21 +490,23 @@ void run_bf16(const Problem& p, int64_t num_seqs, const at::Tensor& q, const at:
   const c10::BFloat16* kc = k_cache.const_data_ptr<c10::BFloat16>();
   const c10::BFloat16* vc = v_cache.const_data_ptr<c10::BFloat16>();
   c10::BFloat16* op = out.mutable_data_ptr<c10::BFloat16>();
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    Bf16Scratch sc(max_rows(p), p.head_dim);
+  struct ThreadScratch {
+    Bf16Scratch sc;
     std::unique_ptr<LaneScratch> lanes;  // made by the first prompt item
-    for (int64_t i = begin; i < end; ++i) {
-      const Item& item = items[i];
-      // Rows in lanes when they fill a vector (a chunk's last few queries and per-head decodes:
-      // the row-at-a-time kernel).
-      if (item.kv_heads == 1 && item.num_queries * p.group >= 16) {
-        if (!lanes) lanes = std::make_unique<LaneScratch>((QT * p.group + 15) / 16 * 16, p.head_dim);
-        attend_lanes_bf16(p, item, qp, kc, vc, op, *lanes);
-      } else {
-        attend_bf16(p, item, qp, kc, vc, op, sc);
-      }
-    }
-  });
+  };
+  pdserve_parallel::for_each_taken(
+      item_order(p, items), [&] { return ThreadScratch{Bf16Scratch(max_rows(p), p.head_dim), nullptr}; },
+      [&](int64_t i, ThreadScratch& own) {
+        const Item& item = items[i];
+        // Rows in lanes when they fill a vector (a chunk's last few queries and per-head decodes:
+        // the row-at-a-time kernel).
+        if (item.kv_heads == 1 && item.num_queries * p.group >= 16) {
+          if (!own.lanes) own.lanes = std::make_unique<LaneScratch>((QT * p.group + 15) / 16 * 16, p.head_dim);
+          attend_lanes_bf16(p, item, qp, kc, vc, op, *own.lanes);
+        } else {
+          attend_bf16(p, item, qp, kc, vc, op, own.sc);
+        }
+      });
 }
 
 }  // namespace pdserve_paged

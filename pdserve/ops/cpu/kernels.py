@@ -52,7 +52,7 @@ _SOURCES = (
     "cpu_paged_attention_bf16.cpp",
 )
 # Not compiled on their own, but the build depends on them.
-_HEADERS = ("cpu_paged_attention.h", "cpu_paged_attention_lanes.h", "cpu_vec.h")
+_HEADERS = ("cpu_paged_attention.h", "cpu_paged_attention_lanes.h", "cpu_parallel.h", "cpu_vec.h")
 # -ffp-contract=fast lets gcc fuse a*b+c into FMAs (off by default in torch's ISO -std=c++ mode;
 # the ops that must round between a product and a sum turn it off for themselves);
 # -fopenmp enables the `omp simd` loops and matches torch's OpenMP at::parallel_for;
