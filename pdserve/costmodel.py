@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from pdserve import clock, slo
@@ -72,13 +72,19 @@ class StepCostModel:
         self.min_samples = min_samples
         self.min_each = min_each
         self._samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        # The window's normal equations, kept as steps come and go, so that a fit solves a 5 x 5
+        # system instead of summing the window again (summing the window was 17% of a simulated
+        # hour's time, and milliseconds of the router's loop a second). Summed anew from the
+        # window every `window` evictions, so rounding cannot drift.
+        self._normal = _NormalEquations()
+        self._evicted = 0
         self._with_prompt = 0  # samples in the window with prompt tokens
         self._with_streams = 0  # ... and with decode streams
         self.largest_prompt_step = 0  # the most prompt tokens of any step it was given
         self._coef: tuple[float, ...] | None = None
         self._dirty = False
-        # A fit over 2000 samples takes milliseconds of pure Python on the router's loop: at most
-        # one a second (busy workers report steps ten times a second each).
+        # At most one fit a second: each refit changes the predictions path choice makes and the
+        # stall margin is reckoned again per fit (busy workers report steps every few ms).
         self.refit_seconds = refit_seconds
         self._fitted_at = -math.inf
         # The last mixed steps (prompt tokens beside decode streams): (features, seconds).
@@ -90,14 +96,21 @@ class StepCostModel:
 
     def add(self, step: Step, seconds: float) -> None:
         if seconds > 0 and math.isfinite(seconds):
-            if len(self._samples) == self._samples.maxlen:
-                self._count(self._samples[0][0], -1)  # about to fall out of the window
             features = step.features()
+            if len(self._samples) == self._samples.maxlen:
+                leaving = self._samples[0]  # about to fall out of the window
+                self._count(leaving[0], -1)
+                self._normal.add(*leaving, sign=-1.0)
+                self._evicted += 1
+            self._normal.add(features, seconds)
             if step.prefill_tokens and step.decode_streams:
                 self._mixed.append((features, seconds))
                 self._mixed_seen += 1
             self.largest_prompt_step = max(self.largest_prompt_step, step.prefill_tokens)
             self._samples.append((features, seconds))
+            if self._evicted >= len(self._samples):
+                self._normal = _NormalEquations.of(self._samples)
+                self._evicted = 0
             self._count(features, 1)
             self._dirty = True
 
@@ -143,7 +156,7 @@ class StepCostModel:
             return None
         now = clock.monotonic()
         if self._coef is None or (self._dirty and now - self._fitted_at >= self.refit_seconds):
-            self._coef = _fit_non_negative(list(self._samples))
+            self._coef = _fit_non_negative(self._normal)
             self._dirty = False
             self._fitted_at = now
             self._fits += 1
@@ -352,15 +365,43 @@ def fit_step_time(samples: Sequence[tuple[Step, float]]) -> tuple[float, ...]:
     ]
     if not weighted:
         raise ValueError("no step with a positive time to fit")
-    coef = _fit_non_negative(weighted)
+    coef = _fit_non_negative(_NormalEquations.of(weighted))
     return tuple(c * s for c, s in zip(coef, _SCALE, strict=True))
 
 
-def _fit_non_negative(samples: list[tuple[tuple[float, ...], float]]) -> tuple[float, ...]:
+class _NormalEquations:
+    """Sums of x x^T and x y over samples (x the scaled features, y the seconds): what a least
+    squares fit needs of them."""
+
+    def __init__(self) -> None:
+        width = len(_SCALE)
+        self.xx = [[0.0] * width for _ in range(width)]
+        self.xy = [0.0] * width
+        self.count = 0
+
+    @classmethod
+    def of(cls, samples: Iterable[tuple[tuple[float, ...], float]]) -> _NormalEquations:
+        sums = cls()
+        for features, y in samples:
+            sums.add(features, y)
+        return sums
+
+    def add(self, features: tuple[float, ...], y: float, sign: float = 1.0) -> None:
+        for r, xr in enumerate(features):
+            if xr:
+                weighted = sign * xr
+                self.xy[r] += weighted * y
+                row = self.xx[r]
+                for c, xc in enumerate(features):
+                    row[c] += weighted * xc
+        self.count += 1 if sign > 0 else -1
+
+
+def _fit_non_negative(sums: _NormalEquations) -> tuple[float, ...]:
     """Least squares with every coefficient >= 0 (active set: drop the most negative, refit)."""
     active = list(range(len(_SCALE)))
     while True:
-        coef = _least_squares(samples, active)
+        coef = _least_squares(sums, active)
         negative = [i for i in active if coef[i] < 0]
         if not negative:
             return coef
@@ -369,20 +410,11 @@ def _fit_non_negative(samples: list[tuple[tuple[float, ...], float]]) -> tuple[f
             return tuple(0.0 for _ in _SCALE)
 
 
-def _least_squares(samples: list[tuple[tuple[float, ...], float]], active: list[int]) -> tuple[float, ...]:
-    n = len(active)
-    ata = [[0.0] * n for _ in range(n)]
-    atb = [0.0] * n
-    for features, y in samples:
-        x = [features[i] for i in active]
-        for r in range(n):
-            xr = x[r]
-            atb[r] += xr * y
-            row = ata[r]
-            for c in range(n):
-                row[c] += xr * x[c]
-    for r in range(n):
-        ata[r][r] += _RIDGE * len(samples)
+def _least_squares(sums: _NormalEquations, active: list[int]) -> tuple[float, ...]:
+    ata = [[sums.xx[r][c] for c in active] for r in active]
+    atb = [sums.xy[r] for r in active]
+    for slot in range(len(active)):
+        ata[slot][slot] += _RIDGE * sums.count
     solution = _solve(ata, atb)
     coef = [0.0] * len(_SCALE)
     for slot, i in enumerate(active):

@@ -84,6 +84,32 @@ def test_not_ready_on_decode_steps_alone_even_as_the_window_turns_over() -> None
     assert not model.ready
 
 
+def test_a_window_turned_over_many_times_fits_as_its_last_steps_alone_would() -> None:
+    # The fit keeps the window's sums as steps come and go: after 40 turns of the window (steps
+    # of very different sizes, a 2048-token prompt's attention beside single decode streams),
+    # it predicts what a model given only the window's last steps predicts.
+    rng = random.Random(3)
+    steps = []
+    for _ in range(2000):
+        if rng.random() < 0.5:
+            tokens = rng.randint(1, 2048)
+            step = Step(tokens, chunk_attention(rng.choice([0, 2048]), tokens))
+        else:
+            streams = rng.randint(1, 64)
+            step = Step(0, 0, streams, streams * rng.randint(1, 4000))
+        steps.append((step, true_seconds(step) * (1 + rng.gauss(0, 0.2))))
+    turned = StepCostModel(window=50, min_samples=12)
+    for step, seconds in steps:
+        turned.add(step, seconds)
+    last_only = StepCostModel(window=50, min_samples=12)
+    for step, seconds in steps[-50:]:
+        last_only.add(step, seconds)
+    got, want = turned.coefficients(), last_only.coefficients()
+    assert got is not None and want is not None
+    for g, w in zip(got, want, strict=True):
+        assert g == pytest.approx(w, rel=1e-9, abs=1e-15)
+
+
 def test_coefficients_never_negative_so_more_work_never_costs_less() -> None:
     model = StepCostModel(min_samples=5, min_each=0)
     # Decode steps whose time falls as streams grow (noise on a busy machine): a plain fit would
