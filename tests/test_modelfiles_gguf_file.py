@@ -219,6 +219,22 @@ def test_builtin_config(smollm2: Path) -> None:
     assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (1, 2)
 
 
+@pytest.mark.slow
+def test_header_reads_as_gguf_py_reads_it(smollm2: Path) -> None:
+    # pdserve parses the header over a plain view of the mapping (see _PlainViewReader): every
+    # field (the 49k-token vocabulary and merges included) and tensor must read as gguf-py's own.
+    ours, theirs = gf.open_gguf(smollm2), gguf.GGUFReader(smollm2)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert (mine.types, mine.data, mine.offset) == (field.types, field.data, field.offset), key
+        assert all(np.array_equal(a, b) for a, b in zip(mine.parts, field.parts, strict=True)), key
+    assert [(t.name, t.data_offset, t.n_bytes) for t in ours.tensors] == [
+        (t.name, t.data_offset, t.n_bytes) for t in theirs.tensors
+    ]
+    assert np.array_equal(ours.tensors[0].data, theirs.tensors[0].data)
+
+
 def _some_tensors(path: Path, wanted: set[str]) -> Iterator[tuple[str, np.ndarray]]:
     return ((n, w) for n, w in gf.iter_gguf_tensors(path) if n in wanted)
 
