@@ -68,8 +68,10 @@ class Worker:
         self.sock.setsockopt(zmq.LINGER, 0)
         curve_client(self.sock, SECRETS.router, reported.rpc_public_key)
         self.sock.connect(self.address)
-        self.sock.send(b"")  # hello: the worker answers with Ready
+        self.sock.send(b"")  # hello: the worker answers with its next load report, then Ready
         self.kv_pulled: list[wire.KVPulled] = []  # every KVPulled seen, in order
+        self.first_load = self.recv(timeout=30)
+        assert isinstance(self.first_load, wire.Load)
         self.ready = self.recv(timeout=30)
         assert self.ready == reported
 
@@ -215,12 +217,10 @@ def test_load_reports_carry_each_step_for_the_cost_model(tiny_llama: Path) -> No
 def test_what_the_prefix_cache_stored_is_reported_without_waiting_for_the_next_load_report(
     tiny_llama: Path,
 ) -> None:
-    # Load reports every 60 s: after the first (at start), only the prompt report of the prefix
-    # cache's news can tell the router, within the wait below, what the worker has cached.
+    # Load reports every 60 s: after the one that greets the router (with Ready), only the prompt
+    # report of the prefix cache's news can tell it, within the wait below, what the worker cached.
     worker = Worker(tiny_llama, "mixed", "m0", load_interval=60.0)
     try:
-        while not isinstance(worker.recv(), wire.Load):  # the report at start
-            pass
         params = wire.WireSamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         worker.send(wire.AddRequest("r1", list(range(20, 120)), params))  # one full 64-token block
         stored: list[object] = []

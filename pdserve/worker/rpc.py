@@ -12,7 +12,9 @@ peer off that announces a message above MAX_RPC_MESSAGE_BYTES, before allocating
 
 More than one authorised peer may speak to a worker (two routers). Each request's outputs go to
 the peer that sent its `AddRequest`, and only that peer may abort, release or move it; load
-reports go to every peer. A peer that is gone (ZeroMQ says it is unreachable) is forgotten.
+reports go to every peer. A peer that is gone (ZeroMQ says it is unreachable) is forgotten. A
+peer's hello is answered with `Ready` right after the engine thread's next load report, which
+reaches the peer first.
 """
 
 from __future__ import annotations
@@ -56,13 +58,20 @@ class _AllowedKeys:
         return key in self._keys
 
 
+class LoadWanted:
+    """To the engine thread: send a load report now (a peer waits for Ready behind it)."""
+
+
+LOAD_WANTED = LoadWanted()
+
+
 class RpcEndpoint:
     def __init__(
         self,
         worker_id: str,
         bind: str,
         ready: Callable[[str], wire.Ready],
-        inbox: queue.Queue[wire.Message],
+        inbox: queue.Queue[wire.Message | LoadWanted],
         outbox_address: str,
         stop: threading.Event,
         secrets: WorkerSecrets,
@@ -87,6 +96,13 @@ class RpcEndpoint:
         self.bind_error: BaseException | None = None
         self._owners: dict[str, bytes] = {}  # request id -> identity of the peer that added it
         self._peers: dict[bytes, None] = {}  # insertion-ordered set: who hears load reports
+        # Peers that asked for Ready: greeted right after the load report the engine thread sends
+        # when asked (at once, or at the end of the step under way), which reaches them first.
+        # So a worker is up at the router only with its load known (GET /pools showed a fresh
+        # worker's running and waiting as null until its first report), and only while its engine
+        # thread runs (as a stalled worker comes back only by reporting).
+        self._greet_after_load: dict[bytes, None] = {}
+        self._ready_frame = b""  # the encoded Ready, once bound
         self.dropped_frames = 0
 
     def run(self, context: zmq.Context[zmq.Socket[bytes]]) -> None:
@@ -118,7 +134,7 @@ class RpcEndpoint:
             sock.close()
             self.bound.set()
             return
-        ready = wire.encode(self._ready(self.address))
+        self._ready_frame = wire.encode(self._ready(self.address))
         monitor = sock.get_monitor_socket(_REFUSALS)
         self.bound.set()
         outbox = context.socket(zmq.PULL)
@@ -134,7 +150,7 @@ class RpcEndpoint:
                 if monitor in events:
                     self._refusals(monitor)
                 if sock in events:
-                    self._receive(sock, ready)
+                    self._receive(sock)
                 if outbox in events:
                     while True:
                         try:
@@ -166,7 +182,7 @@ class RpcEndpoint:
                 )
 
     # -- from peers -----------------------------------------------------------------------------------
-    def _receive(self, sock: zmq.Socket[bytes], ready: bytes) -> None:
+    def _receive(self, sock: zmq.Socket[bytes]) -> None:
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -178,11 +194,11 @@ class RpcEndpoint:
             identity, payload = frames
             if identity not in self._peers:
                 self._remember(identity)
-                self._send(sock, identity, ready)  # a new (or reconnected) peer: greet it first
+                self._ask_greeting(identity)  # a new (or reconnected) peer: greet it
             else:
                 self._peers[identity] = self._peers.pop(identity)  # most recently heard last
             if not payload:  # a hello: the peer wants Ready (again)
-                self._send(sock, identity, ready)
+                self._ask_greeting(identity)
                 continue
             try:
                 message = wire.decode(payload)
@@ -225,12 +241,21 @@ class RpcEndpoint:
             del self._owners[request_id]  # nothing more goes out for it
         return True
 
+    def _ask_greeting(self, identity: bytes) -> None:
+        if not self._greet_after_load:
+            self._inbox.put(LOAD_WANTED)  # the engine thread reports now, not at its next interval
+        self._greet_after_load[identity] = None
+
     # -- to peers -------------------------------------------------------------------------------------
     def _deliver(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
         request_id, flag, payload = frames
-        if not request_id:
+        if not request_id:  # a load report: to every peer
             for identity in list(self._peers):
                 self._send(sock, identity, payload)
+            waiting, self._greet_after_load = self._greet_after_load, {}
+            for identity in waiting:
+                if identity in self._peers:
+                    self._send(sock, identity, self._ready_frame)
             return
         rid = request_id.decode()
         owner = self._owners.pop(rid, None) if flag == FINAL else self._owners.get(rid)

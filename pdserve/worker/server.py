@@ -35,7 +35,7 @@ from pdserve.security import WorkerSecrets
 from pdserve.transfer.base import ChecksumError, KVExporter, KVImporter, TransferError
 from pdserve.transfer.checksum import checksum_enabled, kv_block_digests
 from pdserve.worker.core import KVDone, PullOrder, WorkerCore
-from pdserve.worker.rpc import FINAL, MORE, RpcEndpoint
+from pdserve.worker.rpc import FINAL, MORE, LoadWanted, RpcEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +72,12 @@ class WorkerServer:
         self.importer = importer
         self.same_node_importer = same_node_importer
         self.exporter = exporter
-        self._inbox: queue.Queue[wire.Message | KVDone] = queue.Queue()
+        self._inbox: queue.Queue[wire.Message | KVDone | LoadWanted] = queue.Queue()
         # Prefill role: short prompts may run between two layers of a long step (_between_layers);
         # the other messages that arrive meanwhile wait here for the step to end.
         self._interrupts = config.prefill_interrupts and engine.interrupts_steps
-        self._deferred: list[wire.Message | KVDone] = []
+        self._deferred: list[wire.Message | KVDone | LoadWanted] = []
+        self._load_wanted = False  # the RPC thread asked for a load report (a peer awaits Ready)
         self._stop = threading.Event()
         self._stop_requested = False  # set by a signal handler (stop_from_signal)
         # Engine thread -> RPC thread: an inproc PUSH/PULL pair, so a new token wakes the RPC
@@ -194,11 +195,14 @@ class WorkerServer:
                 core.hand_over()  # right after their tokens: the next step would not wait
             core.expire_leases(time.monotonic())
             now = time.monotonic()
-            if core.load_due(now - last_load):
+            if self._load_wanted or core.load_due(now - last_load):
                 self._send(core.load(self.rpc.refused, self.rpc.dropped_frames))
-                last_load = now
+                last_load, self._load_wanted = now, False
 
-    def _apply(self, item: wire.Message | KVDone) -> None:
+    def _apply(self, item: wire.Message | KVDone | LoadWanted) -> None:
+        if isinstance(item, LoadWanted):
+            self._load_wanted = True
+            return
         if isinstance(item, wire.AddRequest):  # when it came off the socket: its wait counts from there
             self.core.add(item, self.rpc.received_at.pop(item.request_id, None))
         else:
