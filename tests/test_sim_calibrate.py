@@ -276,8 +276,8 @@ def test_the_fit_keeps_how_the_served_steps_spread_around_it() -> None:
     # simulation draws each step's deviation from its band.
     truth = LinearStep((0.02, 1e-4, 0.0, 1e-3, 0.0))
     samples = []
-    for k in range(300):
-        step = Step(prefill_tokens=(k * 37) % 600, decode_streams=k % 9)
+    for k in range(300):  # prompt steps and decode steps (mixed ones spread apart: below)
+        step = Step(prefill_tokens=(k * 37) % 600) if k % 2 else Step(decode_streams=k % 9)
         short = truth.seconds(step) < 0.05
         slow = k % 5 == 4
         samples.append((step, truth.seconds(step) * (1.0 if not slow else 2.0 if short else 1.2), 0.0))
@@ -300,6 +300,42 @@ def test_the_fit_keeps_how_the_served_steps_spread_around_it() -> None:
     short_band, long_band = bands[0].quantiles, bands[-1].quantiles
     assert short_band[-1] / short_band[0] == pytest.approx(2.0, rel=0.1)  # the short steps' tail: 2x
     assert long_band[-1] / long_band[0] < 1.5  # the long steps': 1.2x
+
+
+def test_steps_with_a_prompt_beside_streams_keep_a_spread_of_their_own() -> None:
+    # A decode worker's served steps: its decode steps as the line says, its local prefills' steps
+    # (prompt tokens beside streams) 1.1x to 1.4x it; its cost per prompt token is the prefill
+    # pool's (as `calibrated` gives a decode pool). The mixed steps' spread, kept apart, says they
+    # ran over the line and the decode steps did not.
+    truth = LinearStep((0.02, 1e-4, 0.0, 1e-3, 1e-6))
+    samples = []
+    for k in range(400):
+        if k % 4 == 0:  # a prompt's chunk beside k % 7 + 1 streams
+            step = Step(16 + k % 48, 0, k % 7 + 1, 300 * (k % 7 + 1))
+            samples.append((step, truth.seconds(step) * (1.1 + 0.3 * (k % 3) / 2), 0.0))
+        else:
+            step = Step(0, 0, k % 9 + 1, 400 * (k % 9 + 1))
+            samples.append((step, truth.seconds(step), 0.0))
+    prefill_pool = (truth, truth)
+    fitted, _ = fit_alone_and_busy(samples, prefill_pool)
+    mixed = fitted.mixed_spread
+    assert len(mixed) == 50 and list(mixed) == sorted(mixed)
+    decode_ratios = [q for band in fitted.spread for q in band.quantiles]
+    mixed_median, decode_median = sorted(mixed)[25], sorted(decode_ratios)[len(decode_ratios) // 2]
+    assert mixed_median / decode_median == pytest.approx(1.25, rel=0.05)  # what they ran over the rest
+    # The simulated mixed steps are drawn from it: their work adds up as measured.
+    work = sum(
+        fitted.seconds(step)
+        * sum(q := fitted.spread_at(fitted.seconds(step), step.prefill_tokens > 0))
+        / len(q)
+        for step, _, _ in samples
+    )
+    assert work == pytest.approx(sum(t for _, t, _ in samples), rel=0.02)
+    # Too few mixed steps to tell: one spread for all, as before.
+    few, _ = fit_alone_and_busy(
+        [s for i, s in enumerate(samples) if s[0].prefill_tokens == 0 or i < 40], prefill_pool
+    )
+    assert few.mixed_spread == () and few.spread
 
 
 def test_the_spread_of_few_steps_of_like_steps_and_of_tiny_ratios() -> None:

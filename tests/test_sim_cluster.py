@@ -17,6 +17,7 @@ from pdserve import clock
 from pdserve.cli import main
 from pdserve.cluster.base import WorkerStartError
 from pdserve.config import POOL_ROLES, EngineConfig, WorkerConfig
+from pdserve.costmodel import Step
 from pdserve.sim.cluster import SimCluster, drawn
 from pdserve.sim.host import HostLoad
 from pdserve.sim.profile import HostCpu, LinearStep, Spread
@@ -140,3 +141,32 @@ def test_simulated_steps_spread_and_add_up_as_the_measured_ones(tmp_path: Path) 
     assert itl["fit"]["p50"] == pytest.approx(10.0, rel=0.02) and itl["fit"]["p90"] < 11.0
     assert itl["tail"]["p50"] == pytest.approx(10.0, rel=0.05)
     assert itl["tail"]["p90"] == pytest.approx(20.0, rel=0.1)
+
+
+def test_a_simulated_step_with_a_prompt_beside_streams_deviates_as_the_measured_mixed_ones(
+    tmp_path: Path,
+) -> None:
+    # The profile says served steps with prompt tokens beside decode streams ran 3x their fit and
+    # every other step as fitted: the simulated worker's steps, traced, do the same.
+    base = fixed_profile(step=0.01, per_token=1e-4, per_stream=1e-3)
+    step = replace(base.steps["decode"], spread=(Spread(None, (1.0,)),), mixed_spread=(3.0,))
+    assert isinstance(step, LinearStep)
+    replace(base, steps={"prefill": step, "decode": step}).save(tmp_path / "p.json")
+    trace = tmp_path / "steps.jsonl"
+    code = main(
+        ["sim", "--profile", str(tmp_path / "p.json"), "--colocated", "1", "--workload",
+         "poisson(4) prompt=fixed(32) output=fixed(30)", "--max-requests", "20", "--step-trace", str(trace),
+         "--out", str(tmp_path / "run")]
+    )  # fmt: skip
+    assert code == 0
+    ratios: dict[bool, list[float]] = {True: [], False: []}
+    for line in trace.read_text().splitlines():
+        row = json.loads(line)
+        features = Step(
+            row["prefill_tokens"], row["prefill_attention"], row["decode_streams"], row["decode_context"]
+        )
+        mixed = features.prefill_tokens > 0 and features.decode_streams > 0
+        ratios[mixed].append(row["seconds"] / step.seconds(features))
+    assert len(ratios[True]) >= 5 and len(ratios[False]) >= 20
+    assert ratios[True] == pytest.approx([3.0] * len(ratios[True]), rel=1e-3)
+    assert ratios[False] == pytest.approx([1.0] * len(ratios[False]), rel=1e-3)

@@ -62,7 +62,13 @@ def test_a_profile_reads_back_as_written(tmp_path: Path) -> None:
     original = fixed_profile(0.01, 1e-4, 2e-3, 0.005, 0.002, 0.001, 7.5)
     roofline = RooflineStep(0.004, 16e9, 1e6, 16e9, 131072, 6e14, 3.8e12)
     bands = (Spread(0.05, (0.9, 1.0, 3.0)), Spread(None, (0.95, 1.0, 1.2)))
-    spread = LinearStep((0.01, 1e-4, 0.0, 2e-3, 0.0), samples=40, median_error=0.05, spread=bands)
+    spread = LinearStep(
+        (0.01, 1e-4, 0.0, 2e-3, 0.0),
+        samples=40,
+        median_error=0.05,
+        spread=bands,
+        mixed_spread=(1.0, 1.1, 1.4),
+    )
     original = replace(
         original,
         steps={**original.steps, "colocated": roofline, "decode": spread},
@@ -102,6 +108,10 @@ def test_the_linear_and_roofline_step_times_are_their_formulas() -> None:
     assert linear.spread_at(0.04) == ()
     bounded = LinearStep(linear.coefficients, spread=(Spread(0.05, (0.9, 3.0)), Spread(0.4, (1.0, 1.2))))
     assert bounded.spread_at(0.3) == (1.0, 1.2) and bounded.spread_at(0.5) == (pytest.approx(1.1),)
+    # A step with prompt tokens beside streams, by the mixed steps' own spread where it is known.
+    apart = replace(banded, mixed_spread=(1.05, 1.3))
+    assert apart.spread_at(0.04, mixed=True) == (1.05, 1.3) and apart.spread_at(0.04) == (0.9, 3.0)
+    assert banded.spread_at(0.04, mixed=True) == (0.9, 3.0)
 
 
 def test_a_role_without_its_own_step_time_and_a_missing_transport() -> None:
@@ -205,6 +215,19 @@ def test_negative_coefficients_and_unknown_kinds_are_refused(tmp_path: Path) -> 
         with pytest.raises(ProfileError, match=message):
             profiles.load(tmp_path / "p.json")
     del body["steps"]["decode"]["spread"]
+    mixed = r"steps\.decode\.mixed_spread must be a list of ratios"
+    for bad, message in (
+        ([1.2, 0.9], ratios),
+        ([0.0], ratios),
+        (["x"], mixed),
+        (1.1, mixed),
+        ([True], mixed),
+    ):
+        body["steps"]["decode"]["mixed_spread"] = bad
+        (tmp_path / "p.json").write_text(json.dumps(body))
+        with pytest.raises(ProfileError, match=message):
+            profiles.load(tmp_path / "p.json")
+    del body["steps"]["decode"]["mixed_spread"]
     body["steps"]["decode"] = {"kind": "cubic"}
     (tmp_path / "p.json").write_text(json.dumps(body))
     with pytest.raises(ProfileError, match="linear or roofline"):

@@ -181,7 +181,7 @@ def describe(profile: Profile) -> list[str]:
     for role, step in profile.steps.items():
         fit = getattr(step, "median_error", None)
         error = f" (fit error: median {fit:.1%}, p90 {step.p90_error:.1%})" if fit is not None else ""  # type: ignore[union-attr]
-        body = {k: v for k, v in step.to_json().items() if k != "spread"}
+        body = {k: v for k, v in step.to_json().items() if k not in ("spread", "mixed_spread")}
         lines.append(f"  {role} step: {body}{error}")
         low = 0.0
         for band in getattr(step, "spread", ()):
@@ -199,6 +199,11 @@ def describe(profile: Profile) -> list[str]:
         if getattr(step, "spread", ()) and step.spread[-1].below_s is not None:  # type: ignore[union-attr]
             lines.append(
                 f"    steps fitted at {low * 1000:.0f} ms or more (none traced): the last band's mean"
+            )
+        if mixed := getattr(step, "mixed_spread", ()):
+            lines.append(
+                f"    steps with prompt tokens beside streams, apart: measured / fitted {mixed[0]:.2f} to "
+                f"{mixed[-1]:.2f}, median {statistics.median(mixed):.2f}, mean {sum(mixed) / len(mixed):.3f}"
             )
     for role, step in profile.steps_busy.items():
         lines.append(f"  {role} step beside a busy neighbour: {step.to_json()}")

@@ -168,18 +168,24 @@ def fit_alone_and_busy(
     alone = LinearStep((c[0], c[1], c[2], c[3], c[4]))
     busy = LinearStep((c[0] + c[5], c[1] + c[6], c[2] + c[7], c[3] + c[8], c[4] + c[9]))
     fitted_and_measured = [
-        (fitted, t)
+        (fitted, t, step.prefill_tokens > 0 and step.decode_streams > 0)
         for step, t, b in samples
         if (fitted := alone.seconds(step) + (busy.seconds(step) - alone.seconds(step)) * b) > 0
     ]
-    errors = [abs(fitted / t - 1) for fitted, t in fitted_and_measured]  # |fit - measured| / measured
+    errors = [abs(fitted / t - 1) for fitted, t, _ in fitted_and_measured]  # |fit - measured| / measured
+    # Mixed steps (prompt tokens beside streams) spread by their own where there are enough of
+    # them and of the others: on a decode worker they ran over the line the rest set.
+    mixed = [(fitted, t) for fitted, t, is_mixed in fitted_and_measured if is_mixed]
+    others = [(fitted, t) for fitted, t, is_mixed in fitted_and_measured if not is_mixed]
+    apart = len(mixed) >= MIN_STEPS and len(others) >= MIN_STEPS
     return (
         replace(
             alone,
             samples=len(samples),
             median_error=round(slo.quantile(errors, 0.5) or 0.0, 4),
             p90_error=round(slo.quantile(errors, 0.9) or 0.0, 4),
-            spread=spread_of(fitted_and_measured),
+            spread=spread_of(others if apart else [(fitted, t) for fitted, t, _ in fitted_and_measured]),
+            mixed_spread=ratio_quantiles(mixed) if apart else (),
         ),
         replace(busy, samples=len(samples)),
     )
@@ -262,17 +268,21 @@ def spread_of(fitted_and_measured: list[tuple[float, float]]) -> tuple[Spread, .
         bands[-2].extend(bands.pop())
     spread = []
     for index, band in enumerate(bands):
-        ratios = np.array([t / fitted for fitted, t in band])
-        n = min(SPREAD_POINTS, len(ratios))
-        quantiles = np.quantile(ratios, (np.arange(n) + 0.5) / n)
         # A band ends where the next begins (halfway between their steps), the last just past its
         # longest step: a longer one's deviation was not measured.
         if index + 1 < len(bands):
             below = float(f"{(band[-1][0] + bands[index + 1][0][0]) / 2:.6g}")
         else:
             below = float(f"{band[-1][0] * 1.001:.6g}")
-        spread.append(Spread(below, tuple(float(f"{q:.4g}") for q in quantiles)))
+        spread.append(Spread(below, ratio_quantiles(band)))
     return tuple(spread)
+
+
+def ratio_quantiles(fitted_and_measured: list[tuple[float, float]]) -> tuple[float, ...]:
+    """measured / fitted at the quantiles (i + 0.5) / SPREAD_POINTS (fewer with fewer steps)."""
+    ratios = np.array([t / fitted for fitted, t in fitted_and_measured])
+    n = min(SPREAD_POINTS, len(ratios))
+    return tuple(float(f"{q:.4g}") for q in np.quantile(ratios, (np.arange(n) + 0.5) / n))
 
 
 def calibrated(base: Profile, traces: list[Path]) -> Profile:

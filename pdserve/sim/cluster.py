@@ -92,7 +92,11 @@ class SimCluster:
         # error (median-preserving). The router's cost model sees that spread in the simulation as
         # it does in serving (its stall margin and its fit). Seeded by the worker's id (and the
         # run's noise seed, `plan --repeats`): a run is reproducible.
-        spread_at = step_time.spread_at if isinstance(step_time, LinearStep) and step_time.spread else None
+        spread_at = (
+            step_time.spread_at
+            if isinstance(step_time, LinearStep) and (step_time.spread or step_time.mixed_spread)
+            else None
+        )
         fit_error = step_time.median_error if isinstance(step_time, LinearStep) else None
         sigma = (fit_error or 0.0) / MEDIAN_ABS_NORMAL
         noise = worker_id if self.noise_seed == 0 else f"{self.noise_seed}:{worker_id}"
@@ -104,8 +108,11 @@ class SimCluster:
             if host is not None and busy_time is not None:
                 # Slowed by its neighbours' work, as far as they were busy.
                 seconds += max(0.0, busy_time.seconds(features) - seconds) * host.others_busy(worker_id)
-            if spread_at is not None:
-                seconds *= drawn(spread_at(seconds), spread.random())
+            quantiles: tuple[float, ...] = ()
+            if spread_at is not None:  # a mixed step (prompt beside streams) by its own where known
+                quantiles = spread_at(seconds, features.prefill_tokens > 0 and features.decode_streams > 0)
+            if quantiles:
+                seconds *= drawn(quantiles, spread.random())
             elif sigma > 0:
                 seconds *= math.exp(spread.gauss(0.0, sigma))
             if host is None:

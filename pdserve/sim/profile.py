@@ -72,8 +72,17 @@ class LinearStep:
     # a right tail, so their mean is above the fit's, the short steps' tail the longest). Empty:
     # a lognormal spread of the median error instead.
     spread: tuple[Spread, ...] = ()
+    # Steps with prompt tokens beside decode streams (a decode worker's local prefills, a
+    # colocated worker's chunks): measured / fitted quantiles of their own, where the served steps
+    # had enough of them; `spread` is then the other steps'. One line fits both kinds, and on a
+    # decode worker the mixed ones ran over it (its prompt cost is the prefill pool's, from
+    # long chunks alone): 1.09x at the median against 1.02x for its decode steps. Empty: they
+    # spread as steps of their length.
+    mixed_spread: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.mixed_spread:
+            Spread(None, self.mixed_spread)  # the same checks: ascending ratios > 0
         ends = [band.below_s for band in self.spread]
         if any(end is None for end in ends[:-1]):
             raise ProfileError("only a step time's last spread band may have no end (below_s null)")
@@ -83,10 +92,13 @@ class LinearStep:
         ):
             raise ProfileError("a step time's spread bands must end (below_s) at ascending seconds > 0")
 
-    def spread_at(self, seconds: float) -> tuple[float, ...]:
-        """The measured / fitted quantiles of steps the fit puts at `seconds` (empty: none known).
+    def spread_at(self, seconds: float, mixed: bool = False) -> tuple[float, ...]:
+        """The measured / fitted quantiles of steps the fit puts at `seconds` (empty: none known);
+        `mixed`: of a step with prompt tokens beside decode streams (`mixed_spread` where known).
         Past the longest band's end (the longest step measured) only its mean: how such a step
         deviates was not seen, and the tail of shorter ones is not its own."""
+        if mixed and self.mixed_spread:
+            return self.mixed_spread
         for band in self.spread:
             if band.below_s is None or seconds < band.below_s:
                 return band.quantiles
@@ -114,8 +126,9 @@ class LinearStep:
 
     def to_json(self) -> dict[str, Any]:
         body = {"kind": "linear"} | asdict(self)
-        if not self.spread:
-            del body["spread"]  # profiles without one read as before
+        for key in ("spread", "mixed_spread"):
+            if not body[key]:
+                del body[key]  # profiles without one read as before
         return body
 
 
@@ -372,6 +385,14 @@ def _spread_band(role: str, index: int, band: Any) -> Spread:
         raise ProfileError(shape) from None
 
 
+def _mixed_spread(role: str, ratios: Any) -> tuple[float, ...]:
+    if not isinstance(ratios, list) or not all(
+        isinstance(r, int | float) and not isinstance(r, bool) for r in ratios
+    ):
+        raise ProfileError(f"steps.{role}.mixed_spread must be a list of ratios (measured / fitted)")
+    return tuple(float(r) for r in ratios)
+
+
 def _step_from_json(role: str, body: Any) -> StepTime:
     if not isinstance(body, dict):
         raise ProfileError(f"steps.{role} must be an object")
@@ -384,7 +405,8 @@ def _step_from_json(role: str, body: Any) -> StepTime:
                 raise ProfileError(f"steps.{role}.coefficients must be 5 finite numbers >= 0")
             try:
                 spread = tuple(_spread_band(role, i, band) for i, band in enumerate(_listed(role, fields)))
-                return LinearStep(coefficients, spread=spread, **fields)
+                mixed = _mixed_spread(role, fields.pop("mixed_spread", []))
+                return LinearStep(coefficients, spread=spread, mixed_spread=mixed, **fields)
             except ProfileError as exc:
                 raise ProfileError(f"steps.{role}: {exc}") from None
         if kind == "roofline":
