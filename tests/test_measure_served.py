@@ -33,10 +33,14 @@ def test_both_deployments_are_traced_under_load_and_refit_the_profile(
         assert all(0 <= row["pull_wait_seconds"] <= row["loop_seconds"] for row in rows)
         pools.append({row["pool"] for row in rows})
     assert pools == [{"prefill", "decode"}, {"colocated"}]
-    # The real decode worker says the blocks of the pulls it waited on (the documents' 200-token
-    # prompts, pulled from the prefill worker: blocks of 64, 3 or 4 a prompt); nothing else pulls.
+    # The real decode worker says the blocks of the pulls it waited on; nothing else pulls. Each
+    # prompt prefilled on the prefill worker is pulled, at least its last partial block (blocks of
+    # 64: a document's 200 tokens end in one). Not all 4 of a document's: the prompts share their
+    # first words, and the decode worker pulls only what its prefix cache lacks (the delta pull).
     pulled = [json.loads(line) for line in traces[0].read_text().splitlines()]
-    assert any(row["pull_blocks"] >= 3 for row in pulled if row["pool"] == "decode")
+    remote_documents = sum(1 for row in pulled if row["pool"] == "prefill" and row["prefill_tokens"] >= 200)
+    assert remote_documents > 0
+    assert sum(row["pull_blocks"] for row in pulled if row["pool"] == "decode") >= remote_documents
     # ... and the copies' own time (only with blocks: a step that waited on no pull says none).
     assert any(row["pull_seconds"] > 0 for row in pulled if row["pull_blocks"] > 0)
     assert all(row["pull_seconds"] == 0 for row in pulled if row["pull_blocks"] == 0)
