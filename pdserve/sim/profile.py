@@ -75,8 +75,8 @@ class LinearStep:
     # Steps with prompt tokens beside decode streams (a decode worker's local prefills, a
     # colocated worker's chunks): measured / fitted quantiles of their own, where the served steps
     # had enough of them; `spread` is then the other steps'. One line fits both kinds, and on a
-    # decode worker the mixed ones ran over it (its prompt cost is the prefill pool's, from
-    # long chunks alone): 1.09x at the median against 1.02x for its decode steps. Empty: they
+    # decode worker the mixed ones ran over it (its prompt cost is another pool's, from long
+    # chunks): 1.09x at the median against 1.02x for its decode steps. Empty: they
     # spread as steps of their length.
     mixed_spread: tuple[float, ...] = ()
 
