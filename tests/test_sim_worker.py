@@ -5,6 +5,7 @@ says, step by step, and the router's commands (release, moves) work on them as o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from test_worker_core import MODEL  # a modelled model: only its limits count
 from pdserve import clock, wire
 from pdserve.config import POOL_ROLES, EngineConfig, WorkerConfig
 from pdserve.engine.sched_types import SchedulerOutput
+from pdserve.modelfiles.config import ModelConfig
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.metrics import RouterMetrics
@@ -34,7 +36,7 @@ def step_seconds(out: SchedulerOutput) -> float:
 
 
 def sim_workers(
-    pools: dict[str, int], device_type: str = "cuda", **settings: object
+    pools: dict[str, int], device_type: str = "cuda", model: ModelConfig = MODEL, **settings: object
 ) -> tuple[WorkerSet, SimConnector]:
     connector = SimConnector()
     workers = WorkerSet(connector)
@@ -44,7 +46,7 @@ def sim_workers(
             engine = EngineConfig("modelled", role=POOL_ROLES[pool], block_size=16)
             config = WorkerConfig(worker_id, pool, engine, transport="tcp", **settings)  # type: ignore[arg-type]
             connector.factories[worker_id] = lambda events, c=config: SimWorker(
-                c, MODEL, 256, events, step_seconds=step_seconds, pull_seconds=lambda _blocks: (PULL, PULL),
+                c, model, 256, events, step_seconds=step_seconds, pull_seconds=lambda _blocks: (PULL, PULL),
                 device_type=device_type,
             )  # fmt: skip
             workers.add_worker(worker_id, pool, f"sim://{worker_id}", "sim")
@@ -64,10 +66,11 @@ def run(
     body: Callable[[WorkerSet, SimConnector], object],
     pools: dict[str, int],
     device_type: str = "cuda",
+    model: ModelConfig = MODEL,
     **settings: object,
 ) -> object:
     async def main() -> object:
-        workers, connector = sim_workers(pools, device_type, **settings)
+        workers, connector = sim_workers(pools, device_type, model, **settings)
         try:
             while len(workers.up(*pools)) < sum(pools.values()):  # their Ready, at once
                 await asyncio.sleep(0.001)
@@ -161,6 +164,40 @@ def test_a_short_prompt_runs_between_two_layers_of_a_long_prompts_step_on_a_cpu_
     assert first == pytest.approx(
         {"short": long_step / 2 + short_step, "long": long_step + short_step}, abs=1e-9
     )
+
+
+def test_prompts_that_come_during_a_layer_run_at_its_end_and_the_long_step_resumes_after_them() -> None:
+    """Eight layers: a short prompt that comes during the second layer of a long prompt's step runs
+    at that layer's end; one that comes after it runs at the end of the layer in progress then,
+    the layers counted on from where the first short step ended. The long step ends last."""
+    model = dataclasses.replace(MODEL, num_layers=8)
+    long_step = BASE + PER_PROMPT_TOKEN * 240
+    layer = long_step / 8
+    short_step = BASE + PER_PROMPT_TOKEN * 20
+
+    async def body(workers: WorkerSet, connector: SimConnector) -> object:
+        dispatcher = Dispatcher(workers, RouterConfig(local_prefill_threshold=16), RouterMetrics())
+        start = clock.monotonic()
+        first: dict[str, float] = {}
+
+        async def one(name: str, prompt: int, delay: float) -> None:
+            await asyncio.sleep(delay)
+            params = wire.WireSamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+            tokens = [ord(name[0]) * 100 + i for i in range(prompt)]  # nothing shared: no prefix hit
+            async for event in dispatcher.generate(RequestState(name), tokens, params):
+                if event.token_ids and name not in first:
+                    first[name] = clock.monotonic() - start
+
+        a_comes = 1.4 * layer  # during the second layer
+        b_comes = 2 * layer + short_step + 0.3 * layer  # during the third, which began after A's step
+        await asyncio.gather(one("long", 240, 0.0), one("a", 20, a_comes), one("b", 20, b_comes))
+        assert connector.workers["prefill-0"].engine.steps_between_layers == 2
+        return first
+
+    first = run(body, {"prefill": 1, "decode": 1}, device_type="cpu", model=model)
+    a_ends = 2 * layer + short_step
+    b_ends = a_ends + layer + short_step
+    assert first == pytest.approx({"a": a_ends, "b": b_ends, "long": long_step + 2 * short_step}, abs=1e-9)
 
 
 class RecordingRunner:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 
 from pdserve import clock, wire
@@ -225,11 +226,25 @@ class SimWorker:
 
     async def _layers(self, out: SchedulerOutput, seconds: float) -> None:
         """A step's layers, one after another; between two of them, new prompts short enough run
-        in a step of their own (`EngineCore.step_between_layers`), which the step waits for."""
+        in a step of their own (`EngineCore.step_between_layers`), which the step waits for.
+
+        As the real worker, prompts are looked for at each boundary between two layers; the loop
+        sleeps from one boundary where a prompt is waiting to the next (or to the last), not layer
+        by layer: a prompt that comes during a layer is taken at the end of that layer."""
         engine = self.engine
+        loop = asyncio.get_running_loop()
         layers = engine.limits.num_layers
-        for done in range(1, layers):
-            await asyncio.sleep(seconds / layers)
+        per_layer = seconds / layers
+        done, at = 0, loop.time()  # layers run, and when the last of them ended
+        while done < layers - 1:
+            if not self._prompt_waiting():
+                await self._wait_for_prompt(at + (layers - 1 - done) * per_layer)
+            # The first boundary from now (a prompt that came during a layer waits for its end).
+            now = loop.time()
+            ahead = min(layers - 1 - done, max(1, math.ceil((now - at) / per_layer - 1e-9)))
+            if at + ahead * per_layer > now:
+                await asyncio.sleep(at + ahead * per_layer - now)
+            done, at = done + ahead, loop.time()
             if not self._apply_inbox(prompts_only=True):
                 continue
             engine.at_layer(out, done)
@@ -240,7 +255,20 @@ class SimWorker:
                 for output in nested:
                     self.core.emit(output)
                 self.core.record_step()
-        await asyncio.sleep(seconds / layers)
+                at = loop.time()  # the step's remaining layers run after the nested one
+        await asyncio.sleep(per_layer)
+
+    def _prompt_waiting(self) -> bool:
+        return any(isinstance(item, wire.AddRequest) for item, _ in self._inbox)
+
+    async def _wait_for_prompt(self, deadline: float) -> None:
+        """Until a new request is in the inbox, or the loop's clock reaches `deadline`. Other
+        messages wake it and stay in the inbox for the step's end."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                while not self._prompt_waiting():
+                    self._wake.clear()
+                    await self._wake.wait()
 
     async def _wait(self, seconds: float, until: Callable[[], bool] | None = None) -> None:
         """Until a message comes (and `until` holds, if given), or `seconds` pass."""
