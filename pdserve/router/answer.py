@@ -84,11 +84,12 @@ class Latency:
         count = len(event.token_ids)
         if not count:
             return
+        ttft, itl = metrics.pool_latency(event.pool)
         if self.first_token_at is None:
             self.first_token_at = now
-            metrics.ttft.labels(event.pool).observe(now - self.arrived)
+            ttft.observe(now - self.arrived)
         elif self.last_token_at is not None:
-            metrics.itl.labels(event.pool).observe(now - self.last_token_at)
+            itl.observe(now - self.last_token_at)
             if event.pool == self.last_pool:
                 # Not the hand-off (first token from the prefill pool, next from decode): that gap
                 # is the KV transfer's and the first step's, which more decode workers do not shorten.

@@ -291,12 +291,33 @@ class RouterMetrics:
             self.worker_prefix_cached,
         )
 
+        # Labelled children looked up once: `labels()` costs microseconds (a lock, validation),
+        # and these are set for every token and every load report.
+        self._pool_latency: dict[str, tuple[Histogram, Histogram]] = {}
+        self._worker_load: dict[tuple[str, str], tuple[Gauge, ...]] = {}
+
     def load_gauges(self) -> tuple[Gauge, ...]:
         """The gauges fed by a worker's load reports."""
         return self._worker_gauges[1:]
 
+    def worker_load(self, pool: str, worker_id: str) -> tuple[Gauge, ...]:
+        """`load_gauges`' series of this worker, in that order (kept until `remove_worker`)."""
+        children = self._worker_load.get((pool, worker_id))
+        if children is None:
+            children = tuple(gauge.labels(pool, worker_id) for gauge in self.load_gauges())
+            self._worker_load[(pool, worker_id)] = children
+        return children
+
+    def pool_latency(self, pool: str) -> tuple[Histogram, Histogram]:
+        """The TTFT and ITL histograms' series of this pool."""
+        children = self._pool_latency.get(pool)
+        if children is None:
+            children = self._pool_latency[pool] = (self.ttft.labels(pool), self.itl.labels(pool))
+        return children
+
     def remove_worker(self, pool: str, worker_id: str, *, keep_up: bool = False) -> None:
         """Drop a worker's series (all of them, or all but `pdserve_worker_up`)."""
+        self._worker_load.pop((pool, worker_id), None)  # a later report labels them anew
         for gauge in self._worker_gauges[1:] if keep_up else self._worker_gauges:
             with contextlib.suppress(KeyError):
                 gauge.remove(pool, worker_id)

@@ -58,18 +58,21 @@ class WorkerRecorder:
         load = link.load
         if load is None or not link.connected:
             return
-        labels = (link.pool, link.worker_id)
         m = self.metrics
-        m.worker_running.labels(*labels).set(load.num_running)
-        m.worker_waiting.labels(*labels).set(load.num_waiting)
-        m.worker_kv_used.labels(*labels).set(load.kv_blocks_used)
-        m.worker_kv_free.labels(*labels).set(load.kv_blocks_free)
-        m.worker_queued_prompt.labels(*labels).set(load.queued_prompt_tokens)
-        m.worker_step.labels(*labels).set(load.last_step_ms / 1000)
-        m.worker_rpc_refused.labels(*labels).set(load.rpc_refused)
-        m.worker_rpc_dropped.labels(*labels).set(load.rpc_dropped)
-        m.worker_steps_between_layers.labels(*labels).set(load.steps_between_layers)
-        m.worker_prefix_cached.labels(*labels).set(load.prefix_cached_blocks)
+        values = (
+            load.num_running,
+            load.num_waiting,
+            load.kv_blocks_used,
+            load.kv_blocks_free,
+            load.queued_prompt_tokens,
+            load.last_step_ms / 1000,
+            load.rpc_refused,
+            load.rpc_dropped,
+            load.steps_between_layers,
+            load.prefix_cached_blocks,
+        )  # in the order of RouterMetrics.load_gauges
+        for gauge, value in zip(m.worker_load(link.pool, link.worker_id), values, strict=True):
+            gauge.set(value)
         queries, hits = self._prefix_totals.get(link.worker_id, (0, 0))
         m.prefix_queries.labels(link.pool).inc(max(0, load.prefix_queries - queries))
         m.prefix_hits.labels(link.pool).inc(max(0, load.prefix_hits - hits))
