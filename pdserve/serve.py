@@ -42,6 +42,8 @@ from pdserve.slo import SLO, parse_slo
 
 logger = logging.getLogger("pdserve.serve")
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
 add_arguments = serve_options.add_arguments
 
 
@@ -76,6 +78,11 @@ def _check(o: dict[str, Any]) -> None:
     cpu_isa.requested_cap()
     if not o["model"]:
         raise PdserveError("--model is required (on the command line or in the config file)")
+    o["log_level"] = str(o["log_level"]).upper()  # `debug` as well as `DEBUG`
+    if o["log_level"] not in LOG_LEVELS:
+        raise PdserveError(
+            f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {o['log_level'].lower()!r}"
+        )
     if o["colocated"] and (o["prefill"] or o["decode"]):
         raise PdserveError("give either --colocated N or --prefill P --decode D, not both")
     if not o["colocated"] and (o["decode"] < 1 or max(o["prefill"], o["prefill_max"] or 0) < 1):

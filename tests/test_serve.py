@@ -32,6 +32,10 @@ def options(*argv: str, config: Path | None = None) -> dict[str, object]:
     return serve.resolve_options(args)
 
 
+def test_a_log_level_is_taken_in_either_case() -> None:
+    assert options("--model", "m", "--colocated", "1", "--log-level", "debug")["log_level"] == "DEBUG"
+
+
 def test_the_command_line_wins_over_the_config_file_which_wins_over_defaults(tmp_path: Path) -> None:
     config = tmp_path / "pdserve.toml"
     config.write_text(
@@ -242,6 +246,7 @@ def test_same_node_shm_is_on_under_ray_and_where_asked_for() -> None:
             "--max-body-bytes must be >= 1024",
         ),
         ('model = "m"\n', ("--colocated", "1", "--body-timeout", "0"), "--body-timeout > 0"),
+        ('model = "m"\n', ("--colocated", "1", "--log-level", "loud"), "--log-level must be one of DEBUG,"),
         ('model = "m"\ndecode = 2\nprefill = 1\ndecode-max = 1\n', (), "pool decode: need 0 <= --decode-min"),
         ('model = "m"\n', ("--colocated", "2", "--colocated-min", "3"), "3 <= 2 <= 2"),
         ('model = "m"\n', ("--prefill", "1", "--decode", "1", "--drain-timeout", "0"), "--drain-timeout"),
