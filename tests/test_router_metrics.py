@@ -28,7 +28,9 @@ def test_a_workers_load_series_go_with_it_and_come_back_with_its_next_report() -
     }
 
     metrics.remove_worker("decode", "d0", keep_up=True)  # down: its load is not known
-    assert samples(metrics, "pdserve_worker_running_requests") == {(("pool", "decode"), ("worker", "d1")): 1.0}
+    assert samples(metrics, "pdserve_worker_running_requests") == {
+        (("pool", "decode"), ("worker", "d1")): 1.0
+    }
 
     metrics.worker_load("decode", "d0")[0].set(2)  # up again: its next report shows
     assert samples(metrics, "pdserve_worker_running_requests")[(("pool", "decode"), ("worker", "d0"))] == 2.0
