@@ -118,15 +118,22 @@ def fit_loop(rows: list[dict[str, Any]]) -> tuple[float, float]:
 
 
 def others_busy(rows: list[dict[str, Any]], cpus: int, window_s: float = BUSY_WINDOW_S) -> list[float]:
-    """For each step, how busy the host's other CPUs were with other workers' steps over the
-    `window_s` before its report (0 to 1): the simulation's `HostLoad.others_busy`, from a trace."""
+    """For each step, how busy the host's other CPUs were with other workers' steps, as the
+    simulation's `HostLoad.others_busy` reckons it when a step begins: the seconds of the other
+    workers' steps begun in the `window_s` before it, each counted whole (0 to 1). A step began at
+    its report's time less its own seconds: counted at its report, a prompt's step of seconds, whose
+    report comes as it ends, would be missed by every decode step that ran beside it."""
+
+    def began(row: dict[str, Any]) -> int:
+        return round((float(row["t_s"]) - float(row["seconds"])) / BUCKET_S)
+
     buckets: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for row in rows:
-        buckets[round(float(row["t_s"]) / BUCKET_S)][str(row["worker"])] += float(row["seconds"])
+        buckets[began(row)][str(row["worker"])] += float(row["seconds"])
     span = round(window_s / BUCKET_S)
     busy = []
     for row in rows:
-        end, worker = round(float(row["t_s"]) / BUCKET_S), str(row["worker"])
+        end, worker = began(row), str(row["worker"])
         others = sum(
             seconds
             for b in range(end - span + 1, end + 1)
