@@ -213,21 +213,21 @@ def test_bad_traces_are_refused_with_where_and_why(tmp_path: Path) -> None:
 
 
 def test_how_busy_the_other_workers_were_is_read_from_the_trace() -> None:
-    # As the simulation reckons it when a step begins: the other workers' steps begun in the 2 s
-    # before, each whole. Worker a ran two steps of 0.5 s (begun at 0.5 and 1.5 s) before b's step
-    # begun at 1.96 s: on a host of 2 CPUs (one other CPU), a was busy half of that CPU's time.
+    # While each step ran (from its report less its seconds, to its report), the share of it the
+    # other workers' steps ran beside it, on a host of 2 CPUs (one other CPU).
     rows = [
-        {"t_s": 1.0, "worker": "a", "seconds": 0.5},
-        {"t_s": 2.0, "worker": "a", "seconds": 0.5},  # began before b's: b's does not count for it
-        {"t_s": 2.0, "worker": "b", "seconds": 0.04},
+        {"t_s": 1.0, "worker": "a", "seconds": 0.5},  # alone
+        {"t_s": 2.0, "worker": "a", "seconds": 0.5},  # b's 40 ms ran beside the last of it: 0.08
+        {"t_s": 2.0, "worker": "b", "seconds": 0.04},  # inside a's step: 1
         {"t_s": 9.0, "worker": "b", "seconds": 0.04},  # a idle by then
-        # A long prompt step, reported as it ends (14.0 s), and a decode step inside it: the prompt
-        # step counts from its start (12.5 s), not from its report.
+        # A long prompt step, reported as it ends (14.0 s), and a decode step inside it: beside it
+        # all through, though the prompt step began long before.
         {"t_s": 14.0, "worker": "p", "seconds": 1.5},
         {"t_s": 13.0, "worker": "d", "seconds": 0.05},
     ]
-    assert others_busy(rows, cpus=2) == pytest.approx([0.0, 0.0, 0.5, 0.0, 0.0, 0.75])
-    assert others_busy(rows, cpus=1)[2] == 0.5  # one CPU: the others share it all the same
+    assert others_busy(rows, cpus=2) == pytest.approx([0.0, 0.08, 1.0, 0.0, 0.05 / 1.5, 1.0])
+    assert others_busy(rows, cpus=1)[1] == pytest.approx(0.08)  # one CPU: shared all the same
+    assert others_busy(rows, cpus=3)[2] == 0.5  # one of two other CPUs busy
 
 
 def test_steps_alone_and_beside_busy_neighbours_are_told_apart() -> None:

@@ -105,6 +105,22 @@ def test_unpinned_workers_slow_only_when_more_are_busy_than_there_are_cpus() -> 
     assert clock.run_virtual(main) == pytest.approx((1.0, 1.5))
 
 
+def test_a_step_is_beside_what_the_other_workers_run_while_it_runs() -> None:
+    async def main() -> list[float]:
+        host = HostLoad(HostCpu(cpus=2), client_on_host=False)
+        host.worked("prefill", 8.0)  # a prompt step of 8 s begins
+        await asyncio.sleep(5.0)  # long after it began
+        seen = [host.others_busy("decode", 0.05)]  # a decode step inside it: beside it all through
+        await asyncio.sleep(2.9)
+        seen.append(host.others_busy("decode", 0.2))  # the last 0.1 s of it, then nothing
+        seen.append(host.others_busy("prefill", 0.2))  # its own work is not its neighbour's
+        await asyncio.sleep(1.0)
+        seen.append(host.others_busy("decode", 0.05))  # it has ended
+        return seen
+
+    assert clock.run_virtual(main) == pytest.approx([1.0, 0.5, 0.0, 0.0])
+
+
 def test_a_pull_beside_the_workers_own_steps_shares_its_cpu_with_them() -> None:
     # A KV pull runs on a thread of its own in the worker, pinned to the worker's CPU: while the
     # worker's engine steps, the two share that CPU.

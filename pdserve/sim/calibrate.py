@@ -11,14 +11,15 @@ loop time around a step (per step and per stream, its waits on KV pulls left out
 the trace says what they moved, its waits on KV pulls (per pull and per block, as the steps,
 alone and beside busy neighbours), into a copy of a base profile (its KV transfers, start time,
 blocks and overhead are kept). Each step is fitted as alone + (beside busy neighbours - alone) x
-how busy the other workers were in the 2 s before it (read from the trace as the simulation
-reckons it), so the fit keeps how the steps slow as the load rises. The result says `steps_from: serving`: the simulation then adds the
+how busy the other workers were while it ran (read from the trace as the simulation reckons
+it), so the fit keeps how the steps slow as the load rises. The result says `steps_from: serving`: the simulation then adds the
 neighbours' term and no stretch for the router's and the client's CPU (that is in the fit, at the
 loads the trace covered: trace a load that climbs past the knee, as `pdserve profile --served` does).
 """
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import json
 import statistics
@@ -44,8 +45,6 @@ MIN_BUCKET = 5  # steps of one stream count for its median loop time to count
 MIN_PULL_STEPS = 20  # steps that waited on pulls, for a role's served pull wait to be fitted
 SERVED_TRANSPORT = "shm"  # what a step trace's pulls went over: `pdserve serve`'s default on one host
 PROMPT_CHUNK_TOKENS = 128  # a step with this many prompt tokens or more computes a prompt's chunk
-BUSY_WINDOW_S = 2.0  # as pdserve.sim.host.HostLoad's window
-BUCKET_S = 0.1  # a trace's times are its load reports' (every 0.1 s)
 SPREAD_POINTS = 50  # quantiles of a role's measured / fitted step times kept in the profile, a band
 SPREAD_BANDS = 3  # bands of fitted step length, each with its own spread
 
@@ -117,30 +116,31 @@ def fit_loop(rows: list[dict[str, Any]]) -> tuple[float, float]:
     return round(base, 6), round(max(0.0, slope), 7)
 
 
-def others_busy(rows: list[dict[str, Any]], cpus: int, window_s: float = BUSY_WINDOW_S) -> list[float]:
-    """For each step, how busy the host's other CPUs were with other workers' steps, as the
-    simulation's `HostLoad.others_busy` reckons it when a step begins: the seconds of the other
-    workers' steps begun in the `window_s` before it, each counted whole (0 to 1). A step began at
-    its report's time less its own seconds: counted at its report, a prompt's step of seconds, whose
-    report comes as it ends, would be missed by every decode step that ran beside it."""
-
-    def began(row: dict[str, Any]) -> int:
-        return round((float(row["t_s"]) - float(row["seconds"])) / BUCKET_S)
-
-    buckets: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for row in rows:
-        buckets[began(row)][str(row["worker"])] += float(row["seconds"])
-    span = round(window_s / BUCKET_S)
+def others_busy(rows: list[dict[str, Any]], cpus: int) -> list[float]:
+    """For each step, how busy the host's other CPUs were with other workers' steps while it ran
+    (0 to 1), as the simulation's `HostLoad.others_busy` reckons it for a step about to run. A
+    step ran from its report's time less its own seconds to its report (a report follows its
+    steps within 0.1 s): a decode step inside a prompt step of seconds ran beside it, however
+    long before it began."""
+    spans = sorted(
+        (float(row["t_s"]) - float(row["seconds"]), float(row["t_s"]), str(row["worker"])) for row in rows
+    )
+    starts = [start for start, _, _ in spans]
+    longest = max((end - start for start, end, _ in spans), default=0.0)
     busy = []
     for row in rows:
-        end, worker = began(row), str(row["worker"])
-        others = sum(
-            seconds
-            for b in range(end - span + 1, end + 1)
-            for w, seconds in buckets.get(b, {}).items()
-            if w != worker
+        end, worker = float(row["t_s"]), str(row["worker"])
+        start = end - float(row["seconds"])
+        if end <= start:
+            busy.append(0.0)
+            continue
+        first, last = bisect.bisect_left(starts, start - longest), bisect.bisect_left(starts, end)
+        beside = sum(
+            max(0.0, min(end, other_end) - max(start, other_start))
+            for other_start, other_end, other in spans[first:last]
+            if other != worker
         )
-        busy.append(min(1.0, others / window_s / max(1, cpus - 1)))
+        busy.append(min(1.0, beside / (end - start) / max(1, cpus - 1)))
     return busy
 
 

@@ -107,7 +107,8 @@ class SimCluster:
             seconds = step_time.seconds(features)
             if host is not None and busy_time is not None:
                 # Slowed by its neighbours' work, as far as they were busy.
-                seconds += max(0.0, busy_time.seconds(features) - seconds) * host.others_busy(worker_id)
+                beside = host.others_busy(worker_id, seconds)
+                seconds += max(0.0, busy_time.seconds(features) - seconds) * beside
             quantiles: tuple[float, ...] = ()
             if spread_at is not None:  # a mixed step (prompt beside streams) by its own where known
                 quantiles = spread_at(seconds, features.prefill_tokens > 0 and features.decode_streams > 0)
@@ -139,7 +140,7 @@ class SimCluster:
         def pull_seconds(blocks: int) -> tuple[float, float]:
             assert transfer is not None  # only workers that take KV pull
             if served_pull is not None:  # as the served pulls waited, beside neighbours as busy
-                busy = host.others_busy(worker_id) if host else 0.0
+                busy = host.others_busy(worker_id, served_pull.seconds(blocks * scale, 0.0)) if host else 0.0
                 return served_pull.seconds(blocks * scale, busy), served_pull.copy_seconds(
                     blocks * scale, busy
                 )

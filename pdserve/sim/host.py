@@ -96,13 +96,29 @@ class HostLoad:
         """A worker's step of `seconds` starts now."""
         self._work.append((clock.monotonic(), worker_id, seconds))
 
-    def others_busy(self, worker_id: str) -> float:
-        """How busy the host's other CPUs were lately with other workers' steps (0 to 1)."""
-        horizon = clock.monotonic() - self.window_s
-        while self._work and self._work[0][0] < horizon:
+    def others_busy(self, worker_id: str, span_s: float) -> float:
+        """How busy the host's other CPUs are with other workers' steps over the next `span_s`
+        (the step or pull about to run: what runs beside it is what slows it), from the steps
+        under way (0 to 1). A prompt step of seconds slows every decode step that runs inside it,
+        however long ago it began (steps of 8 s on a slow CPU)."""
+        now = clock.monotonic()
+        while self._work and self._work[0][0] + self._work[0][2] < now:  # ended: kept no longer
             self._work.popleft()
-        others = sum(seconds for _, worker, seconds in self._work if worker != worker_id)
-        return min(1.0, others / self.window_s / max(1, self.host.cpus - 1))
+        if span_s <= 0:
+            busy = sum(
+                1.0 for start, worker, seconds in self._work if worker != worker_id and start + seconds > now
+            )
+        else:
+            end = now + span_s
+            busy = (
+                sum(
+                    max(0.0, min(end, start + seconds) - max(now, start))
+                    for start, worker, seconds in self._work
+                    if worker != worker_id
+                )
+                / span_s
+            )
+        return min(1.0, busy / max(1, self.host.cpus - 1))
 
     # -- workers sharing CPUs ---------------------------------------------------------------------
     def place(self, worker_id: str) -> int | None:
