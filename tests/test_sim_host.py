@@ -111,6 +111,7 @@ def test_a_step_is_beside_what_the_other_workers_run_while_it_runs() -> None:
         host.worked("prefill", 8.0)  # a prompt step of 8 s begins
         await asyncio.sleep(5.0)  # long after it began
         seen = [host.others_busy("decode", 0.05)]  # a decode step inside it: beside it all through
+        seen.append(host.others_busy("decode", 0.0))  # no span (a step of no time): busy right now
         await asyncio.sleep(2.9)
         seen.append(host.others_busy("decode", 0.2))  # the last 0.1 s of it, then nothing
         seen.append(host.others_busy("prefill", 0.2))  # its own work is not its neighbour's
@@ -118,7 +119,7 @@ def test_a_step_is_beside_what_the_other_workers_run_while_it_runs() -> None:
         seen.append(host.others_busy("decode", 0.05))  # it has ended
         return seen
 
-    assert clock.run_virtual(main) == pytest.approx([1.0, 0.5, 0.0, 0.0])
+    assert clock.run_virtual(main) == pytest.approx([1.0, 1.0, 0.5, 0.0, 0.0])
 
 
 def test_a_pull_beside_the_workers_own_steps_shares_its_cpu_with_them() -> None:

@@ -81,6 +81,26 @@ def run(
     return clock.run_virtual(main)
 
 
+async def first_token_times(
+    dispatcher: Dispatcher, arrivals: dict[str, tuple[int, float]]
+) -> dict[str, float]:
+    """Each request's first token, from now: `arrivals` name -> (prompt tokens, when it comes).
+    Its prompt's ids are its own (from its name's first letter): no prompt shares a prefix."""
+    start = clock.monotonic()
+    first: dict[str, float] = {}
+
+    async def one(name: str, prompt: int, delay: float) -> None:
+        await asyncio.sleep(delay)
+        params = wire.WireSamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        tokens = [ord(name[0]) * 100 + i for i in range(prompt)]
+        async for event in dispatcher.generate(RequestState(name), tokens, params):
+            if event.token_ids and name not in first:
+                first[name] = clock.monotonic() - start
+
+    await asyncio.gather(*(one(name, prompt, delay) for name, (prompt, delay) in arrivals.items()))
+    return first
+
+
 def test_one_request_takes_exactly_the_profiles_time_on_the_disaggregated_path() -> None:
     prompt, tokens = 300, 6
 
@@ -146,17 +166,7 @@ def test_a_short_prompt_runs_between_two_layers_of_a_long_prompts_step_on_a_cpu_
 
     async def body(workers: WorkerSet, connector: SimConnector) -> object:
         dispatcher = Dispatcher(workers, RouterConfig(local_prefill_threshold=16), RouterMetrics())
-        start = clock.monotonic()
-        first: dict[str, float] = {}
-
-        async def one(name: str, prompt: int, delay: float) -> None:
-            await asyncio.sleep(delay)
-            params = wire.WireSamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-            async for event in dispatcher.generate(RequestState(name), list(range(prompt)), params):
-                if event.token_ids and name not in first:
-                    first[name] = clock.monotonic() - start
-
-        await asyncio.gather(one("long", 240, 0.0), one("short", 20, 0.005))
+        first = await first_token_times(dispatcher, {"long": (240, 0.0), "short": (20, 0.005)})
         assert connector.workers["prefill-0"].engine.steps_between_layers == 1
         return first
 
@@ -177,20 +187,11 @@ def test_prompts_that_come_during_a_layer_run_at_its_end_and_the_long_step_resum
 
     async def body(workers: WorkerSet, connector: SimConnector) -> object:
         dispatcher = Dispatcher(workers, RouterConfig(local_prefill_threshold=16), RouterMetrics())
-        start = clock.monotonic()
-        first: dict[str, float] = {}
-
-        async def one(name: str, prompt: int, delay: float) -> None:
-            await asyncio.sleep(delay)
-            params = wire.WireSamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-            tokens = [ord(name[0]) * 100 + i for i in range(prompt)]  # nothing shared: no prefix hit
-            async for event in dispatcher.generate(RequestState(name), tokens, params):
-                if event.token_ids and name not in first:
-                    first[name] = clock.monotonic() - start
-
         a_comes = 1.4 * layer  # during the second layer
         b_comes = 2 * layer + short_step + 0.3 * layer  # during the third, which began after A's step
-        await asyncio.gather(one("long", 240, 0.0), one("a", 20, a_comes), one("b", 20, b_comes))
+        first = await first_token_times(
+            dispatcher, {"long": (240, 0.0), "a": (20, a_comes), "b": (20, b_comes)}
+        )
         assert connector.workers["prefill-0"].engine.steps_between_layers == 2
         return first
 
