@@ -33,7 +33,16 @@ import numpy as np
 from pdserve import slo
 from pdserve.costmodel import Step
 from pdserve.router.recorder import STEP_TRACE_KEYS
-from pdserve.sim.profile import LinearStep, LoopTime, Profile, ProfileError, ServedPull, Spread, TransferTime
+from pdserve.sim.profile import (
+    LinearStep,
+    LoopTime,
+    Profile,
+    ProfileError,
+    ServedPull,
+    Spread,
+    StreamPasses,
+    TransferTime,
+)
 
 OPTIONAL_KEYS = (
     "pull_wait_seconds",
@@ -145,35 +154,53 @@ def others_busy(rows: list[dict[str, Any]], cpus: int) -> list[float]:
 
 
 def fit_alone_and_busy(
-    samples: list[tuple[Step, float, float]], prompt_from: tuple[LinearStep, LinearStep] | None = None
+    samples: list[tuple[Step, float, float]],
+    prompt_from: tuple[LinearStep, LinearStep] | None = None,
+    passes: StreamPasses | None = None,
 ) -> tuple[LinearStep, LinearStep]:
     """(alone, busy): seconds = alone(x) + (busy(x) - alone(x)) x b, b how busy the other CPUs
     were, fitted on the relative error with every coefficient of alone and of busy - alone >= 0
     (the form `pdserve.sim.cluster` steps by, with `Profile.steps_busy`). `prompt_from`: another
     role's (alone, busy) fit whose prompt coefficients (per prompt token, per token attended) are
-    taken as they are, the rest fitted around them."""
+    taken as they are, the rest fitted around them. `passes`: the engine's stream GEMV, whose
+    terms (`StreamPasses.features`) are fitted too, alike alone and beside busy neighbours, each
+    where MIN_STEPS steps or more show it (with fewer steps on the GEMV, the line alone)."""
     given = [1, 2] if prompt_from is not None else []
-    known = np.zeros(10)
+    kernels = [passes.features(step) for step, _, _ in samples] if passes is not None else []
+    if sum(1 for on_stream, _, _ in kernels if on_stream) < MIN_STEPS:
+        passes, kernels = None, []  # too few steps on the stream GEMV to tell its passes from the line
+    known = np.zeros(13 if passes is not None else 10)
     if prompt_from is not None:
         alone_c, busy_c = prompt_from[0].coefficients, prompt_from[1].coefficients
         for i in given:
             known[i], known[i + 5] = alone_c[i], busy_c[i] - alone_c[i]
     rows = []
-    for step, seconds, b in samples:
+    for index, (step, seconds, b) in enumerate(samples):
         raw = (1.0, step.prefill_tokens, step.prefill_attention, step.decode_streams, step.decode_context)
         x = np.array(raw, dtype=float) / seconds
-        rows.append(np.concatenate([x, x * b]))
+        kernel = np.array(kernels[index] if kernels else (), dtype=float) / seconds
+        rows.append(np.concatenate([x, x * b, kernel]))
     a = np.array(rows)
     target = np.ones(len(rows)) - a @ known  # what the given coefficients leave to explain
     scale = np.abs(a).max(axis=0)  # columns of like size, for the solver; a column of zeros stays 0
     scale[scale == 0] = 1.0
     a = a / scale
-    coef = _nonnegative_fit(a, target, [i for i in range(a.shape[1]) if i % 5 not in given])
+    active = [i for i in range(10) if i % 5 not in given]
+    if passes is not None:  # the GEMM's step and the logits' streams where the steps reach them
+        active.append(10)
+        active += [11] if sum(1 for _, gemm, _ in kernels if gemm) >= MIN_STEPS else []
+        active += [12] if sum(1 for _, _, past in kernels if past) >= MIN_STEPS else []
+    coef = _nonnegative_fit(a, target, active)
     if coef is None:
         raise ProfileError("the served steps fit no step time with non-negative coefficients")
     c = [float(x) for x in coef / scale + known]
-    alone = LinearStep((c[0], c[1], c[2], c[3], c[4]))
-    busy = LinearStep((c[0] + c[5], c[1] + c[6], c[2] + c[7], c[3] + c[8], c[4] + c[9]))
+    pass_coefficients = (c[10], c[11], c[12]) if passes is not None else (0.0, 0.0, 0.0)
+    alone = LinearStep((c[0], c[1], c[2], c[3], c[4]), passes=passes, pass_coefficients=pass_coefficients)
+    busy = LinearStep(
+        (c[0] + c[5], c[1] + c[6], c[2] + c[7], c[3] + c[8], c[4] + c[9]),
+        passes=passes,
+        pass_coefficients=pass_coefficients,
+    )
     fitted_and_measured = [
         (fitted, t, step.prefill_tokens > 0 and step.decode_streams > 0)
         for step, t, b in samples
@@ -292,6 +319,13 @@ def ratio_quantiles(fitted_and_measured: list[tuple[float, float]]) -> tuple[flo
     return tuple(float(f"{q:.4g}") for q in np.quantile(ratios, (np.arange(n) + 0.5) / n))
 
 
+def stream_passes(profile: Profile) -> StreamPasses | None:
+    """The engine's stream GEMV as the profile's measurement recorded it (meta `stream_passes`,
+    `pdserve profile` on a CPU); None: not recorded (a GPU's, a roofline's, an older profile)."""
+    body = profile.meta.get("stream_passes")
+    return StreamPasses.from_json(body, "meta.stream_passes") if body is not None else None
+
+
 def calibrated(base: Profile, traces: list[Path]) -> Profile:
     """`base` with each traced pool role's step time (alone, and beside busy neighbours), and its
     worker loop's time, fitted to the traces."""
@@ -307,6 +341,7 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
     steps: dict[str, LinearStep] = {}
     steps_busy: dict[str, LinearStep] = {}
     notes = []
+    passes = stream_passes(base)
     timed_by_role = {
         role: [(_step(r), float(r["seconds"]), float(r["busy"])) for r in rows if float(r["seconds"]) > 0]
         for role, rows in pools.items()
@@ -334,8 +369,13 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
                 f"{prompt_steps(role)} steps of {PROMPT_CHUNK_TOKENS} prompt tokens or more)"
             )
         steps[role], steps_busy[role] = fit_alone_and_busy(
-            timed, (steps[donor], steps_busy[donor]) if donor is not None else None
+            timed, (steps[donor], steps_busy[donor]) if donor is not None else None, passes
         )
+        if passes is not None and steps[role].passes is None:
+            notes.append(
+                f"{role} steps: one line (fewer than {MIN_STEPS} of them within the stream GEMV's "
+                f"{passes.stream_rows} rows to fit its passes to)"
+            )
     if not steps:
         raise ProfileError(
             f"no pool ran {MIN_STEPS} steps or more in {', '.join(map(str, traces))}: nothing to fit"

@@ -11,7 +11,9 @@ traced to where it came from.
 A step's time is a function of what the step computes (`pdserve.costmodel.Step`: prompt tokens,
 prompt attention, decode streams, decode context). Two forms:
 - `linear`: c0 + c1 * prompt tokens + c2 * prompt attention + c3 * streams + c4 * context, the
-  router's cost model's form, fitted to measured steps (non-negative coefficients);
+  router's cost model's form, fitted to measured steps (non-negative coefficients); on a CPU whose
+  engine runs narrow steps through the stream GEMV, plus a cost per pass of that kernel over the
+  weights and a step where the GEMM takes over (`StreamPasses`);
 - `roofline`: fixed + max(FLOPs / compute rate, bytes / bandwidth), from a hardware's peak rates at
   stated efficiencies.
 """
@@ -60,8 +62,54 @@ class Spread:
 
 
 @dataclass(frozen=True)
+class StreamPasses:
+    """How the CPU engine's linear layers run a step of prompt tokens + decode streams rows
+    (pdserve/ops/cpu/linear.py): up to `stream_rows` rows by the stream GEMV, which computes
+    `rows_per_pass` rows at a time over each tile of the weights it reads (cpu_gemv*.cpp's
+    kMaxRows); wider steps by a GEMM. The logits (a row per decode stream) take the stream GEMV
+    up to `logits_rows` streams. So a decode step's time is not one line in its streams: it climbs
+    by a pass's arithmetic every `rows_per_pass` streams and jumps where the GEMM takes over. An
+    AVX2-only EPYC's served decode steps (fp32, 4 rows a pass, the GEMV up to 32 rows, the
+    logits' too): 22-31 ms at 1-4 streams, 43-54 at 5-8, 67-88 at 9-12, 208 at 32, 298 at 35; and
+    a 31-token prompt 124-172 ms, 37 tokens beside one stream 167 (the GEMM's jump is the streams'
+    logits and sampling more than the layers')."""
+
+    rows_per_pass: int
+    stream_rows: int
+    logits_rows: int
+
+    def __post_init__(self) -> None:
+        if self.rows_per_pass < 1 or self.stream_rows < 1 or self.logits_rows < 0:
+            raise ProfileError("stream_passes needs rows_per_pass >= 1, stream_rows >= 1, logits_rows >= 0")
+
+    def features(self, step: Step) -> tuple[int, int, int]:
+        """(the stream GEMV's passes over the weights; 1 if a GEMM runs the step instead; the
+        decode streams past the logits' stream GEMV)."""
+        rows = step.prefill_tokens + step.decode_streams
+        past = max(0, step.decode_streams - self.logits_rows)
+        if rows > self.stream_rows:
+            return 0, 1, past
+        return -(-rows // self.rows_per_pass), 0, past
+
+    def to_json(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, body: Any, where: str) -> StreamPasses:
+        keys = {"rows_per_pass", "stream_rows", "logits_rows"}
+        shape = f'{where} must be {{"rows_per_pass": n, "stream_rows": n, "logits_rows": n}}'
+        if not isinstance(body, dict) or set(body) != keys:
+            raise ProfileError(shape)
+        if not all(isinstance(body[k], int) and not isinstance(body[k], bool) for k in keys):
+            raise ProfileError(shape)
+        return cls(body["rows_per_pass"], body["stream_rows"], body["logits_rows"])
+
+
+@dataclass(frozen=True)
 class LinearStep:
-    """c0 + c1 * prompt tokens + c2 * prompt attention + c3 * decode streams + c4 * decode context."""
+    """c0 + c1 * prompt tokens + c2 * prompt attention + c3 * decode streams + c4 * decode context,
+    plus, where `passes` is known, p0 * the stream GEMV's passes + p1 * (a GEMM instead) + p2 *
+    the streams past the logits' stream GEMV."""
 
     coefficients: tuple[float, float, float, float, float]
     # How well the fit matches the steps it was fitted to (relative error, |fit - measured| / measured).
@@ -79,8 +127,16 @@ class LinearStep:
     # chunks): 1.09x at the median against 1.02x for its decode steps. Empty: they
     # spread as steps of their length.
     mixed_spread: tuple[float, ...] = ()
+    # The engine's stream GEMV, and seconds per pass over the weights, for a step past it to the
+    # GEMM and per stream past the logits' GEMV; None: the step time is the line alone.
+    passes: StreamPasses | None = None
+    pass_coefficients: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def __post_init__(self) -> None:
+        if len(self.pass_coefficients) != 3 or not all(
+            math.isfinite(c) and c >= 0 for c in self.pass_coefficients
+        ):
+            raise ProfileError("a step time's pass_coefficients must be 3 finite numbers >= 0")
         if self.mixed_spread:
             Spread(None, self.mixed_spread)  # the same checks: ascending ratios > 0
         ends = [band.below_s for band in self.spread]
@@ -109,7 +165,11 @@ class LinearStep:
 
     def seconds(self, step: Step) -> float:
         raw = (1.0, step.prefill_tokens, step.prefill_attention, step.decode_streams, step.decode_context)
-        return sum(c * x for c, x in zip(self.coefficients, raw, strict=True))
+        line = sum(c * x for c, x in zip(self.coefficients, raw, strict=True))
+        if self.passes is None:
+            return line
+        kernel = self.passes.features(step)
+        return line + sum(c * x for c, x in zip(self.pass_coefficients, kernel, strict=True))
 
     @classmethod
     def fitted(cls, samples: Sequence[tuple[Step, float]]) -> LinearStep:
@@ -129,6 +189,8 @@ class LinearStep:
         for key in ("spread", "mixed_spread"):
             if not body[key]:
                 del body[key]  # profiles without one read as before
+        if self.passes is None:
+            del body["passes"], body["pass_coefficients"]
         return body
 
 
@@ -406,6 +468,12 @@ def _step_from_json(role: str, body: Any) -> StepTime:
             try:
                 spread = tuple(_spread_band(role, i, band) for i, band in enumerate(_listed(role, fields)))
                 mixed = _mixed_spread(role, fields.pop("mixed_spread", []))
+                passes = fields.pop("passes", None)
+                if passes is not None:
+                    fields["passes"] = StreamPasses.from_json(passes, f"steps.{role}.passes")
+                    fields["pass_coefficients"] = tuple(float(c) for c in fields.pop("pass_coefficients"))
+                elif "pass_coefficients" in fields:
+                    raise ProfileError(f"steps.{role}.pass_coefficients without passes")
                 return LinearStep(coefficients, spread=spread, mixed_spread=mixed, **fields)
             except ProfileError as exc:
                 raise ProfileError(f"steps.{role}: {exc}") from None
