@@ -183,6 +183,13 @@ def describe(profile: Profile) -> list[str]:
         error = f" (fit error: median {fit:.1%}, p90 {step.p90_error:.1%})" if fit is not None else ""  # type: ignore[union-attr]
         body = {k: v for k, v in step.to_json().items() if k not in ("spread", "mixed_spread")}
         lines.append(f"  {role} step: {body}{error}")
+        if (passes := getattr(step, "passes", None)) is not None:
+            per_pass, gemm, logits = step.pass_coefficients  # type: ignore[union-attr]
+            lines.append(
+                f"    stream GEMV ({passes.rows_per_pass} rows a pass, up to {passes.stream_rows} rows): "
+                f"{per_pass * 1000:.2f} ms a pass; a GEMM past it {gemm * 1000:+.2f} ms; "
+                f"{logits * 1000:.3f} ms a stream past the logits' {passes.logits_rows} rows"
+            )
         low = 0.0
         for band in getattr(step, "spread", ()):
             q = band.quantiles
@@ -288,14 +295,15 @@ def measured(args: argparse.Namespace) -> Profile:
     probe = steps.StepProbe(args.model, args.dtype, args.threads, plan.chunk, None)
     model_config = probe.engine.runner.config
     samples = steps.sweep(probe, plan)
-    roles = steps.fit_roles(samples)
+    passes = steps.stream_passes(probe)
+    roles = steps.fit_roles(samples, passes)
     busy_roles = None
     others = sorted(allowed - {min(allowed)}) if allowed is not None and args.threads == 1 else []
     if others and not args.no_neighbour:
         # The same sweep with another worker busy on the next CPU: what the host's shared caches
         # and memory cost a worker's steps when its neighbours work too.
         with steps.busy_neighbour(args.model, args.dtype, others[0]):
-            busy_roles = steps.fit_roles(steps.sweep(probe, plan))
+            busy_roles = steps.fit_roles(steps.sweep(probe, plan), passes)
     dtype = probe.engine.runner.dtype
     kv_blocks = probe.num_blocks
     block_size = probe.block_size
@@ -329,7 +337,8 @@ def measured(args: argparse.Namespace) -> Profile:
         transfers=transfers,
         overhead=overhead,
         start_s=round(start_s, 2),
-        meta={"device": "cpu", "dtype": str(dtype).removeprefix("torch."), "threads": args.threads},
+        meta={"device": "cpu", "dtype": str(dtype).removeprefix("torch."), "threads": args.threads}
+        | ({"stream_passes": passes.to_json()} if passes is not None else {}),
         assumptions=notes,
         host=host,
         steps_busy=dict(busy_roles) if busy_roles is not None else {},

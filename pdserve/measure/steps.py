@@ -22,15 +22,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.config import EngineConfig, Role
 from pdserve.costmodel import Step
 from pdserve.engine.factory import build_engine
 from pdserve.errors import PdserveError
 from pdserve.measure import neighbour
+from pdserve.ops.cpu.linear import PackedLinear
 from pdserve.sampling_params import SamplingParams
-from pdserve.sim.profile import LinearStep
+from pdserve.sim.calibrate import fit_alone_and_busy
+from pdserve.sim.profile import LinearStep, StreamPasses
 
 logger = logging.getLogger("pdserve.measure")
 
@@ -45,7 +47,9 @@ class Sample:
 class Sweep:
     prompts: tuple[int, ...] = (16, 64, 128, 256, 512, 1024, 2048)
     chunked_prompt: int = 3072  # in chunks of `chunk`: chunks that start deep in their prompt
-    batches: tuple[int, ...] = (1, 4, 16, 48)
+    # 4, 8 and 16 streams: 1, 2 and 4 passes of the fp32 stream GEMV (its passes told from the
+    # streams' own cost); 48: past it, a GEMM.
+    batches: tuple[int, ...] = (1, 4, 8, 16, 48)
     contexts: tuple[int, ...] = (128, 1024)
     max_context_tokens: int = 16384  # a decode batch's prompts in all (B x context), at most
     decode_steps: int = 12
@@ -168,15 +172,34 @@ def sweep(probe: StepProbe, plan: Sweep, budget_s: float | None = None) -> list[
     return list(probe.samples)
 
 
-def fit(samples: list[Sample]) -> LinearStep:
+def stream_passes(probe: StepProbe) -> StreamPasses | None:
+    """The probe's engine's stream GEMV (None: its linear layers have none: a GPU, bf16 without
+    AVX512-BF16, PDSERVE_STREAM_GEMV=0)."""
+    model = probe.engine.runner.model
+    streams = [m for m in model.layers.modules() if isinstance(m, PackedLinear) and m.stream is not None]
+    if not streams:
+        return None
+    logits = model.packed_logits
+    logits_rows = logits.stream_rows if logits is not None and logits.stream is not None else 0
+    return StreamPasses(streams[0].rows_per_pass, streams[0].stream_rows, logits_rows)
+
+
+def fit(samples: list[Sample], passes: StreamPasses | None = None) -> LinearStep:
+    """The line through the samples, with the stream GEMV's terms where `passes` is given and the
+    samples show them (calibrate.fit_alone_and_busy with no neighbours: the same fit as served
+    steps get)."""
+    if passes is not None:
+        alone, _ = fit_alone_and_busy([(s.step, s.seconds, 0.0) for s in samples], passes=passes)
+        if alone.passes is not None:  # else too few samples on the stream GEMV: the line
+            return replace(alone, spread=(), mixed_spread=())  # a sweep's steps spread as no server's
     return LinearStep.fitted([(s.step, s.seconds) for s in samples])
 
 
-def fit_roles(samples: list[Sample]) -> dict[str, LinearStep]:
+def fit_roles(samples: list[Sample], passes: StreamPasses | None = None) -> dict[str, LinearStep]:
     """Each pool role's step time, from the steps it runs."""
     prompt_only = [s for s in samples if s.step.decode_streams == 0 and s.step.prefill_tokens > 0]
-    everything = fit(samples)
-    return {"prefill": fit(prompt_only), "decode": everything, "colocated": everything}
+    everything = fit(samples, passes)
+    return {"prefill": fit(prompt_only, passes), "decode": everything, "colocated": everything}
 
 
 @contextlib.contextmanager

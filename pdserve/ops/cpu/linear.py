@@ -75,6 +75,9 @@ def stream_linear_f32_available() -> bool:
 
 STREAM_COLS, STREAM_PAIR = 48, 2  # cpu_gemv.cpp's kCols and kPair
 STREAM_F32_COLS = 16  # cpu_gemv_f32.cpp's kCols
+# Input rows per pass over a tile of the weights (the kernels' kMaxRows): a step's time on the
+# stream climbs by one pass's arithmetic every this many rows (pdserve/sim/profile.py models it).
+STREAM_ROWS_PER_PASS, STREAM_F32_ROWS_PER_PASS = 8, 4
 
 
 def stream_pack(weight: torch.Tensor, cols: int = STREAM_COLS) -> torch.Tensor:
@@ -125,6 +128,11 @@ class PackedLinear(nn.Module):
         self.packed = pack_weight(weight) if onednn else None
         self.weight = None if onednn else weight
         self.bias = None if bias is None else bias.detach()
+
+    @property
+    def rows_per_pass(self) -> int:
+        """How many of a step's rows the stream GEMV computes per pass over the weights."""
+        return STREAM_F32_ROWS_PER_PASS if self.bf16_weights else STREAM_ROWS_PER_PASS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.stream is not None and x.shape[0] <= self.stream_rows:
