@@ -24,7 +24,7 @@ from pdserve.sim.calibrate import (
     read_trace,
     spread_of,
 )
-from pdserve.sim.profile import LinearStep, LoopTime, Overhead, ProfileError
+from pdserve.sim.profile import LinearStep, LoopTime, Overhead, ProfileError, StreamPasses
 
 WORKLOAD = "poisson(20) prompt=uniform(20,300) output=uniform(2,40)"
 
@@ -246,6 +246,69 @@ def test_steps_alone_and_beside_busy_neighbours_are_told_apart() -> None:
         and fitted_alone.median_error < 1e-6
         and fitted_alone.samples == 60
     )
+
+
+def test_the_stream_gemvs_terms_are_fitted_back_from_steps_that_show_them() -> None:
+    # Decode steps of 1-64 streams and a prompt's rows beside some: passes of 4 rows up to 32,
+    # a GEMM for the layers past it, another for the logits past 32 streams; the neighbours
+    # raise the line's base and per-stream cost, not the kernels'.
+    passes = StreamPasses(4, 32, 32)
+    kernel = (0.012, 0.05, 0.04)
+    alone = LinearStep((0.008, 0.003, 0.0, 0.002, 0.0), passes=passes, pass_coefficients=kernel)
+    busy = LinearStep((0.011, 0.003, 0.0, 0.003, 0.0), passes=passes, pass_coefficients=kernel)
+    samples = []
+    for k in range(160):
+        streams = k % 64 + 1
+        step = Step(prefill_tokens=(k * 7) % 40 if k % 4 == 0 else 0, decode_streams=streams)
+        b = (k % 5) / 4
+        samples.append((step, alone.seconds(step) + (busy.seconds(step) - alone.seconds(step)) * b, b))
+    fitted_alone, fitted_busy = fit_alone_and_busy(samples, passes=passes)
+    for fitted, truth in ((fitted_alone, alone), (fitted_busy, busy)):
+        assert fitted.passes == passes
+        assert fitted.coefficients == pytest.approx(truth.coefficients, rel=1e-6, abs=1e-12)
+        assert fitted.pass_coefficients == pytest.approx(kernel, rel=1e-6)
+    # The line alone fits these steps worse: it cannot bend where a pass begins.
+    line, _ = fit_alone_and_busy(samples)
+    assert line.passes is None and line.pass_coefficients == (0.0, 0.0, 0.0)
+    assert line.median_error is not None and line.median_error > 0.02
+    assert fitted_alone.median_error is not None and fitted_alone.median_error < 1e-6
+
+    # Steps that never leave the GEMV fit no GEMM step (those terms are 0, not guessed); too few
+    # steps on the GEMV, and the line alone.
+    narrow = [(step, t, b) for step, t, b in samples if step.prefill_tokens + step.decode_streams <= 32]
+    assert len(narrow) >= 30
+    on_stream, _ = fit_alone_and_busy(narrow, passes=passes)
+    assert on_stream.pass_coefficients == pytest.approx((0.012, 0.0, 0.0), rel=1e-6, abs=1e-12)
+    wide = [(step, t, b) for step, t, b in samples if step.prefill_tokens + step.decode_streams > 32]
+    few, _ = fit_alone_and_busy(wide + narrow[:29], passes=passes)
+    assert few.passes is None
+
+
+def test_a_served_fit_takes_the_stream_gemv_its_base_profile_recorded(tmp_path: Path) -> None:
+    # A simulated DPD run (1-40 streams) whose decode steps bend as the stream GEMV's (4 rows a
+    # pass, up to 20, the logits' up to 12): the fit gives the bends back where the base profile
+    # says what the engine runs.
+    passes = StreamPasses(4, 20, 12)
+    decode = LinearStep((0.01, 1e-4, 0.0, 2e-3, 0.0), passes=passes, pass_coefficients=(0.004, 0.01, 5e-4))
+    base = fixed_profile(step=0.01, per_token=1e-4, per_stream=2e-3)
+    truth = replace(
+        base, steps={**base.steps, "decode": decode}, meta=base.meta | {"stream_passes": passes.to_json()}
+    )
+    trace = traced_run(
+        tmp_path, truth, "--prefill", "1", "--decode", "1", "--path-choice", "threshold",
+        "--local-prefill-threshold", "0",
+    )  # fmt: skip
+    fitted = calibrated(truth, [trace])
+    step = fitted.steps["decode"]
+    assert isinstance(step, LinearStep) and step.passes == passes
+    assert step.coefficients == pytest.approx(decode.coefficients, rel=1e-3, abs=1e-7)
+    assert step.pass_coefficients == pytest.approx(decode.pass_coefficients, rel=1e-3, abs=1e-7)
+    # The prefill worker's prompts never ran on the GEMV: its line, and the profile says so.
+    assert fitted.steps["prefill"].passes is None  # type: ignore[union-attr]
+    assert any("prefill steps: one line (fewer than 30" in a for a in fitted.assumptions)
+    # Without the GEMV in the base profile's record: the line, as before.
+    plain = calibrated(replace(truth, meta=base.meta), [trace])
+    assert plain.steps["decode"].passes is None  # type: ignore[union-attr]
 
 
 def test_a_served_profile_keeps_the_neighbours_term(tmp_path: Path) -> None:

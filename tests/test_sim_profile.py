@@ -20,6 +20,7 @@ from pdserve.sim.profile import (
     RooflineStep,
     ServedPull,
     Spread,
+    StreamPasses,
     TransferTime,
 )
 
@@ -112,6 +113,69 @@ def test_the_linear_and_roofline_step_times_are_their_formulas() -> None:
     apart = replace(banded, mixed_spread=(1.05, 1.3))
     assert apart.spread_at(0.04, mixed=True) == (1.05, 1.3) and apart.spread_at(0.04) == (0.9, 3.0)
     assert banded.spread_at(0.04, mixed=True) == (0.9, 3.0)
+
+
+def test_a_step_on_the_stream_gemv_costs_a_pass_every_rows_per_pass_rows() -> None:
+    # The fp32 stream GEMV of an AVX2 CPU: 4 rows a pass, up to 32 rows, the logits' too.
+    passes = StreamPasses(rows_per_pass=4, stream_rows=32, logits_rows=32)
+    line = (0.008, 0.003, 0.0, 0.002, 0.0)
+    step = LinearStep(line, passes=passes, pass_coefficients=(0.012, 0.15, 0.001))
+    # 1 to 4 streams share one pass over the weights (every step makes one: the line's base
+    # holds it); the 5th starts a second.
+    for streams, expected_passes in ((1, 1), (4, 1), (5, 2), (8, 2), (9, 3), (32, 8)):
+        expected = 0.008 + 0.002 * streams + 0.012 * (expected_passes - 1)
+        assert step.seconds(Step(decode_streams=streams)) == pytest.approx(expected)
+    # Past 32 streams a GEMM runs the layers, and another the logits.
+    assert step.seconds(Step(decode_streams=40)) == pytest.approx(0.008 + 0.002 * 40 + 0.15 + 0.001)
+    # Prompt tokens are rows too: 30 of them beside 3 streams take the layers' GEMM, but the
+    # logits stay on the GEMV (a prompt's logits are its last token's).
+    mixed = Step(prefill_tokens=30, decode_streams=3)
+    assert step.seconds(mixed) == pytest.approx(0.008 + 0.003 * 30 + 0.002 * 3 + 0.15)
+    assert step.seconds(Step(prefill_tokens=29, decode_streams=3)) == pytest.approx(
+        0.008 + 0.003 * 29 + 0.002 * 3 + 0.012 * 7
+    )
+    assert step.seconds(Step()) == pytest.approx(0.008)  # an empty step: no pass at all
+    # A logits' GEMV narrower than the layers' (bf16 plans): the logits' GEMM before the layers'.
+    narrow = replace(step, passes=StreamPasses(rows_per_pass=8, stream_rows=32, logits_rows=16))
+    assert narrow.seconds(Step(decode_streams=16)) == pytest.approx(0.008 + 0.002 * 16 + 0.012)
+    assert narrow.seconds(Step(decode_streams=20)) == pytest.approx(0.008 + 0.002 * 20 + 0.012 * 2 + 0.001)
+    # Without the GEMV known, the line alone.
+    assert LinearStep(line).seconds(Step(decode_streams=40)) == pytest.approx(0.008 + 0.002 * 40)
+
+
+def test_a_profile_with_the_stream_gemv_reads_back_and_bad_ones_are_refused(tmp_path: Path) -> None:
+    passes = StreamPasses(4, 32, 32)
+    step = LinearStep((0.008, 0.003, 0.0, 0.002, 0.0), passes=passes, pass_coefficients=(0.012, 0.15, 0.001))
+    original = replace(
+        fixed_profile(), steps={"prefill": LinearStep((0.02, 0.003, 0.0, 0.0, 0.0)), "decode": step}
+    )
+    original.save(tmp_path / "p.json")
+    assert profiles.load(tmp_path / "p.json") == original
+    body = json.loads((tmp_path / "p.json").read_text())
+    # A step without the GEMV writes no keys of it: older readers read it as before.
+    assert "passes" not in body["steps"]["prefill"] and "pass_coefficients" not in body["steps"]["prefill"]
+    assert body["steps"]["decode"]["passes"] == {"rows_per_pass": 4, "stream_rows": 32, "logits_rows": 32}
+    shape = r'steps\.decode: passes must be \{"rows_per_pass": n, "stream_rows": n, "logits_rows": n\}'
+    bad = [
+        ({"passes": {"rows_per_pass": 4, "stream_rows": 32}}, shape),
+        ({"passes": {"rows_per_pass": 4, "stream_rows": 32, "logits_rows": True}}, shape),
+        ({"passes": {"rows_per_pass": 4.5, "stream_rows": 32, "logits_rows": 32}}, shape),
+        ({"passes": [4, 32, 32]}, shape),
+        ({"passes": {"rows_per_pass": 0, "stream_rows": 32, "logits_rows": 32}}, "rows_per_pass >= 1"),
+        ({"pass_coefficients": [0.012, -0.1, 0.0]}, "pass_coefficients must be 3 finite numbers >= 0"),
+        ({"pass_coefficients": [0.012, 0.1]}, "pass_coefficients must be 3 finite numbers >= 0"),
+        ({"pass_coefficients": None}, r"steps\.decode: passes without pass_coefficients"),
+    ]
+    for change, message in bad:
+        broken = json.loads(json.dumps(body))
+        broken["steps"]["decode"].update(change)
+        (tmp_path / "bad.json").write_text(json.dumps(broken))
+        with pytest.raises(ProfileError, match=message):
+            profiles.load(tmp_path / "bad.json")
+    del body["steps"]["decode"]["passes"]
+    (tmp_path / "bad.json").write_text(json.dumps(body))
+    with pytest.raises(ProfileError, match=r"steps\.decode: pass_coefficients without passes"):
+        profiles.load(tmp_path / "bad.json")
 
 
 def test_a_role_without_its_own_step_time_and_a_missing_transport() -> None:

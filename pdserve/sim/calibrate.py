@@ -167,7 +167,7 @@ def fit_alone_and_busy(
     where MIN_STEPS steps or more show it (with fewer steps on the GEMV, the line alone)."""
     given = [1, 2] if prompt_from is not None else []
     kernels = [passes.features(step) for step, _, _ in samples] if passes is not None else []
-    if sum(1 for on_stream, _, _ in kernels if on_stream) < MIN_STEPS:
+    if passes is not None and sum(1 for step, _, _ in samples if passes.on_stream(step)) < MIN_STEPS:
         passes, kernels = None, []  # too few steps on the stream GEMV to tell its passes from the line
     known = np.zeros(13 if passes is not None else 10)
     if prompt_from is not None:
@@ -186,10 +186,10 @@ def fit_alone_and_busy(
     scale[scale == 0] = 1.0
     a = a / scale
     active = [i for i in range(10) if i % 5 not in given]
-    if passes is not None:  # the GEMM's step and the logits' streams where the steps reach them
+    if passes is not None:  # the GEMMs' steps where the steps reach them
         active.append(10)
-        active += [11] if sum(1 for _, gemm, _ in kernels if gemm) >= MIN_STEPS else []
-        active += [12] if sum(1 for _, _, past in kernels if past) >= MIN_STEPS else []
+        active += [11] if sum(1 for _, layers, _ in kernels if layers) >= MIN_STEPS else []
+        active += [12] if sum(1 for _, _, logits in kernels if logits) >= MIN_STEPS else []
     coef = _nonnegative_fit(a, target, active)
     if coef is None:
         raise ProfileError("the served steps fit no step time with non-negative coefficients")

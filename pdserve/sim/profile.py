@@ -68,11 +68,11 @@ class StreamPasses:
     `rows_per_pass` rows at a time over each tile of the weights it reads (cpu_gemv*.cpp's
     kMaxRows); wider steps by a GEMM. The logits (a row per decode stream) take the stream GEMV
     up to `logits_rows` streams. So a decode step's time is not one line in its streams: it climbs
-    by a pass's arithmetic every `rows_per_pass` streams and jumps where the GEMM takes over. An
-    AVX2-only EPYC's served decode steps (fp32, 4 rows a pass, the GEMV up to 32 rows, the
-    logits' too): 22-31 ms at 1-4 streams, 43-54 at 5-8, 67-88 at 9-12, 208 at 32, 298 at 35; and
-    a 31-token prompt 124-172 ms, 37 tokens beside one stream 167 (the GEMM's jump is the streams'
-    logits and sampling more than the layers')."""
+    by a pass's arithmetic every `rows_per_pass` streams and jumps where a GEMM takes over, the
+    layers' past `stream_rows` rows and the logits' past `logits_rows` streams. An AVX2-only
+    EPYC's served decode steps (fp32, 4 rows a pass, the GEMV up to 32 rows, the logits' too):
+    22-31 ms at 1-4 streams, 43-54 at 5-8, 67-88 at 9-12, 208 at 32, 298 at 35; a 31-token prompt
+    124-172 ms, 37 tokens beside one stream 167 (its logits still on the GEMV)."""
 
     rows_per_pass: int
     stream_rows: int
@@ -83,13 +83,18 @@ class StreamPasses:
             raise ProfileError("stream_passes needs rows_per_pass >= 1, stream_rows >= 1, logits_rows >= 0")
 
     def features(self, step: Step) -> tuple[int, int, int]:
-        """(the stream GEMV's passes over the weights; 1 if a GEMM runs the step instead; the
-        decode streams past the logits' stream GEMV)."""
+        """(the stream GEMV's passes over the weights past the first: every step makes one, or a
+        GEMM instead, and the line's base holds it; 1 if a GEMM runs the layers; 1 if one runs
+        the logits: more decode streams than the logits' stream GEMV takes)."""
         rows = step.prefill_tokens + step.decode_streams
-        past = max(0, step.decode_streams - self.logits_rows)
+        logits = 1 if step.decode_streams > self.logits_rows else 0
         if rows > self.stream_rows:
-            return 0, 1, past
-        return -(-rows // self.rows_per_pass), 0, past
+            return 0, 1, logits
+        return max(0, -(-rows // self.rows_per_pass) - 1), 0, logits
+
+    def on_stream(self, step: Step) -> bool:
+        """Whether the stream GEMV runs the step's layers."""
+        return 0 < step.prefill_tokens + step.decode_streams <= self.stream_rows
 
     def to_json(self) -> dict[str, int]:
         return asdict(self)
@@ -108,8 +113,8 @@ class StreamPasses:
 @dataclass(frozen=True)
 class LinearStep:
     """c0 + c1 * prompt tokens + c2 * prompt attention + c3 * decode streams + c4 * decode context,
-    plus, where `passes` is known, p0 * the stream GEMV's passes + p1 * (a GEMM instead) + p2 *
-    the streams past the logits' stream GEMV."""
+    plus, where `passes` is known, p0 * the stream GEMV's passes past the first + p1 * (a GEMM
+    runs the layers) + p2 * (a GEMM runs the logits)."""
 
     coefficients: tuple[float, float, float, float, float]
     # How well the fit matches the steps it was fitted to (relative error, |fit - measured| / measured).
@@ -127,8 +132,8 @@ class LinearStep:
     # chunks): 1.09x at the median against 1.02x for its decode steps. Empty: they
     # spread as steps of their length.
     mixed_spread: tuple[float, ...] = ()
-    # The engine's stream GEMV, and seconds per pass over the weights, for a step past it to the
-    # GEMM and per stream past the logits' GEMV; None: the step time is the line alone.
+    # The engine's stream GEMV, and seconds per pass over the weights, for the layers' GEMM past
+    # it and for the logits' GEMM past theirs; None: the step time is the line alone.
     passes: StreamPasses | None = None
     pass_coefficients: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
@@ -468,12 +473,14 @@ def _step_from_json(role: str, body: Any) -> StepTime:
             try:
                 spread = tuple(_spread_band(role, i, band) for i, band in enumerate(_listed(role, fields)))
                 mixed = _mixed_spread(role, fields.pop("mixed_spread", []))
-                passes = fields.pop("passes", None)
+                passes, kernel = fields.pop("passes", None), fields.pop("pass_coefficients", None)
                 if passes is not None:
-                    fields["passes"] = StreamPasses.from_json(passes, f"steps.{role}.passes")
-                    fields["pass_coefficients"] = tuple(float(c) for c in fields.pop("pass_coefficients"))
-                elif "pass_coefficients" in fields:
-                    raise ProfileError(f"steps.{role}.pass_coefficients without passes")
+                    if kernel is None:
+                        raise ProfileError("passes without pass_coefficients")
+                    fields["passes"] = StreamPasses.from_json(passes, "passes")
+                    fields["pass_coefficients"] = tuple(float(c) for c in kernel)
+                elif kernel is not None:
+                    raise ProfileError("pass_coefficients without passes")
                 return LinearStep(coefficients, spread=spread, mixed_spread=mixed, **fields)
             except ProfileError as exc:
                 raise ProfileError(f"steps.{role}: {exc}") from None
