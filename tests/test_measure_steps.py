@@ -12,6 +12,7 @@ import pytest
 from pdserve.costmodel import Step
 from pdserve.errors import PdserveError
 from pdserve.measure import steps
+from pdserve.ops.cpu.linear import PackedLinear
 
 TINY = steps.Sweep(
     prompts=(8, 32, 96),
@@ -44,6 +45,24 @@ def test_the_sweep_measures_every_kind_of_step_and_the_roles_are_fitted(tiny_lla
     assert prefill.median_error is not None and prefill.p90_error is not None
     assert all(c >= 0 for c in roles["decode"].coefficients)
     assert roles["decode"].seconds(Step(512, 512 * 256, 0, 0)) >= roles["decode"].seconds(Step(8, 32, 0, 0))
+
+
+def test_the_probe_says_which_stream_gemv_its_engine_runs(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    probe = steps.StepProbe(str(tiny_llama), "float32", 1, TINY.chunk, 0.01)
+    model = probe.engine.runner.model
+    streams = [m for m in model.layers.modules() if isinstance(m, PackedLinear) and m.stream is not None]
+    passes = steps.stream_passes(probe)
+    if not streams:  # this CPU's plan gives fp32 no stream GEMV (or the kernels are not built)
+        assert passes is None
+    else:  # fp32 over bf16-stored weights: the AVX2 kernel, 4 rows a pass
+        assert passes is not None and passes.rows_per_pass == 4
+        assert {m.stream_rows for m in streams} == {passes.stream_rows}
+        assert passes.logits_rows <= passes.stream_rows
+    # An operator who turns the stream GEMV off gets an engine, and a profile, without it.
+    monkeypatch.setenv("PDSERVE_STREAM_GEMV", "0")
+    assert steps.stream_passes(steps.StepProbe(str(tiny_llama), "float32", 1, TINY.chunk, 0.01)) is None
 
 
 def test_a_time_budget_stops_the_sweep_early_and_keeps_what_was_measured(tiny_llama: Path) -> None:

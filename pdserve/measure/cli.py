@@ -187,8 +187,8 @@ def describe(profile: Profile) -> list[str]:
             per_pass, gemm, logits = step.pass_coefficients  # type: ignore[union-attr]
             lines.append(
                 f"    stream GEMV ({passes.rows_per_pass} rows a pass, up to {passes.stream_rows} rows): "
-                f"{per_pass * 1000:.2f} ms a pass; a GEMM past it {gemm * 1000:+.2f} ms; "
-                f"{logits * 1000:.3f} ms a stream past the logits' {passes.logits_rows} rows"
+                f"{per_pass * 1000:.2f} ms a pass past the first; a GEMM past it {gemm * 1000:+.2f} ms, "
+                f"the logits' past {passes.logits_rows} streams {logits * 1000:+.2f} ms"
             )
         low = 0.0
         for band in getattr(step, "spread", ()):
@@ -296,14 +296,14 @@ def measured(args: argparse.Namespace) -> Profile:
     model_config = probe.engine.runner.config
     samples = steps.sweep(probe, plan)
     passes = steps.stream_passes(probe)
-    roles = steps.fit_roles(samples, passes)
+    roles = steps.fit_roles(samples)
     busy_roles = None
     others = sorted(allowed - {min(allowed)}) if allowed is not None and args.threads == 1 else []
     if others and not args.no_neighbour:
         # The same sweep with another worker busy on the next CPU: what the host's shared caches
         # and memory cost a worker's steps when its neighbours work too.
         with steps.busy_neighbour(args.model, args.dtype, others[0]):
-            busy_roles = steps.fit_roles(steps.sweep(probe, plan), passes)
+            busy_roles = steps.fit_roles(steps.sweep(probe, plan))
     dtype = probe.engine.runner.dtype
     kv_blocks = probe.num_blocks
     block_size = probe.block_size
