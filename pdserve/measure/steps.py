@@ -187,8 +187,8 @@ def fit(samples: list[Sample]) -> LinearStep:
 
 def fit_roles(samples: list[Sample]) -> dict[str, LinearStep]:
     """Each pool role's step time, from the steps it runs: one line each. (The stream GEMV's
-    passes, `stream_passes`, are left to a served fit: the sweep's prompts jump from 16 tokens
-    to 64, and a fit of its GEMM step took that gap's GEMM inefficiency, 0.2 s, as the step's.)"""
+    terms, `stream_passes`, are left to a served fit: the sweep's prompts jump from 16 tokens to
+    64, and a fit with them put 0.2 s on the GEMM's step from that gap.)"""
     prompt_only = [s for s in samples if s.step.decode_streams == 0 and s.step.prefill_tokens > 0]
     everything = fit(samples)
     return {"prefill": fit(prompt_only), "decode": everything, "colocated": everything}

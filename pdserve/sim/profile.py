@@ -13,7 +13,7 @@ prompt attention, decode streams, decode context). Two forms:
 - `linear`: c0 + c1 * prompt tokens + c2 * prompt attention + c3 * streams + c4 * context, the
   router's cost model's form, fitted to measured steps (non-negative coefficients); on a CPU whose
   engine runs narrow steps through the stream GEMV, plus a cost per pass of that kernel over the
-  weights and a step where the GEMM takes over (`StreamPasses`);
+  weights and a step each where a GEMM takes the layers and the logits (`StreamPasses`);
 - `roofline`: fixed + max(FLOPs / compute rate, bytes / bandwidth), from a hardware's peak rates at
   stated efficiencies.
 """
