@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdserve.cli import main
 from pdserve.sim import profile as profiles
@@ -68,4 +69,24 @@ def test_flags_that_do_not_go_together_are_refused(
     assert "--served-rate-scale must be > 0" in capsys.readouterr().err
     assert main(["profile", "--hardware", "h200", "--model-shape", "llama-3.1-8b", "--served", *out]) == 2
     assert "neither --model nor --served" in capsys.readouterr().err
+    # A GPU profile: its steps on the GPU; the serving probes run CPU servers, so it says so.
+    assert main(["profile", "--model", "smollm2-135m", "--device", "cuda", *out]) == 2
+    assert "--device cuda measures the engine's steps on the GPU" in capsys.readouterr().err
+    assert (
+        main(["profile", "--model", "smollm2-135m", "--device", "cuda", "--served", "--no-serve", *out]) == 2
+    )
+    assert "--served runs a server" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_gpu_profile_without_a_gpu_is_refused_before_anything_is_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_llama: Path
+) -> None:
+    out = tmp_path / "gpu.json"
+    assert (
+        main(["profile", "--model", str(tiny_llama), "--device", "cuda", "--no-serve", "--out", str(out)])
+        == 2
+    )
+    assert "--device cuda: this torch sees no CUDA device" in capsys.readouterr().err
+    assert not out.exists()

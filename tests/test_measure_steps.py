@@ -65,6 +65,14 @@ def test_the_probe_says_which_stream_gemv_its_engine_runs(
     assert steps.stream_passes(steps.StepProbe(str(tiny_llama), "float32", 1, TINY.chunk, 0.01)) is None
 
 
+def test_the_gpu_sweep_runs_each_prompt_in_one_chunk_and_one_deep_in_its_prompt() -> None:
+    gpu = steps.GPU
+    assert max(gpu.prompts) <= gpu.chunk < gpu.chunked_prompt  # the chunked prompt's later chunks attend deep
+    # Every decode batch runs at its shorter context at least, a KV cache of at most max_context_tokens.
+    assert all(batch * min(gpu.contexts) <= gpu.max_context_tokens for batch in gpu.batches)
+    assert max(gpu.batches) <= 256  # StepProbe's max_num_seqs
+
+
 def test_a_time_budget_stops_the_sweep_early_and_keeps_what_was_measured(tiny_llama: Path) -> None:
     probe = steps.StepProbe(str(tiny_llama), "float32", 1, TINY.chunk, 0.01)
     samples = steps.sweep(probe, TINY, budget_s=0.0)

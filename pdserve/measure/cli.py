@@ -39,12 +39,20 @@ from pdserve.errors import PdserveError
 from pdserve.sim.profile import Overhead, Profile
 
 MEASURED_TRANSPORTS = ("shm", "tcp")  # nixl moves a GPU's or a remote node's KV: not measured here
+DEVICES = ("cpu", "cuda")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="where to write the profile (JSON)")
     p.add_argument("--model", default=None, help="measure this model here (built-in name, .gguf or folder)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=DEVICES,
+        help="where the measured engine runs: cpu, or cuda (GPU 0; with --no-serve: the serving probes "
+        "run CPU servers)",
+    )
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads of the measured engine (serve's per worker)"
     )
@@ -119,6 +127,11 @@ def run(args: argparse.Namespace) -> int:
             raise PdserveError("give --model (measure it here) or --hardware and --model-shape (a roofline)")
         if args.served and args.no_serve:
             raise PdserveError("--served runs a server: it cannot go with --no-serve")
+        if args.device == "cuda" and not args.no_serve:
+            raise PdserveError(
+                "--device cuda measures the engine's steps on the GPU; the serving probes (and --served) "
+                "run CPU servers: add --no-serve"
+            )
         if args.threads < 1:
             raise PdserveError("--threads must be >= 1")
         unknown = sorted(set(args.transports.split(",")) - set(MEASURED_TRANSPORTS) - {""})
@@ -285,14 +298,17 @@ def measured(args: argparse.Namespace) -> Profile:
     from pdserve.measure import overhead as overhead_probe
     from pdserve.measure import steps, transfer
 
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    gpu = args.device == "cuda"
+    if gpu and not torch.cuda.is_available():
+        raise PdserveError("--device cuda: this torch sees no CUDA device")
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") and not gpu else None
     if allowed is not None and args.threads == 1:
         # One CPU, as `pdserve serve --cluster local` pins each worker, for the engine's steps; the
         # transfers (two workers' threads) and the serving probe (its server would inherit the
         # one CPU) get every CPU back.
         os.sched_setaffinity(0, {min(allowed)})
-    plan = steps.QUICK if args.quick else steps.Sweep()
-    probe = steps.StepProbe(args.model, args.dtype, args.threads, plan.chunk, None)
+    plan = steps.QUICK if args.quick else steps.GPU if gpu else steps.Sweep()
+    probe = steps.StepProbe(args.model, args.dtype, args.threads, plan.chunk, None, args.device)
     model_config = probe.engine.runner.config
     samples = steps.sweep(probe, plan)
     passes = steps.stream_passes(probe)
@@ -318,6 +334,13 @@ def measured(args: argparse.Namespace) -> Profile:
         name: transfer.measure(name, shape, dtype, counts) for name in args.transports.split(",") if name
     }
     overhead, start_s, host, notes = Overhead(), 0.0, None, []
+    extra: dict[str, Any] = {}
+    if gpu:
+        extra["gpu"] = torch.cuda.get_device_name(0)
+        notes.append(
+            f"steps measured on {extra['gpu']}; KV pulls ({args.transports or 'none'}) between host "
+            "caches: a GPU cache's pull also copies to and from the GPU (not timed here)"
+        )
     if args.no_serve:
         notes.append("no serving overhead measured (--no-serve): the router and the worker loop cost nothing")
     else:
@@ -337,10 +360,10 @@ def measured(args: argparse.Namespace) -> Profile:
         transfers=transfers,
         overhead=overhead,
         start_s=round(start_s, 2),
-        meta={"device": "cpu", "dtype": str(dtype).removeprefix("torch."), "threads": args.threads}
+        meta={"device": args.device, "dtype": str(dtype).removeprefix("torch."), "threads": args.threads}
         | ({"stream_passes": passes.to_json()} if passes is not None else {}),
         assumptions=notes,
         host=host,
         steps_busy=dict(busy_roles) if busy_roles is not None else {},
     )
-    return _stamped(profile, _machine() | {"torch": torch.__version__, "samples": len(samples)})
+    return _stamped(profile, _machine() | extra | {"torch": torch.__version__, "samples": len(samples)})

@@ -57,6 +57,24 @@ class Sweep:
     warmup_steps: int = 8
 
 
+# A GPU's steps are milliseconds where a CPU's are tens of them: longer prompts (each one chunk of
+# 2048, the chunked one deep in its prompt) and batches up to 256 streams, where a decode step turns
+# from reading the weights to computing (pdserve/sim/roofline.py's bend).
+GPU = Sweep(
+    prompts=(128, 256, 512, 1024, 2048),
+    chunked_prompt=6144,
+    batches=(1, 8, 32, 64, 128, 256),
+    contexts=(512, 2048),
+    max_context_tokens=262144,
+    decode_steps=12,
+    mixed_batches=(8, 64),
+    mixed_prompts=(256, 1024, 2048),
+    repeats=2,
+    chunk=2048,
+    warmup_steps=8,
+)
+
+
 QUICK = Sweep(
     prompts=(16, 64, 256),
     chunked_prompt=512,
@@ -74,10 +92,18 @@ QUICK = Sweep(
 class StepProbe:
     """An engine built as a worker's would be, stepped by hand."""
 
-    def __init__(self, model: str, dtype: str, threads: int | None, chunk: int, kv_gib: float | None) -> None:
+    def __init__(
+        self,
+        model: str,
+        dtype: str,
+        threads: int | None,
+        chunk: int,
+        kv_gib: float | None,
+        device: str = "cpu",
+    ) -> None:
         config = EngineConfig(
             model=model,
-            device="cpu",
+            device=device,
             dtype=dtype,
             role=Role.MIXED,
             threads=threads,
