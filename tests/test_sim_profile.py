@@ -125,14 +125,16 @@ def test_a_step_on_the_stream_gemv_costs_a_pass_every_rows_per_pass_rows() -> No
     for streams, expected_passes in ((1, 1), (4, 1), (5, 2), (8, 2), (9, 3), (32, 8)):
         expected = 0.008 + 0.002 * streams + 0.012 * (expected_passes - 1)
         assert step.seconds(Step(decode_streams=streams)) == pytest.approx(expected)
-    # Past 32 streams a GEMM runs the layers, and another the logits.
-    assert step.seconds(Step(decode_streams=40)) == pytest.approx(0.008 + 0.002 * 40 + 0.15 + 0.001)
+    # Past 32 rows a GEMM runs the layers, each row at c1 (here 3 ms), and past 32 streams another
+    # GEMM the logits.
+    assert step.seconds(Step(decode_streams=40)) == pytest.approx(0.008 + (0.003 + 0.002) * 40 + 0.15 + 0.001)
     # Prompt tokens are rows too: 30 of them beside 3 streams take the layers' GEMM, but the
     # logits stay on the GEMV (a prompt's logits are its last token's).
     mixed = Step(prefill_tokens=30, decode_streams=3)
-    assert step.seconds(mixed) == pytest.approx(0.008 + 0.003 * 30 + 0.002 * 3 + 0.15)
+    assert step.seconds(mixed) == pytest.approx(0.008 + 0.003 * 33 + 0.002 * 3 + 0.15)
+    # On the GEMV a prompt's rows cost its passes, as streams do: no cost a row besides.
     assert step.seconds(Step(prefill_tokens=29, decode_streams=3)) == pytest.approx(
-        0.008 + 0.003 * 29 + 0.002 * 3 + 0.012 * 7
+        0.008 + 0.002 * 3 + 0.012 * 7
     )
     assert step.seconds(Step()) == pytest.approx(0.008)  # an empty step: no pass at all
     # A logits' GEMV narrower than the layers' (bf16 plans): the logits' GEMM before the layers'.

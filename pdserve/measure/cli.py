@@ -201,7 +201,8 @@ def describe(profile: Profile) -> list[str]:
             lines.append(
                 f"    stream GEMV ({passes.rows_per_pass} rows a pass, up to {passes.stream_rows} rows): "
                 f"{per_pass * 1000:.2f} ms a pass past the first; a GEMM past it {gemm * 1000:+.2f} ms, "
-                f"the logits' past {passes.logits_rows} streams {logits * 1000:+.2f} ms"
+                f"the logits' past {passes.logits_rows} streams {logits * 1000:+.2f} ms; "
+                f"{step.coefficients[1] * 1000:.3f} ms a row on the GEMM (c1)"  # type: ignore[union-attr]
             )
         low = 0.0
         for band in getattr(step, "spread", ()):

@@ -92,6 +92,15 @@ class StreamPasses:
             return 0, 1, logits
         return max(0, -(-rows // self.rows_per_pass) - 1), 0, logits
 
+    def line(self, step: Step) -> tuple[float, float, float, float, float]:
+        """The line's features under the GEMV: (1, rows on the GEMM, prompt attention, streams,
+        context). A row's share of the layers is the GEMV's passes up to `stream_rows` rows and
+        the GEMM's cost a row past them, a prompt token's or a stream's alike; so c1 is per row
+        on the GEMM, not per prompt token (one would count a narrow step's prompt rows twice)."""
+        rows = step.prefill_tokens + step.decode_streams
+        on_gemm = rows if rows > self.stream_rows else 0
+        return (1.0, on_gemm, step.prefill_attention, step.decode_streams, step.decode_context)
+
     def on_stream(self, step: Step) -> bool:
         """Whether the stream GEMV runs the step's layers."""
         return 0 < step.prefill_tokens + step.decode_streams <= self.stream_rows
@@ -112,9 +121,10 @@ class StreamPasses:
 
 @dataclass(frozen=True)
 class LinearStep:
-    """c0 + c1 * prompt tokens + c2 * prompt attention + c3 * decode streams + c4 * decode context,
-    plus, where `passes` is known, p0 * the stream GEMV's passes past the first + p1 * (a GEMM
-    runs the layers) + p2 * (a GEMM runs the logits)."""
+    """c0 + c1 * prompt tokens + c2 * prompt attention + c3 * decode streams + c4 * decode context;
+    where `passes` is known, c1 is per row on the GEMM instead (`StreamPasses.line`), plus p0 * the
+    stream GEMV's passes past the first + p1 * (a GEMM runs the layers) + p2 * (a GEMM runs the
+    logits)."""
 
     coefficients: tuple[float, float, float, float, float]
     # How well the fit matches the steps it was fitted to (relative error, |fit - measured| / measured).
@@ -169,10 +179,10 @@ class LinearStep:
         return (sum(last) / len(last),)
 
     def seconds(self, step: Step) -> float:
-        raw = (1.0, step.prefill_tokens, step.prefill_attention, step.decode_streams, step.decode_context)
-        line = sum(c * x for c, x in zip(self.coefficients, raw, strict=True))
         if self.passes is None:
-            return line
+            raw = (1.0, step.prefill_tokens, step.prefill_attention, step.decode_streams, step.decode_context)
+            return sum(c * x for c, x in zip(self.coefficients, raw, strict=True))
+        line = sum(c * x for c, x in zip(self.coefficients, self.passes.line(step), strict=True))
         kernel = self.passes.features(step)
         return line + sum(c * x for c, x in zip(self.pass_coefficients, kernel, strict=True))
 
