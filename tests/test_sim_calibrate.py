@@ -284,7 +284,9 @@ def test_the_stream_gemvs_terms_are_fitted_back_from_steps_that_show_them() -> N
     assert few.passes is None
 
 
-def test_a_served_fit_takes_the_stream_gemv_its_base_profile_recorded(tmp_path: Path) -> None:
+def test_a_served_fit_takes_the_stream_gemv_its_base_profile_recorded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # A simulated DPD run (1-40 streams) whose decode steps bend as the stream GEMV's (4 rows a
     # pass, up to 20, the logits' up to 12): the fit gives the bends back where the base profile
     # says what the engine runs.
@@ -309,6 +311,19 @@ def test_a_served_fit_takes_the_stream_gemv_its_base_profile_recorded(tmp_path: 
     # Without the GEMV in the base profile's record: the line, as before.
     plain = calibrated(replace(truth, meta=base.meta), [trace])
     assert plain.steps["decode"].passes is None  # type: ignore[union-attr]
+    # `pdserve profile --from-trace` says the GEMV's terms in words.
+    capsys.readouterr()
+    out = tmp_path / "served.json"
+    code = main(
+        ["profile", "--from-trace", str(trace), "--base", str(tmp_path / "truth.json"), "--out", str(out)]
+    )
+    assert code == 0 and profiles.load(out).steps["decode"] == fitted.steps["decode"]
+    said = capsys.readouterr().out
+    assert (
+        "stream GEMV (4 rows a pass, up to 20 rows): 4.00 ms a pass past the first; a GEMM past it +10.00 ms"
+        in said
+    )
+    assert "0.100 ms a row on the GEMM (c1)" in said
 
 
 def test_a_served_profile_keeps_the_neighbours_term(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from pdserve.sim.profile import (
     Spread,
     StreamPasses,
     TransferTime,
+    line_features,
 )
 
 OPTIONAL_KEYS = (
@@ -176,12 +177,7 @@ def fit_alone_and_busy(
             known[i], known[i + 5] = alone_c[i], busy_c[i] - alone_c[i]
     rows = []
     for index, (step, seconds, b) in enumerate(samples):
-        raw = (
-            passes.line(step)
-            if passes is not None
-            else (1.0, step.prefill_tokens, step.prefill_attention, step.decode_streams, step.decode_context)
-        )
-        x = np.array(raw, dtype=float) / seconds
+        x = np.array(line_features(step, passes), dtype=float) / seconds
         kernel = np.array(kernels[index] if kernels else (), dtype=float) / seconds
         rows.append(np.concatenate([x, x * b, kernel]))
     a = np.array(rows)

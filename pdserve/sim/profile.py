@@ -119,6 +119,15 @@ class StreamPasses:
         return cls(body["rows_per_pass"], body["stream_rows"], body["logits_rows"])
 
 
+def line_features(step: Step, passes: StreamPasses | None) -> tuple[float, float, float, float, float]:
+    """What a linear step time's c0..c4 multiply: (1, prompt tokens, prompt attention, streams,
+    context), or under the stream GEMV (1, rows on the GEMM, ...) (`StreamPasses.line`). The fit
+    (calibrate.py) and the simulation read them from here, so that they cannot part."""
+    if passes is not None:
+        return passes.line(step)
+    return (1.0, step.prefill_tokens, step.prefill_attention, step.decode_streams, step.decode_context)
+
+
 @dataclass(frozen=True)
 class LinearStep:
     """c0 + c1 * prompt tokens + c2 * prompt attention + c3 * decode streams + c4 * decode context;
@@ -179,10 +188,9 @@ class LinearStep:
         return (sum(last) / len(last),)
 
     def seconds(self, step: Step) -> float:
+        line = sum(c * x for c, x in zip(self.coefficients, line_features(step, self.passes), strict=True))
         if self.passes is None:
-            raw = (1.0, step.prefill_tokens, step.prefill_attention, step.decode_streams, step.decode_context)
-            return sum(c * x for c, x in zip(self.coefficients, raw, strict=True))
-        line = sum(c * x for c, x in zip(self.coefficients, self.passes.line(step), strict=True))
+            return line
         kernel = self.passes.features(step)
         return line + sum(c * x for c, x in zip(self.pass_coefficients, kernel, strict=True))
 
