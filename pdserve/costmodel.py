@@ -22,6 +22,7 @@ is an M/M/1 wait per worker on top of each request's own service time (`pool_wai
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -93,6 +94,12 @@ class StepCostModel:
         self._margin_for: tuple[int, int, float] | None = None  # (fits, mixed steps seen, quantile)
         self._mixed_seen = 0
         self._margin = 1.0
+        # The ratios observed / predicted of the mixed steps, by fit `_ratios_fit`, up to the
+        # `_ratios_seen`-th mixed step: a refit reckons them all again, a new step only its own
+        # (all 200 a path choice were 9% of a simulated hour's time).
+        self._ratios: deque[float | None] = deque(maxlen=MIXED_WINDOW)
+        self._ratios_fit = -1
+        self._ratios_seen = 0
 
     def add(self, step: Step, seconds: float) -> None:
         if seconds > 0 and math.isfinite(seconds):
@@ -126,17 +133,28 @@ class StepCostModel:
             return 1.0
         key = (self._fits, self._mixed_seen, quantile)
         if self._margin_for != key:  # a path choice a request: reckoned again only when it can change
-            assert self._coef is not None
-            coef = self._coef
-            ratios = [
-                seconds / predicted
-                for features, seconds in self._mixed
-                if (predicted := sum(c * x for c, x in zip(coef, features, strict=True))) > 0
-            ]
+            ratios = [ratio for ratio in self._mixed_ratios() if ratio is not None]
             enough = len(ratios) >= MIXED_MIN_SAMPLES
             self._margin = max(1.0, slo.quantile(ratios, quantile) or 1.0) if enough else 1.0
             self._margin_for = key
         return self._margin
+
+    def _mixed_ratios(self) -> deque[float | None]:
+        """observed / predicted by the fit of the moment for each recent mixed step (None where it
+        predicts nothing): all of them again after a refit, else only the steps new since."""
+        assert self._coef is not None
+        coef = self._coef
+        if self._ratios_fit != self._fits:
+            self._ratios.clear()
+            self._ratios_seen = self._mixed_seen - len(self._mixed)
+            self._ratios_fit = self._fits
+        new = self._mixed_seen - self._ratios_seen
+        c0, c1, c2, c3, c4 = coef
+        for (x0, x1, x2, x3, x4), seconds in itertools.islice(self._mixed, len(self._mixed) - new, None):
+            predicted = c0 * x0 + c1 * x1 + c2 * x2 + c3 * x3 + c4 * x4
+            self._ratios.append(seconds / predicted if predicted > 0 else None)
+        self._ratios_seen = self._mixed_seen
+        return self._ratios
 
     @property
     def num_samples(self) -> int:
@@ -166,8 +184,9 @@ class StepCostModel:
         coef = self.coefficients()
         if coef is None:
             raise RuntimeError("the cost model has too few samples to predict (check `ready`)")
-        raw = (1.0, step.prefill_tokens, step.prefill_attention, step.decode_streams, step.decode_context)
-        return sum(c * x for c, x in zip(coef, raw, strict=True))
+        return _seconds(
+            coef, step.prefill_tokens, step.prefill_attention, step.decode_streams, step.decode_context
+        )
 
     # -- predictions built on steps -----------------------------------------------------------------
     def prefill_finish_seconds(
@@ -214,28 +233,38 @@ class StepCostModel:
             attention = sum(chunk_attention(0, t) for t in shorts) + chunk_attention(cached, todo)
             seconds = self.step_seconds(Step(sum(shorts) + todo, attention))
             return elapsed + seconds, seconds
-        queue = [*remaining, new]
-        progress = [0] * len(remaining) + [cached]
+        coef = self.coefficients()
+        if coef is None:
+            raise RuntimeError("the cost model has too few samples to predict (check `ready`)")
+        # [done, total] of each prompt still to prefill, oldest first; the new one last. A prompt
+        # done takes no more tokens, so it leaves the list (this loop runs for every path choice).
+        queue = [[0, total] for total in remaining] + [[cached, new]]
+        mine = queue[-1]
+        tokens = 0
+        seconds = 0.0
         for _ in range(max_steps):
             tokens = attention = 0
             left = budget - decode_streams
-            for i, total in enumerate(queue):
+            finished = False
+            for prompt in queue:
                 if left <= 0:
                     break
-                take = min(chunk, total - progress[i], left)
-                if take <= 0:
-                    continue
+                done, total = prompt
+                take = min(chunk, total - done, left)
                 tokens += take
-                attention += chunk_attention(progress[i], take)
-                progress[i] += take
+                attention += take * (done + (take + 1) // 2)  # chunk_attention(done, take)
+                prompt[0] = done = done + take
+                finished = finished or done >= total
                 left -= take
-            seconds = self.step_seconds(Step(tokens, attention, decode_streams, decode_context))
+            seconds = _seconds(coef, tokens, attention, decode_streams, decode_context)
             elapsed += seconds
             longest = max(longest, seconds)
-            if progress[-1] >= new:
+            if mine[0] >= new:
                 return elapsed, longest
+            if finished:
+                queue = [prompt for prompt in queue if prompt[0] < prompt[1]]
         # Past max_steps (a very deep queue): the rest at the rate of the last step.
-        left_tokens = sum(total - p for total, p in zip(queue, progress, strict=True))
+        left_tokens = sum(total - done for done, total in queue)
         return elapsed + left_tokens / max(1, tokens) * seconds, longest
 
     def prefill_alone_seconds(self, prompt_tokens: int, chunk: int, budget: int, cached: int = 0) -> float:
@@ -285,6 +314,12 @@ class StepCostModel:
     def max_streams_within(self, itl_s: float, context_per_stream: float, limit: int) -> int:
         """The most streams one worker can decode with a step of at most `itl_s` (0 if not even one)."""
         return _largest(limit, lambda n: self.decode_step_seconds(n, context_per_stream) <= itl_s)
+
+
+def _seconds(coef: tuple[float, ...], tokens: int, attention: int, streams: int, context: int) -> float:
+    """A step's time by the coefficients (c0 .. c4 per raw feature), summed in the features' order."""
+    c0, c1, c2, c3, c4 = coef
+    return c0 + c1 * tokens + c2 * attention + c3 * streams + c4 * context
 
 
 def _largest(high: int, fits: Callable[[int], bool]) -> int:

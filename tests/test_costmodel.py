@@ -8,7 +8,10 @@ import random
 
 import pytest
 
-from pdserve import clock
+from pdserve import clock, slo
+from pdserve.costmodel import (
+    _SCALE as SCALE,
+)
 from pdserve.costmodel import (
     Step,
     StepCostModel,
@@ -176,6 +179,62 @@ def test_stall_margin_is_taken_at_the_slo_s_percentile() -> None:
         model.add(step, (1 + i / 100) * model.step_seconds(step))
     assert model.mixed_step_margin(0.5) == pytest.approx(1.49, abs=0.01)
     assert model.mixed_step_margin(0.99) == pytest.approx(1.98, abs=0.01)
+
+
+def test_stall_margin_kept_step_by_step_is_the_one_reckoned_from_the_whole_window() -> None:
+    # The margin's ratios are kept as mixed steps come (all again after a refit): through refits
+    # and the window turning over, it is what the window's ratios by the fit of the moment say.
+    async def main() -> list[tuple[float, float]]:
+        rng = random.Random(3)
+        model = StepCostModel()
+        seen: list[tuple[float, float]] = []
+        for i in range(700):
+            tokens = rng.randint(4, 64)
+            step = Step(tokens, chunk_attention(0, tokens), rng.randint(1, 16), rng.randint(100, 8000))
+            model.add(step, true_seconds(step) * rng.uniform(0.8, 1.6))
+            if i % 7 == 0:
+                decode = Step(0, 0, rng.randint(1, 32), rng.randint(100, 20000))
+                model.add(decode, true_seconds(decode))
+            if i % 25 == 0:
+                await asyncio.sleep(1.0)  # a refit is due
+            if i % 3 == 0 and model.ready:
+                kept = model.mixed_step_margin(0.9)
+                coef = model.coefficients()
+                assert coef is not None
+                recent = list(model._mixed)  # (scaled features, seconds) of the last 200
+                ratios = [
+                    seconds / predicted
+                    for features, seconds in recent
+                    if (predicted := sum(c * x / s for c, x, s in zip(coef, features, SCALE, strict=True)))
+                    > 0
+                ]
+                if len(ratios) >= 20:  # (1 until 20 mixed steps were seen)
+                    seen.append((kept, max(1.0, slo.quantile(ratios, 0.9) or 1.0)))
+        return seen
+
+    seen = clock.run_virtual(main)
+    assert len(seen) > 200
+    for kept, whole in seen:
+        assert kept == pytest.approx(whole, rel=1e-9)
+    assert max(kept for kept, _ in seen) > 1.2  # the steps ran over: a margin there was to keep
+
+
+def test_prompts_ahead_share_each_step_until_they_are_done_as_the_engine_chunks_them() -> None:
+    # Worked by hand: chunks of 256 within 512 tokens a step, two streams beside them (510 left).
+    # Ahead: 300 and 100 tokens; the new prompt 600. Step 1: 256 + 100 + 154 of the new one;
+    # step 2: the first's last 44, then 256 of the new one; step 3: the new one's last 190.
+    model = fitted()
+    kw = {"chunk": 256, "budget": 512, "short_first": False, "decode_streams": 2, "decode_context": 900}
+    steps = [
+        Step(510, chunk_attention(0, 256) + chunk_attention(0, 100) + chunk_attention(0, 154), 2, 900),
+        Step(300, chunk_attention(256, 44) + chunk_attention(154, 256), 2, 900),
+        Step(190, chunk_attention(410, 190), 2, 900),
+    ]
+    running = Step(356, chunk_attention(0, 256) + chunk_attention(0, 100), 2, 900)  # not the new one
+    expected = 0.5 * model.step_seconds(running) + sum(model.step_seconds(step) for step in steps)
+    seconds, longest = model.prefill_finish_seconds(600, (300, 100), **kw)  # type: ignore[arg-type]
+    assert seconds == pytest.approx(expected, rel=1e-12)
+    assert longest == pytest.approx(max(model.step_seconds(step) for step in steps), rel=1e-12)
 
 
 def test_a_short_prompt_on_a_busy_prefill_worker_waits_only_for_the_step_in_progress() -> None:
