@@ -236,16 +236,17 @@ class StepCostModel:
         coef = self.coefficients()
         if coef is None:
             raise RuntimeError("the cost model has too few samples to predict (check `ready`)")
-        # [done, total] of each prompt still to prefill, oldest first; the new one last. A prompt
-        # done takes no more tokens, so it leaves the list (this loop runs for every path choice).
-        queue = [[0, total] for total in remaining] + [[cached, new]]
+        # [done, total] of each prompt still to prefill, oldest first; the new one last. The prompts
+        # done at the head leave (this loop runs for every path choice, over queues of dozens); one
+        # done behind an unfinished one takes no more tokens until it reaches the head.
+        queue = deque([[0, total] for total in remaining])
+        queue.append([cached, new])
         mine = queue[-1]
         tokens = 0
         seconds = 0.0
         for _ in range(max_steps):
             tokens = attention = 0
             left = budget - decode_streams
-            finished = False
             for prompt in queue:
                 if left <= 0:
                     break
@@ -253,16 +254,15 @@ class StepCostModel:
                 take = min(chunk, total - done, left)
                 tokens += take
                 attention += take * (done + (take + 1) // 2)  # chunk_attention(done, take)
-                prompt[0] = done = done + take
-                finished = finished or done >= total
+                prompt[0] = done + take
                 left -= take
             seconds = _seconds(coef, tokens, attention, decode_streams, decode_context)
             elapsed += seconds
             longest = max(longest, seconds)
             if mine[0] >= new:
                 return elapsed, longest
-            if finished:
-                queue = [prompt for prompt in queue if prompt[0] < prompt[1]]
+            while queue[0][0] >= queue[0][1]:  # (the new one, unfinished, is last)
+                queue.popleft()
         # Past max_steps (a very deep queue): the rest at the rate of the last step.
         left_tokens = sum(total - done for done, total in queue)
         return elapsed + left_tokens / max(1, tokens) * seconds, longest
@@ -342,7 +342,9 @@ def _first_step(
     tokens = attention = 0
     left = budget - decode_streams
     for total in remaining:
-        take = min(chunk, total, max(0, left))
+        if left <= 0:
+            break
+        take = min(chunk, total, left)
         tokens += take
         attention += chunk_attention(0, take)
         left -= take

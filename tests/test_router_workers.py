@@ -4,6 +4,7 @@ wire protocol): liveness from load reports, and aborts for what was abandoned.""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable
 
@@ -243,3 +244,54 @@ def test_a_prefill_workers_rate_weighs_the_same_time_of_steps_however_often_it_r
     # After 1 s of the new rate, ~0.45 s of memory: most of the way there, by either cadence.
     assert bundled == pytest.approx(one_by_one, rel=1e-9)
     assert 850 < bundled < 950
+
+
+def test_a_links_view_counts_its_legs_as_they_go_through_a_request() -> None:
+    # The view's leg counts are kept as legs change, not counted per view: through prompts that
+    # get their first token, moves asked, legs done or closed and a worker that drops, they are
+    # what the legs themselves say, and the queued prompts keep their order (oldest first).
+    async def scenario() -> list[tuple[int, int, tuple[int, ...]]]:
+        rng = random.Random(7)
+        workers = WorkerSet(ScriptedConnector())
+        seen = []
+        try:
+            workers.add_worker("decode-0", "decode", "fake://decode-0", "key")
+            await until(lambda: bool(workers.up("decode")), "decode-0 up")
+            link = workers.link("decode-0")
+            opened = []
+            for step in range(600):
+                action = rng.random()
+                legs = list(link.legs.values())
+                if action < 0.3 or not legs:
+                    opened.append(link.open_leg(f"r{step}", prompt_tokens=rng.choice([0, 0, 7, 300])))
+                elif action < 0.5:  # its first token
+                    link._handle(wire.Tokens(rng.choice(legs).leg_id, [1]))
+                elif action < 0.6:
+                    rng.choice(legs).move_reason = "rebalance"
+                elif action < 0.7:
+                    rng.choice(legs).done = True  # finished there; the router still listens
+                elif action < 0.95:
+                    rng.choice(opened).close(abort=rng.random() < 0.5)  # some already gone
+                elif step % 3 == 0:
+                    link._mark_down(DownCause.DROPPED, "dropped")  # every leg hears of it
+                    link._handle(
+                        wire.Ready("decode-0", "decode", "m", 1024, 320, "shm", "", "tcp://127.0.0.1:1")
+                    )
+                    link._handle(load())
+                view = link.view()
+                legs = list(link.legs.values())
+                counted = (
+                    sum(not leg.done and leg.prompt_tokens == 0 for leg in legs),
+                    sum(not leg.done and leg.move_reason is None for leg in legs),
+                    tuple(leg.prompt_tokens for leg in legs if leg.prompt_tokens > 0),
+                )
+                assert (view.decoding, view.staying, view.queued_prompts) == counted, step
+                assert view.streams == len(legs)
+                seen.append(counted)
+        finally:
+            await workers.close()
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert max(len(queued) for _, _, queued in seen) >= 3  # the legs piled up on the way
+    assert max(decoding for decoding, _, _ in seen) >= 3

@@ -13,7 +13,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve import clock, wire
 from pdserve.router.channel import Channel, Connector
@@ -38,18 +38,68 @@ class WorkerDown:
 LegEvent = wire.Tokens | wire.KVPulled | wire.Migrated | WorkerDown
 
 
-@dataclass(eq=False)
 class Leg:
-    """One request (under one leg id) on one worker: the events that worker sends for it."""
+    """One request (under one leg id) on one worker: the events that worker sends for it.
 
-    leg_id: str
-    link: WorkerLink
-    events: asyncio.Queue[LegEvent] = field(default_factory=asyncio.Queue)
-    prompt_tokens: int = 0  # counted in the link's queued prompt tokens until the first token
-    done: bool = False  # the worker holds nothing for it any more (finished, released, aborted)
-    move_reason: str | None = None  # asked to move (drain, rebalance): the Migrate is sent
-    receiving: bool = False  # its KV is on its way to this worker (until KVPulled)
-    request_started: float = field(default_factory=clock.monotonic)  # the request's, not the leg's
+    Its link counts its legs by what they are doing (`WorkerLink.view` is taken several times for
+    every request placed, over a hundred legs on a busy decode worker): `prompt_tokens`, `done`
+    and `move_reason` tell the link as they change."""
+
+    def __init__(
+        self,
+        leg_id: str,
+        link: WorkerLink,
+        *,
+        prompt_tokens: int = 0,
+        receiving: bool = False,
+        request_started: float | None = None,
+    ) -> None:
+        self.leg_id = leg_id
+        self.link = link
+        self.events: asyncio.Queue[LegEvent] = asyncio.Queue()
+        self._prompt_tokens = (
+            prompt_tokens  # counted in the link's queued prompt tokens until the first token
+        )
+        self._done = False  # the worker holds nothing for it any more (finished, released, aborted)
+        self._move_reason: str | None = None  # asked to move (drain, rebalance): the Migrate is sent
+        self.receiving = receiving  # its KV is on its way to this worker (until KVPulled)
+        # The request's start, not the leg's.
+        self.request_started = clock.monotonic() if request_started is None else request_started
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self._prompt_tokens
+
+    @prompt_tokens.setter
+    def prompt_tokens(self, value: int) -> None:
+        share = self.share()
+        self._prompt_tokens = value
+        self.link.recount(self, share)
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @done.setter
+    def done(self, value: bool) -> None:
+        share = self.share()
+        self._done = value
+        self.link.recount(self, share)
+
+    @property
+    def move_reason(self) -> str | None:
+        return self._move_reason
+
+    @move_reason.setter
+    def move_reason(self, value: str | None) -> None:
+        share = self.share()
+        self._move_reason = value
+        self.link.recount(self, share)
+
+    def share(self) -> tuple[bool, bool, bool]:
+        """What it counts for in its link's view: (decoding, staying, its prompt queued)."""
+        live = not self._done
+        return live and self._prompt_tokens == 0, live and self._move_reason is None, self._prompt_tokens > 0
 
     def close(self, abort: bool) -> None:
         """Stop listening; with `abort`, tell the worker to drop the request and free its blocks."""
@@ -89,6 +139,10 @@ class WorkerLink:
         self.down_cause: DownCause | None = None  # set while it is unreachable
         self._reachable = False  # said Ready, and has not dropped or gone silent since
         self.legs: dict[str, Leg] = {}
+        # Its legs counted by their `Leg.share`: decoding (not done, past the prompt), staying (not
+        # done, not asked to move), and the prompts queued (leg id -> tokens, oldest first).
+        self._decoding = self._staying = 0
+        self._queued: dict[str, int] = {}
         self.queued_prompt_tokens = 0  # prompt tokens sent here that have not produced a token yet
         self._on_load = on_load
         self._on_change = on_change
@@ -120,15 +174,6 @@ class WorkerLink:
         return self._reachable and self.state in (WorkerState.UP, WorkerState.DRAINING)
 
     def view(self) -> WorkerView:
-        # One pass over its requests: a view is taken several times for every request placed.
-        decoding = staying = 0
-        queued: list[int] = []
-        for leg in self.legs.values():
-            if leg.prompt_tokens > 0:
-                queued.append(leg.prompt_tokens)
-            if not leg.done:
-                decoding += leg.prompt_tokens == 0
-                staying += leg.move_reason is None
         return WorkerView(
             worker_id=self.worker_id,
             pool=self.pool,
@@ -143,9 +188,9 @@ class WorkerLink:
             load=self.load,
             load_at=self.load_at,
             streams=len(self.legs),
-            decoding=decoding,
-            staying=staying,
-            queued_prompts=tuple(queued),
+            decoding=self._decoding,
+            staying=self._staying,
+            queued_prompts=tuple(self._queued.values()),
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             longest_recent_step_s=self.longest_recent_step_s(),
             prefixes=self.prefixes,
@@ -196,18 +241,48 @@ class WorkerLink:
         receiving: bool = False,
         request_started: float | None = None,
     ) -> Leg:
-        leg = Leg(leg_id, self, prompt_tokens=prompt_tokens, receiving=receiving)
-        if request_started is not None:
-            leg.request_started = request_started
+        leg = Leg(
+            leg_id, self, prompt_tokens=prompt_tokens, receiving=receiving, request_started=request_started
+        )
+        self._drop(leg_id)  # (a leg id opened again here: the old leg goes, and the new one is the youngest)
         self.legs[leg_id] = leg
+        self._count(leg.share(), 1, leg_id, prompt_tokens)
         self.queued_prompt_tokens += prompt_tokens
         return leg
 
     def forget(self, leg: Leg) -> None:
-        if self.legs.pop(leg.leg_id, None) is not None:
+        if self._drop(leg.leg_id) is not None:
             self._settle_prompt(leg)
             if self._on_change is not None:
                 self._on_change()  # a drain waits for the last leg to go
+
+    def _drop(self, leg_id: str) -> Leg | None:
+        leg = self.legs.pop(leg_id, None)
+        if leg is not None:
+            self._count(leg.share(), -1, leg_id, leg.prompt_tokens)
+        return leg
+
+    def recount(self, leg: Leg, before: tuple[bool, bool, bool]) -> None:
+        """A leg's `share` was `before` and may have changed: counted again if it is still here
+        (a prompt still queued keeps its place)."""
+        if self.legs.get(leg.leg_id) is not leg:
+            return
+        after = leg.share()
+        self._decoding += after[0] - before[0]
+        self._staying += after[1] - before[1]
+        if after[2]:
+            self._queued[leg.leg_id] = leg.prompt_tokens
+        elif before[2]:
+            del self._queued[leg.leg_id]
+
+    def _count(self, share: tuple[bool, bool, bool], sign: int, leg_id: str, prompt_tokens: int) -> None:
+        decoding, staying, queued = share
+        self._decoding += sign * decoding
+        self._staying += sign * staying
+        if queued and sign > 0:
+            self._queued[leg_id] = prompt_tokens
+        elif queued:
+            self._queued.pop(leg_id, None)
 
     def _settle_prompt(self, leg: Leg) -> None:
         self.queued_prompt_tokens -= leg.prompt_tokens
@@ -322,7 +397,8 @@ class WorkerLink:
         """Everything waiting on this worker hears it now; the legs are dropped: a restarted
         process at the same address knows nothing of them."""
         legs, self.legs = list(self.legs.values()), {}
-        self.queued_prompt_tokens = 0
+        self.queued_prompt_tokens = self._decoding = self._staying = 0
+        self._queued.clear()
         for leg in legs:
             if not leg.done:
                 self.abandoned.add(leg.leg_id)
