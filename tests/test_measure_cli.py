@@ -11,6 +11,7 @@ import torch
 
 from pdserve.cli import main
 from pdserve.sim import profile as profiles
+from pdserve.sim import speed
 
 
 def test_a_quick_measured_profile_drives_a_simulation(tmp_path: Path, tiny_llama: Path) -> None:
@@ -26,6 +27,10 @@ def test_a_quick_measured_profile_drives_a_simulation(tmp_path: Path, tiny_llama
     assert profile.meta["samples"] > 10 and "date" in profile.meta and "machine" in profile.meta
     assert any("--no-serve" in a for a in profile.assumptions)
     assert profile.model_config().vocab_size == 320
+    # The speed check ran beside the sweep, on its engine, and is kept to scale the profile by.
+    reference = speed.reference(profile, str(out))
+    assert reference.model == str(tiny_llama) and reference.dtype == "float32" and reference.threads == 1
+    assert len(reference.steps) >= speed.MIN_PAIRS
     run = tmp_path / "run"
     code = main([
         "sim", "--profile", str(out), "--prefill", "1", "--decode", "1",
@@ -34,6 +39,35 @@ def test_a_quick_measured_profile_drives_a_simulation(tmp_path: Path, tiny_llama
     assert code == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["overall"]["completed"] == 10
+
+
+def test_a_speed_check_here_scales_a_profile_measured_here(
+    tmp_path: Path, tiny_llama: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "tiny.json"
+    flags = ["--quick", "--no-serve", "--no-neighbour", "--transports", "shm", "--dtype", "float32"]
+    assert main(["profile", "--model", str(tiny_llama), *flags, "--out", str(out)]) == 0
+    now = tmp_path / "check.json"
+    assert (
+        main(
+            ["profile", "--model", str(tiny_llama), "--dtype", "float32", "--speed-check", "--out", str(now)]
+        )
+        == 0
+    )
+    check = speed.load(now)
+    # The same steps as the profile's check (every one of them: the check does not depend on the
+    # sweep's chunk), each timed.
+    assert {step for step, _ in check.steps} == {
+        step for step, _ in speed.reference(profiles.load(out), "").steps
+    }
+    assert all(seconds > 0 for _, seconds in check.steps)
+    capsys.readouterr()
+    run = ["sim", "--profile", str(out), "--colocated", "1", "--max-requests", "3", "--speed-check", str(now)]
+    assert main([*run, "--workload", "constant(5) prompt=fixed(20) output=fixed(4)"]) == 0
+    said = capsys.readouterr().err
+    factor = float(said.split("as long as")[0].rsplit("x", 1)[1])
+    assert 0.2 < factor < 5  # the same host, moments apart
+    assert f"the median of {len(check.steps)} steps" in said
 
 
 def test_flags_that_do_not_go_together_are_refused(
@@ -52,6 +86,10 @@ def test_flags_that_do_not_go_together_are_refused(
     assert main(["profile", "--from-trace", str(tmp_path / "t.jsonl"), *out]) == 2
     assert "--from-trace needs --base" in capsys.readouterr().err
     assert main(["profile", "--model", "smollm2-135m", "--served", "--no-serve", *out]) == 2
+    assert main(["profile", "--model", "smollm2-135m", "--speed-check", "--served", *out]) == 2
+    assert (
+        main(["profile", "--hardware", "h200", "--model-shape", "llama-3.1-8b", "--speed-check", *out]) == 2
+    )
     assert "--served runs a server" in capsys.readouterr().err
     # The served load's options, checked before minutes of sweeping.
     assert main(["profile", "--model", "smollm2-135m", "--served-workload", "chat", *out]) == 2

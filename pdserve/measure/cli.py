@@ -37,6 +37,7 @@ from typing import Any
 
 from pdserve.errors import PdserveError
 from pdserve.sim.profile import Overhead, Profile
+from pdserve.sim.speed import SpeedCheck
 
 MEASURED_TRANSPORTS = ("shm", "tcp")  # nixl moves a GPU's or a remote node's KV: not measured here
 DEVICES = ("cpu", "cuda")
@@ -92,6 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "its rate (times --served-rate-scale) a third of the time each, instead of the built-in "
         "chat and documents: the steps then run the mix you plan for",
     )
+    p.add_argument(
+        "--speed-check",
+        action="store_true",
+        help="with --model: only the speed check (seconds): how fast this host runs the engine's steps now, "
+        "for `pdserve sim/plan --speed-check` to scale a profile measured at another time by",
+    )
     p.add_argument("--hardware", default=None, help="derive from a roofline instead: h200, h100, a100, l40s")
     p.add_argument("--model-shape", default=None, help="with --hardware: a built-in shape or a config.json")
 
@@ -100,6 +107,19 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per probe request
     check_served_load(args)  # said now, not after minutes of sweeping
+    if args.speed_check:
+        if not args.model or args.served or args.from_trace or args.base or args.hardware or args.model_shape:
+            raise PdserveError(
+                "--speed-check measures --model here (and goes with neither --served, --from-trace nor --hardware)"
+            )
+        check = speed_check(args)
+        check.save(args.out)
+        print(
+            f"speed check of {check.model} ({check.device}, {check.dtype}, {check.threads} threads): "
+            f"{len(check.steps)} steps, {sum(s for _, s in check.steps) * 1000:.0f} ms in all; {check.machine}"
+        )
+        print(f"wrote {args.out}", file=sys.stderr)
+        return 0
     if args.from_trace or args.base:
         if (
             not (args.from_trace and args.base)
@@ -293,6 +313,48 @@ def _stamped(profile: Profile, extra: dict[str, Any]) -> Profile:
     return replace(profile, meta=meta)
 
 
+def _pinned(args: argparse.Namespace) -> set[int] | None:
+    """One CPU, as `pdserve serve --cluster local` pins each worker, for the engine's steps (with
+    one thread, on a CPU); returns the CPUs allowed before, to give back (None: not pinned)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") and args.device != "cuda" else None
+    if allowed is not None and args.threads == 1:
+        os.sched_setaffinity(0, {min(allowed)})
+    return allowed
+
+
+def _check(probe: Any, args: argparse.Namespace, dtype: str) -> SpeedCheck:
+    from pdserve.measure import steps
+
+    return SpeedCheck(
+        model=args.model,
+        device=args.device,
+        dtype=dtype,
+        threads=args.threads,
+        steps=tuple(steps.speed_check(probe)),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        machine=_machine()["machine"],
+    )
+
+
+def speed_check(args: argparse.Namespace) -> SpeedCheck:
+    """`--speed-check`: the check alone, on an engine built and pinned as the profile's sweep's."""
+    import torch
+
+    from pdserve.measure import steps
+
+    if args.threads < 1:
+        raise PdserveError("--threads must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise PdserveError("--device cuda: this torch sees no CUDA device")
+    allowed = _pinned(args)
+    try:
+        probe = steps.StepProbe(args.model, args.dtype, args.threads, 256, None, args.device)
+        return _check(probe, args, str(probe.engine.runner.dtype).removeprefix("torch."))
+    finally:
+        if allowed is not None:
+            os.sched_setaffinity(0, allowed)
+
+
 def measured(args: argparse.Namespace) -> Profile:
     import torch
 
@@ -302,17 +364,17 @@ def measured(args: argparse.Namespace) -> Profile:
     gpu = args.device == "cuda"
     if gpu and not torch.cuda.is_available():
         raise PdserveError("--device cuda: this torch sees no CUDA device")
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") and not gpu else None
-    if allowed is not None and args.threads == 1:
-        # One CPU, as `pdserve serve --cluster local` pins each worker, for the engine's steps; the
-        # transfers (two workers' threads) and the serving probe (its server would inherit the
-        # one CPU) get every CPU back.
-        os.sched_setaffinity(0, {min(allowed)})
+    # One CPU for the engine's steps; the transfers (two workers' threads) and the serving probe
+    # (its server would inherit the one CPU) get every CPU back.
+    allowed = _pinned(args)
     plan = steps.QUICK if args.quick else steps.GPU if gpu else steps.Sweep()
     probe = steps.StepProbe(args.model, args.dtype, args.threads, plan.chunk, None, args.device)
     model_config = probe.engine.runner.config
     samples = steps.sweep(probe, plan)
     passes = steps.stream_passes(probe)
+    # The speed check, right after the sweep on the same engine: `--speed-check` later says how
+    # much faster or slower the host runs than now (pdserve/sim/speed.py).
+    check = _check(probe, args, str(probe.engine.runner.dtype).removeprefix("torch."))
     roles = steps.fit_roles(samples)
     busy_roles = None
     others = sorted(allowed - {min(allowed)}) if allowed is not None and args.threads == 1 else []
@@ -362,7 +424,8 @@ def measured(args: argparse.Namespace) -> Profile:
         overhead=overhead,
         start_s=round(start_s, 2),
         meta={"device": args.device, "dtype": str(dtype).removeprefix("torch."), "threads": args.threads}
-        | ({"stream_passes": passes.to_json()} if passes is not None else {}),
+        | ({"stream_passes": passes.to_json()} if passes is not None else {})
+        | {"speed_check": check.to_json()},
         assumptions=notes,
         host=host,
         steps_busy=dict(busy_roles) if busy_roles is not None else {},

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
 import subprocess
 import sys
 import time
@@ -87,6 +88,18 @@ QUICK = Sweep(
     chunk=256,
     warmup_steps=2,
 )
+
+
+# The speed check (pdserve/sim/speed.py, plan "check-1"): a few seconds of the same steps every
+# time, to say how fast this host runs now against when a profile was measured. Do not change
+# it without renaming the plan there: checks pair their steps by what they compute. Every prompt
+# fits one chunk of any engine's (>= 256 tokens), so the steps are the same whatever the chunk.
+CHECK_PROMPTS = (16, 64, 128)  # prompts alone
+CHECK_BATCHES = (1, 4, 8)  # streams of CHECK_CONTEXT-token prompts, decoding CHECK_DECODE_STEPS steps
+CHECK_CONTEXT = 32
+CHECK_DECODE_STEPS = 8
+CHECK_MIXED = (4, 64)  # a prompt of 64 tokens beside 4 decoding streams
+CHECK_ROUNDS = 3  # the check's steps are run this many times; each step's median is kept
 
 
 class StepProbe:
@@ -193,6 +206,36 @@ def sweep(probe: StepProbe, plan: Sweep, budget_s: float | None = None) -> list[
                 pass
     logger.info("with mixed steps: %d", len(probe.samples))
     return list(probe.samples)
+
+
+def speed_check(probe: StepProbe, rounds: int = CHECK_ROUNDS) -> list[tuple[Step, float]]:
+    """The speed check's steps on `probe`'s engine, each with its median time over `rounds` runs:
+    what this host's engine takes for them now (a few seconds for SmolLM2 on a CPU)."""
+    times: dict[Step, list[float]] = {}
+    for _ in range(rounds):
+        probe.add(16, 4)  # a warm-up, not kept
+        probe.run_all()
+        probe.samples.clear()
+        for tokens in CHECK_PROMPTS:
+            probe.add(tokens, 1)
+            probe.run_all()
+        for batch in CHECK_BATCHES:
+            for _ in range(batch):
+                probe.add(CHECK_CONTEXT, CHECK_DECODE_STEPS + 1)
+            probe.run_all()
+        streams, prompt = CHECK_MIXED
+        for _ in range(streams):
+            probe.add(CHECK_CONTEXT, 3 * CHECK_DECODE_STEPS)
+        stepping = probe.steps()
+        for _ in range(CHECK_DECODE_STEPS):  # the streams decode, then a prompt comes
+            next(stepping, None)
+        probe.add(prompt, 1)
+        for _ in stepping:
+            pass
+        for sample in probe.samples:
+            times.setdefault(sample.step, []).append(sample.seconds)
+        probe.samples.clear()
+    return [(step, statistics.median(seconds)) for step, seconds in times.items()]
 
 
 def stream_passes(probe: StepProbe) -> StreamPasses | None:

@@ -322,6 +322,7 @@ def run(args: argparse.Namespace) -> int:
     percentile = base["slo_percentile"]
     report: dict[str, Any] = {
         "profile": str(args.profile),
+        "speed_factor": profile.meta.get("speed_factor"),
         "workload": args.workload,
         "slo": slos,
         "scales": {},

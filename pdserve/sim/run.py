@@ -37,6 +37,7 @@ from pdserve.bench.timeline import DEFAULT_WINDOW_S, build_timeline, format_time
 from pdserve.bench.workload import Workload, parse_workload
 from pdserve.errors import PdserveError
 from pdserve.sim import profile as profiles
+from pdserve.sim import speed
 from pdserve.sim.cluster import SimCluster
 from pdserve.sim.front import Front, drive
 from pdserve.sim.host import HostLoad
@@ -55,6 +56,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_simulation_arguments(p: argparse.ArgumentParser) -> None:
     """What `pdserve sim` and `pdserve plan` take beyond serve's flags: the profile and the workload."""
     p.add_argument("--profile", type=Path, required=True, help="a profile from `pdserve profile` (JSON)")
+    p.add_argument(
+        "--speed-check",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a speed check of this host (`pdserve profile --speed-check`): every time the profile "
+        "measured is scaled by how much slower or faster the host runs now than when it was measured",
+    )
     add_workload_arguments(p)
     p.add_argument(
         "--report-slo",
@@ -295,6 +304,15 @@ def load_inputs(args: argparse.Namespace) -> tuple[profiles.Profile, Workload]:
         raise PdserveError("--finish-timeout must be > 0")
     check_timeline_options(args)
     profile = profiles.load(args.profile)
+    if args.speed_check is not None:
+        then = speed.reference(profile, str(args.profile))
+        factor, pairs = speed.speed_factor(then, speed.load(args.speed_check))
+        profile = speed.scaled(profile, factor)
+        print(
+            f"speed check {args.speed_check}: this host runs the engine's steps x{factor:.3f} as long as when "
+            f"the profile was measured ({then.date}; the median of {pairs} steps); the profile's times scaled by it",
+            file=sys.stderr,
+        )
     workload = parse_workload(args.workload, args.seed, args.max_requests, args.duration, args.rate_scale)
     return profile, workload
 
@@ -340,6 +358,7 @@ def run(args: argparse.Namespace) -> int:
     summary["simulation"] = {
         "profile": str(args.profile),
         "profile_source": profile.source,
+        "speed_factor": profile.meta.get("speed_factor"),
         "workers_started": result.workers_started,
         "wall_s": round(result.wall_s, 3),
         "simulated_s": round(result.duration_s, 3),

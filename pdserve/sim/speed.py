@@ -1,0 +1,201 @@
+"""A host's speed now against when its profile was measured: a speed check, and a profile scaled by it.
+
+A shared machine's speed moves: on a 2-vCPU cloud host the same served decode steps were timed
+24-35% apart by two profiles 25 minutes apart (docs/performance.md), more than a simulation's
+own error. A full profile takes 10-20 minutes; a speed check takes seconds. `pdserve profile`
+runs the check (a fixed, small plan of the engine's steps: `pdserve.measure.steps.CHECK`) beside
+its sweep and keeps it in the profile (`meta.speed_check`); `pdserve profile --speed-check` runs
+it alone. `pdserve sim` and `pdserve plan` with `--speed-check FILE` pair the two checks' steps,
+take the median of now / then as the host's speed factor, and scale every time the profile
+measured by it (steps, the worker loop, pulls, the serving overhead, the router's and client's
+CPU, a worker's start): one number, said with the run. A factor is a speed, not a shape: it
+cannot say that one kind of step slowed more than another.
+
+Pure Python: the simulator and planner import it; only the measuring side runs the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from pdserve.costmodel import Step
+from pdserve.sim.profile import (
+    HostCpu,
+    LinearStep,
+    LoopTime,
+    Overhead,
+    Profile,
+    ProfileError,
+    ServedPull,
+    Spread,
+    StepTime,
+    TransferTime,
+)
+
+FORMAT = "pdserve-speed-check/1"
+PLAN = "check-1"  # the steps the check runs (pdserve.measure.steps.CHECK): a new plan, a new name
+MIN_PAIRS = 8  # steps both checks ran, at least, for a factor
+
+
+@dataclass(frozen=True)
+class SpeedCheck:
+    """What the check's steps took on one engine: each step of the plan and its median seconds."""
+
+    model: str
+    device: str
+    dtype: str
+    threads: int
+    steps: tuple[tuple[Step, float], ...]
+    date: str = ""
+    machine: str = ""
+    plan: str = PLAN
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "plan": self.plan,
+            "model": self.model,
+            "device": self.device,
+            "dtype": self.dtype,
+            "threads": self.threads,
+            "date": self.date,
+            "machine": self.machine,
+            # (prompt tokens, prompt attention, decode streams, decode context, seconds)
+            "steps": [
+                [s.prefill_tokens, s.prefill_attention, s.decode_streams, s.decode_context, seconds]
+                for s, seconds in self.steps
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, body: Any, where: str) -> SpeedCheck:
+        if not isinstance(body, dict) or body.get("format") != FORMAT:
+            raise ProfileError(
+                f"{where}: not a speed check (format {FORMAT}, from `pdserve profile --speed-check`)"
+            )
+        try:
+            steps = tuple(
+                (Step(int(a), int(b), int(c), int(d)), float(seconds))
+                for a, b, c, d, seconds in body["steps"]
+            )
+            check = cls(
+                model=str(body["model"]),
+                device=str(body["device"]),
+                dtype=str(body["dtype"]),
+                threads=int(body["threads"]),
+                steps=steps,
+                date=str(body.get("date", "")),
+                machine=str(body.get("machine", "")),
+                plan=str(body["plan"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProfileError(f"{where}: a malformed speed check ({exc})") from None
+        if not all(seconds > 0 for _, seconds in steps):
+            raise ProfileError(f"{where}: a speed check's step times must be > 0")
+        return check
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def load(path: Path) -> SpeedCheck:
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ProfileError(f"cannot read the speed check {path}: {exc}") from None
+    return SpeedCheck.from_json(body, str(path))
+
+
+def reference(profile: Profile, where: str) -> SpeedCheck:
+    """The check run when `profile` was measured."""
+    body = profile.meta.get("speed_check")
+    if body is None:
+        raise ProfileError(
+            f"{where} has no speed check (profiles measured before it was added, and rooflines, have "
+            "none): measure the profile again with `pdserve profile` to scale it by --speed-check"
+        )
+    return SpeedCheck.from_json(body, f"{where} (meta.speed_check)")
+
+
+def speed_factor(then: SpeedCheck, now: SpeedCheck) -> tuple[float, int]:
+    """(the median of now / then over the steps both checks ran, how many steps that is). Refused
+    for checks of another model, device, dtype, thread count or plan: those are not the same steps."""
+    for field in ("plan", "model", "device", "dtype", "threads"):
+        if getattr(then, field) != getattr(now, field):
+            raise ProfileError(
+                f"the speed check ran {field} {getattr(now, field)!r}, the profile's check "
+                f"{getattr(then, field)!r}: run the check as the profile was measured"
+            )
+    before = dict(then.steps)
+    ratios = [seconds / before[step] for step, seconds in now.steps if step in before]
+    if len(ratios) < MIN_PAIRS:
+        raise ProfileError(
+            f"the speed check and the profile's have {len(ratios)} steps in common (at least {MIN_PAIRS} needed)"
+        )
+    return statistics.median(ratios), len(ratios)
+
+
+def scaled(profile: Profile, factor: float) -> Profile:
+    """Every time `profile` measured, times `factor` (a slower host: > 1). Ratios (how steps spread
+    around their fit) and counts stay; a roofline's steps are not a host's and are refused."""
+    if not factor > 0:
+        raise ProfileError(f"a speed factor must be > 0 (got {factor})")
+    host = profile.host
+    return replace(
+        profile,
+        steps={role: _step(step, factor) for role, step in profile.steps.items()},
+        steps_busy={role: _step(step, factor) for role, step in profile.steps_busy.items()},
+        transfers={name: _transfer(t, factor) for name, t in profile.transfers.items()},
+        overhead=Overhead(*(factor * value for value in _values(profile.overhead))),
+        start_s=profile.start_s * factor,
+        start_busy_s=profile.start_busy_s * factor,
+        host=None if host is None else HostCpu(host.cpus, *(factor * value for value in _values(host)[1:])),
+        loops={
+            role: LoopTime(loop.step_s * factor, loop.stream_s * factor)
+            for role, loop in profile.loops.items()
+        },
+        pulls={role: _pull(pull, factor) for role, pull in profile.pulls.items()},
+        meta=profile.meta | {"speed_factor": round(factor, 4)},
+    )
+
+
+def _values(item: Any) -> list[Any]:
+    return [getattr(item, name) for name in item.__dataclass_fields__]
+
+
+def _step(step: StepTime, factor: float) -> LinearStep:
+    if not isinstance(step, LinearStep):
+        raise ProfileError(
+            "a roofline's step times are not measured on a host: a speed check cannot scale them"
+        )
+    return replace(
+        step,
+        coefficients=tuple(c * factor for c in step.coefficients),  # type: ignore[arg-type]
+        pass_coefficients=tuple(c * factor for c in step.pass_coefficients),  # type: ignore[arg-type]
+        spread=tuple(
+            Spread(None if band.below_s is None else band.below_s * factor, band.quantiles)
+            for band in step.spread
+        ),
+    )
+
+
+def _transfer(t: TransferTime, factor: float) -> TransferTime:
+    return TransferTime(t.base_s * factor, t.per_block_s * factor, [(b, s * factor) for b, s in t.samples])
+
+
+def _pull(pull: ServedPull, factor: float) -> ServedPull:
+    def scale(t: TransferTime | None) -> TransferTime | None:
+        return None if t is None else _transfer(t, factor)
+
+    return replace(
+        pull,
+        alone=_transfer(pull.alone, factor),
+        busy=_transfer(pull.busy, factor),
+        copy_alone=scale(pull.copy_alone),
+        copy_busy=scale(pull.copy_busy),
+    )

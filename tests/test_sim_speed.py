@@ -1,0 +1,164 @@
+"""The speed check: a host's speed now against when its profile was measured, and a profile scaled
+by it: every time it measured, worked by hand; a simulation on a host twice as slow takes twice
+as long; checks that are not of the same steps are refused."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from test_sim_profile import fixed_profile
+
+from pdserve.cli import main
+from pdserve.costmodel import Step
+from pdserve.sim import speed
+from pdserve.sim.profile import (
+    HostCpu,
+    LinearStep,
+    LoopTime,
+    ProfileError,
+    RooflineStep,
+    ServedPull,
+    Spread,
+    StreamPasses,
+    TransferTime,
+)
+from pdserve.sim.speed import SpeedCheck
+
+STEPS = tuple((Step(0, 0, streams, 40 * streams), 0.02 + 0.001 * streams) for streams in range(1, 11))
+
+
+def check(factor: float = 1.0, **changes: object) -> SpeedCheck:
+    base = SpeedCheck(
+        "tiny", "cpu", "float32", 1, tuple((s, t * factor) for s, t in STEPS), "2026-12-06T18:00:00+00:00"
+    )
+    return replace(base, **changes)  # type: ignore[arg-type]
+
+
+def test_the_factor_is_the_median_of_the_paired_steps() -> None:
+    now = check(1.0)
+    ratios = [1.1, 1.2, 1.3, 1.25, 1.0, 3.0, 1.2, 1.15, 1.3, 1.2]  # one step disturbed: the median holds
+    now = replace(now, steps=tuple((s, t * r) for (s, t), r in zip(STEPS, ratios, strict=True)))
+    factor, pairs = speed.speed_factor(check(), now)
+    assert pairs == 10 and factor == pytest.approx(1.2)
+    # Only steps both ran count: steps the other check lacks are left out.
+    extra = replace(now, steps=(*now.steps, (Step(5, 15, 0, 0), 9.0)))
+    assert speed.speed_factor(check(), extra) == (factor, 10)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("model", "other"), ("device", "cuda"), ("dtype", "bfloat16"), ("threads", 2), ("plan", "check-0")],
+)
+def test_checks_of_other_steps_are_refused(field: str, value: object) -> None:
+    with pytest.raises(ProfileError, match=field):
+        speed.speed_factor(check(), check(1.5, **{field: value}))
+
+
+def test_too_few_steps_in_common_are_refused() -> None:
+    with pytest.raises(ProfileError, match="in common"):
+        speed.speed_factor(check(), replace(check(), steps=STEPS[:3]))
+
+
+def test_every_time_a_profile_measured_is_scaled_and_its_ratios_are_not() -> None:
+    passes = StreamPasses(4, 32, 32)
+    linear = LinearStep(
+        (0.01, 1e-4, 1e-9, 2e-3, 1e-6),
+        spread=(Spread(0.05, (0.9, 1.0, 1.3)), Spread(None, (0.95, 1.0, 1.1))),
+        mixed_spread=(0.9, 1.1),
+        passes=passes,
+        pass_coefficients=(0.004, 0.01, 0.002),
+    )
+    pull = TransferTime(0.002, 1e-4, [(8, 0.003)])
+    profile = replace(
+        fixed_profile(request_s=0.002, step_s=0.001, start_s=7.5),
+        steps={"decode": linear},
+        steps_busy={"decode": linear},
+        transfers={"shm": pull},
+        start_busy_s=20.0,
+        host=HostCpu(2, 1e-3, 2e-5, 3e-3, 4e-5, 0.05),
+        loops={"decode": LoopTime(0.001, 1e-4)},
+        pulls={"decode": ServedPull("shm", pull, TransferTime(0.004, 2e-4), 30, pull, None)},
+    )
+    slow = speed.scaled(profile, 1.5)
+    for step in (Step(10, 55, 3, 300), Step(0, 0, 40, 9000), Step(300, 45150, 0, 0)):
+        assert slow.step_time("decode").seconds(step) == pytest.approx(
+            1.5 * profile.step_time("decode").seconds(step)
+        )
+        assert slow.steps_busy["decode"].seconds(step) == pytest.approx(1.5 * linear.seconds(step))
+    scaled_linear = slow.steps["decode"]
+    assert isinstance(scaled_linear, LinearStep)
+    # How steps spread around their fit is a ratio: kept; the bands end at steps 1.5x as long.
+    assert [b.quantiles for b in scaled_linear.spread] == [b.quantiles for b in linear.spread]
+    assert scaled_linear.spread[0].below_s == pytest.approx(0.075) and scaled_linear.spread[1].below_s is None
+    assert scaled_linear.mixed_spread == linear.mixed_spread and scaled_linear.passes == passes
+    assert slow.transfer("shm").seconds(8) == pytest.approx(1.5 * pull.seconds(8))
+    assert slow.transfer("shm").samples == [(8, pytest.approx(0.0045))]
+    assert (slow.overhead.request_s, slow.overhead.step_s) == pytest.approx((0.003, 0.0015))
+    assert (slow.start_s, slow.start_busy_s) == pytest.approx((11.25, 30.0))
+    assert slow.host is not None and slow.host.cpus == 2
+    assert slow.host.router_request_s == pytest.approx(1.5e-3) and slow.host.router_idle == pytest.approx(
+        0.075
+    )
+    assert slow.loop_time("decode").stream_s == pytest.approx(1.5e-4)
+    served = slow.pulls["decode"]
+    assert served.seconds(8, 0.5) == pytest.approx(1.5 * profile.pulls["decode"].seconds(8, 0.5))
+    assert served.copy_busy is None and served.samples == 30
+    assert slow.meta["speed_factor"] == 1.5
+
+
+def test_a_roofline_or_a_profile_without_a_check_cannot_be_scaled() -> None:
+    roofline = replace(
+        fixed_profile(), steps={"decode": RooflineStep(0.004, 16e9, 1e6, 16e9, 131072, 6e14, 3.8e12)}
+    )
+    with pytest.raises(ProfileError, match="roofline"):
+        speed.scaled(roofline, 1.2)
+    with pytest.raises(ProfileError, match="no speed check"):
+        speed.reference(fixed_profile(), "p.json")
+
+
+def test_a_check_reads_back_as_written_and_a_malformed_one_is_refused(tmp_path: Path) -> None:
+    original = check(1.3)
+    original.save(tmp_path / "check.json")
+    assert speed.load(tmp_path / "check.json") == original
+    body = original.to_json()
+    for broken in (
+        {**body, "format": "x"},
+        {**body, "steps": [[1, 2, 3]]},
+        {**body, "steps": [[1, 1, 0, 0, 0.0]]},
+    ):
+        (tmp_path / "bad.json").write_text(json.dumps(broken))
+        with pytest.raises(ProfileError):
+            speed.load(tmp_path / "bad.json")
+
+
+def test_a_simulation_on_a_host_twice_as_slow_takes_twice_as_long(tmp_path: Path) -> None:
+    profile = fixed_profile(step=0.010, request_s=0.002, step_s=0.001)
+    profile = replace(profile, meta=profile.meta | {"speed_check": check().to_json()})
+    profile.save(tmp_path / "profile.json")
+    check(2.0).save(tmp_path / "now.json")
+    times = []
+    for extra in ([], ["--speed-check", str(tmp_path / "now.json")]):
+        out = tmp_path / f"run{len(extra)}"
+        args = ["sim", "--profile", str(tmp_path / "profile.json"), "--colocated", "1", "--max-requests", "1"]
+        workload = ["--workload", "constant(1) prompt=fixed(50) output=fixed(5)", "--out", str(out)]
+        assert main([*args, *workload, *extra]) == 0
+        (record,) = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+        times.append([t - record["sent_s"] for t in record["chunk_times_s"]])
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["simulation"]["speed_factor"] == (2.0 if extra else None)
+    assert times[0] == pytest.approx([0.002 + 0.010 + 0.011 * k for k in range(5)], abs=1e-9)
+    assert times[1] == pytest.approx([2 * t for t in times[0]], abs=1e-9)
+
+
+def test_a_check_of_another_model_is_refused_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = replace(fixed_profile(), meta={"device": "cpu", "speed_check": check().to_json()})
+    profile.save(tmp_path / "profile.json")
+    check(2.0, model="other").save(tmp_path / "now.json")
+    args = ["sim", "--profile", str(tmp_path / "profile.json"), "--colocated", "1", "--max-requests", "1"]
+    assert main([*args, "--workload", "constant(1)", "--speed-check", str(tmp_path / "now.json")]) == 2
+    assert "model" in capsys.readouterr().err
