@@ -10,7 +10,14 @@ side by side: TTFT and ITL p50/p90, goodput and the knee, per load band.
 A configuration's rates are simulated one after another on one deployment, as `bench compare`
 measures them on one server (`--fresh-per-rate`: each on its own).
 
-`--measured DIR`: reuse a finished `bench compare` folder instead of measuring again. Writes
+`--speed-check`: each configuration measured by a `bench compare` of its own, with a speed check
+of this host (`pdserve profile --speed-check`) right before and right after its runs; each is
+simulated with the profile scaled by the geometric mean of the two checks' factors against the
+profile's own check (pdserve/sim/speed.py): the host's speed while it was measured, not when the
+profile was (a shared 2-vCPU host drifted 24-35% in 25 minutes).
+
+`--measured DIR`: reuse a finished `bench compare` folder instead of measuring again (with
+`--speed-check`: the folder this script wrote, a `bench compare` folder and two checks a config). Writes
 `fidelity.md` (the table) and `fidelity.json` into --out. With `--repeats N` each measured cell
 shows ±half the spread of its N runs ((max - min) / median / 2): what the machine itself does from
 one run to the next, against which a simulation's error can be read. Run on a quiet machine: the
@@ -33,9 +40,9 @@ METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("itl_ms", "p50"), ("itl_ms",
 PARTS = ("prefill_queue", "prefill_compute", "kv_transfer", "first_decode")
 
 
-def measure(args: argparse.Namespace, folder: Path) -> None:
+def measure(args: argparse.Namespace, folder: Path, configs: list[str]) -> None:
     command = [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--model", args.model]
-    for config in args.config:
+    for config in configs:
         command += ["--config", config]
     command += [
         "--workload",
@@ -60,8 +67,26 @@ def measure(args: argparse.Namespace, folder: Path) -> None:
     subprocess.run(command, check=True, cwd=ROOT)
 
 
+def speed_check(args: argparse.Namespace, out: Path) -> None:
+    command = [sys.executable, "-m", "pdserve.cli", "profile", "--model", args.model, "--speed-check"]
+    subprocess.run([*command, "--out", str(out)], check=True, cwd=ROOT)
+
+
+def host_factor(args: argparse.Namespace, folder: Path, label: str) -> tuple[float, list[float]]:
+    """The geometric mean of the speed checks' factors before and after the config's runs (and them)."""
+    from pdserve.sim import profile as profiles
+    from pdserve.sim import speed
+
+    then = speed.reference(profiles.load(args.profile), str(args.profile))
+    factors = [
+        speed.speed_factor(then, speed.load(folder / f"{label}-check-{when}.json"))[0]
+        for when in ("before", "after")
+    ]
+    return statistics.geometric_mean(factors), factors
+
+
 def simulate(
-    args: argparse.Namespace, serve_args: str, scales: list[float], seed: int
+    args: argparse.Namespace, serve_args: str, scales: list[float], seed: int, factor: float | None = None
 ) -> list[dict[str, Any]]:
     """One summary per rate scale. The rates run one after another on one simulated deployment, as
     `bench compare` ran them on one server (its router's path-choice cost model, fitted at the
@@ -88,6 +113,10 @@ def simulate(
         ]
     )
     profile = profiles.load(args.profile)
+    if factor is not None:
+        from pdserve.sim import speed
+
+        profile = speed.scaled(profile, factor)
     o = sim.resolve(sim_args, profile)
     workloads = [parse_workload(args.workload, seed, None, args.duration, scale) for scale in scales]
     # The bench client ran on this host, beside the servers: its CPU is charged too.
@@ -162,18 +191,39 @@ def main() -> int:
     )
     p.add_argument("--config", action="append", required=True, metavar="LABEL=SERVE_ARGS")
     p.add_argument("--measured", type=Path, default=None, help="a finished bench compare folder")
+    p.add_argument(
+        "--speed-check",
+        action="store_true",
+        help="check the host's speed before and after each config's runs, and simulate each with the "
+        "profile scaled to it (the profile must hold its own check: `pdserve profile` of this version)",
+    )
+    p.add_argument(
+        "--unscaled",
+        action="store_true",
+        help="with --speed-check and --measured: simulate with the profile as it is (the checks only said)",
+    )
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     measured_dir = args.measured or args.out / "measured"
-    if args.measured is None:
-        measure(args, measured_dir)
-    compared = json.loads((measured_dir / "summaries.json").read_text())
-    measured = compared["runs"]
-    timelines = compared["timelines"]
+    labels = [config.split("=", 1)[0] for config in args.config]
+    if args.measured is None and args.speed_check:
+        for label, config in zip(labels, args.config, strict=True):
+            speed_check(args, measured_dir / f"{label}-check-before.json")
+            measure(args, measured_dir / label, [config])
+            speed_check(args, measured_dir / f"{label}-check-after.json")
+    elif args.measured is None:
+        measure(args, measured_dir, args.config)
+    measured: dict[str, Any] = {}
+    timelines: dict[str, Any] = {}
+    for folder in [measured_dir / label for label in labels] if args.speed_check else [measured_dir]:
+        compared = json.loads((folder / "summaries.json").read_text())
+        measured |= compared["runs"]
+        timelines |= compared["timelines"]
     scales = [float(s) for s in args.rate_scales.split(",")]
     rows = []
     parts_rows: list[str] = []
+    speeds: list[str] = []  # the host's speed factor per config (--speed-check)
     result: dict[str, Any] = {
         "workload": args.workload,
         "slo": args.slo,
@@ -183,8 +233,18 @@ def main() -> int:
     for config in args.config:
         label, serve_args = config.split("=", 1)
         shares: dict[str, dict[float, float]] = {"measured": {}, "sim": {}}
+        factor = None
+        if args.speed_check:
+            factor, factors = host_factor(args, measured_dir, label)
+            result["cases"][f"{label}:speed"] = {
+                "factor": factor,
+                "before_after": factors,
+                "used": not args.unscaled,
+            }
+            speeds.append(f"{label} x{factor:.3f} (before x{factors[0]:.3f}, after x{factors[1]:.3f})")
+            factor = None if args.unscaled else factor
         # Repeat r: the workload drawn from seed + r at every rate, as bench compare draws it.
-        per_repeat = [simulate(args, serve_args, scales, args.seed + r) for r in range(args.repeats)]
+        per_repeat = [simulate(args, serve_args, scales, args.seed + r, factor) for r in range(args.repeats)]
         for i, scale in enumerate(scales):
             name = label if len(scales) == 1 else f"{label}@{scale:g}"
             real = measured[name]
@@ -260,6 +320,9 @@ def main() -> int:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
     )
     table = f"workload: `{args.workload}`, SLO {args.slo}, {args.duration:g} s, profile {args.profile}\n\n"
+    if speeds:
+        scaled = "not scaled (--unscaled); the" if args.unscaled else "scaled to the"
+        table += f"the profile {scaled} host's speed checks: " + "; ".join(speeds) + "\n\n"
     table += header + "\n" + "\n".join(rows) + "\n"
     if parts_rows:
         table += "\nTTFT by part (remotely prefilled requests; mean ms, the router's own breakdown) and prompts by path:\n\n"
