@@ -57,9 +57,8 @@ class Leg:
         self.leg_id = leg_id
         self.link = link
         self.events: asyncio.Queue[LegEvent] = asyncio.Queue()
-        self._prompt_tokens = (
-            prompt_tokens  # counted in the link's queued prompt tokens until the first token
-        )
+        # Counted in the link's queued prompt tokens until the first token.
+        self._prompt_tokens = prompt_tokens
         self._done = False  # the worker holds nothing for it any more (finished, released, aborted)
         self._move_reason: str | None = None  # asked to move (drain, rebalance): the Migrate is sent
         self.receiving = receiving  # its KV is on its way to this worker (until KVPulled)
@@ -244,7 +243,7 @@ class WorkerLink:
         leg = Leg(
             leg_id, self, prompt_tokens=prompt_tokens, receiving=receiving, request_started=request_started
         )
-        self._drop(leg_id)  # (a leg id opened again here: the old leg goes, and the new one is the youngest)
+        self._drop(leg_id)  # a leg id opened again: the old leg is replaced (counted out), the new one last
         self.legs[leg_id] = leg
         self._count(leg.share(), 1, leg_id, prompt_tokens)
         self.queued_prompt_tokens += prompt_tokens
