@@ -409,7 +409,7 @@ def measured(args: argparse.Namespace) -> Profile:
     # The speed check, right after the sweep: `--speed-check` later says how much faster or slower
     # the host runs than now (pdserve/sim/speed.py). Run as `--speed-check` runs it, in a process
     # of its own with a fresh engine: on this sweep's engine, after its minutes of steps, the same
-    # steps ran 12-16% slower than a fresh engine's seconds before and after (an AVX2 EPYC).
+    # steps took 13-18% longer than fresh engines' checks before and after it (an AVX2 EPYC).
     check = _check_apart(args)
     roles = steps.fit_roles(samples)
     busy_roles = None

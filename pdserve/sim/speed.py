@@ -5,7 +5,7 @@ A shared machine's speed moves: on a 2-vCPU cloud host the same served decode st
 own error. A full profile takes 10-20 minutes; a speed check takes seconds. `pdserve profile`
 runs the check (a fixed, small plan of the engine's steps: `pdserve.measure.steps.speed_check`)
 right after its sweep, as `pdserve profile --speed-check` runs it alone (a process of its own, a
-fresh engine: the sweep's own engine ran the same steps 9-16% slower), and keeps it in the
+fresh engine: on the sweep's own engine the same steps took 13-18% longer), and keeps it in the
 profile (`meta.speed_check`). `pdserve sim` and `pdserve plan` with `--speed-check FILE` pair the two checks' steps,
 take the median of now / then as the host's speed factor, and scale every time the profile
 measured by it (steps, the worker loop, pulls, the serving overhead, the router's and client's
