@@ -148,7 +148,7 @@ class StepCostModel:
             self._ratios.clear()
             self._ratios_seen = self._mixed_seen - len(self._mixed)
             self._ratios_fit = self._fits
-        new = self._mixed_seen - self._ratios_seen
+        new = min(self._mixed_seen - self._ratios_seen, len(self._mixed))  # (more may have come and gone)
         c0, c1, c2, c3, c4 = coef
         for (x0, x1, x2, x3, x4), seconds in itertools.islice(self._mixed, len(self._mixed) - new, None):
             predicted = c0 * x0 + c1 * x1 + c2 * x2 + c3 * x3 + c4 * x4

@@ -389,3 +389,23 @@ def test_the_fit_is_redone_at_most_once_per_refit_period() -> None:
             model.add(Step(0, 0, 10, 0), 0.2)
     assert slow.decode_step_seconds(10, 0) == pytest.approx(0.1, rel=0.01)
     assert fresh.decode_step_seconds(10, 0) > 0.18
+
+
+def test_the_stall_margin_holds_when_more_mixed_steps_came_than_its_window_between_two_choices() -> None:
+    # A fast worker (a GPU's steps of a few ms) can report more than the margin's window of mixed
+    # steps between two path choices within one refit period: the margin is then the newest
+    # window's, not an error.
+    async def main() -> tuple[float, float]:
+        model = fitted()
+        for i in range(30):
+            step = Step(8 + i, chunk_attention(0, 8 + i), 8, 4000)
+            model.add(step, model.step_seconds(step))
+        first = model.mixed_step_margin()
+        for i in range(250):  # no time passes: no refit
+            step = Step(8 + i % 40, chunk_attention(0, 8 + i % 40), 8, 4000)
+            model.add(step, 1.5 * model.step_seconds(step))
+        return first, model.mixed_step_margin()
+
+    first, after = clock.run_virtual(main)
+    assert first == pytest.approx(1.0, abs=0.02)
+    assert after == pytest.approx(1.5, rel=0.01)
