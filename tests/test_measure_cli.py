@@ -87,6 +87,7 @@ def test_flags_that_do_not_go_together_are_refused(
     assert "--from-trace needs --base" in capsys.readouterr().err
     assert main(["profile", "--model", "smollm2-135m", "--served", "--no-serve", *out]) == 2
     assert main(["profile", "--model", "smollm2-135m", "--speed-check", "--served", *out]) == 2
+    assert main(["profile", "--model", "smollm2-135m", "--speed-check", "--quick", *out]) == 2
     assert (
         main(["profile", "--hardware", "h200", "--model-shape", "llama-3.1-8b", "--speed-check", *out]) == 2
     )

@@ -112,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
             raise PdserveError(
                 "--speed-check measures --model here (and goes with neither --served, --from-trace nor --hardware)"
             )
+        if args.quick:  # one plan: a check is paired step by step with the profile's
+            raise PdserveError("--speed-check has one fixed plan (about 20 s): it has no --quick")
         check = speed_check(args)
         check.save(args.out)
         print(

@@ -21,7 +21,7 @@ import json
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pdserve.costmodel import Step
 from pdserve.sim.profile import (
@@ -36,6 +36,8 @@ from pdserve.sim.profile import (
     StepTime,
     TransferTime,
 )
+
+_Timed = TypeVar("_Timed", Overhead, HostCpu)
 
 FORMAT = "pdserve-speed-check/1"
 PLAN = "check-1"  # the steps the check runs (pdserve.measure.steps.CHECK): a new plan, a new name
@@ -152,10 +154,10 @@ def scaled(profile: Profile, factor: float) -> Profile:
         steps={role: _step(step, factor) for role, step in profile.steps.items()},
         steps_busy={role: _step(step, factor) for role, step in profile.steps_busy.items()},
         transfers={name: _transfer(t, factor) for name, t in profile.transfers.items()},
-        overhead=Overhead(*(factor * value for value in _values(profile.overhead))),
+        overhead=_times(profile.overhead, factor),
         start_s=profile.start_s * factor,
         start_busy_s=profile.start_busy_s * factor,
-        host=None if host is None else HostCpu(host.cpus, *(factor * value for value in _values(host)[1:])),
+        host=None if host is None else _times(host, factor, keep=("cpus",)),
         loops={
             role: LoopTime(loop.step_s * factor, loop.stream_s * factor)
             for role, loop in profile.loops.items()
@@ -165,8 +167,11 @@ def scaled(profile: Profile, factor: float) -> Profile:
     )
 
 
-def _values(item: Any) -> list[Any]:
-    return [getattr(item, name) for name in item.__dataclass_fields__]
+def _times(item: _Timed, factor: float, keep: tuple[str, ...] = ()) -> _Timed:
+    """Each field of `item` (all times, or CPU-seconds a second) times `factor`, but those in `keep`."""
+    return replace(
+        item, **{name: factor * getattr(item, name) for name in item.__dataclass_fields__ if name not in keep}
+    )
 
 
 def _step(step: StepTime, factor: float) -> LinearStep:
