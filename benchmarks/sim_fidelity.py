@@ -35,7 +35,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
 METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("itl_ms", "p50"), ("itl_ms", "p90"))
 PARTS = ("prefill_queue", "prefill_compute", "kv_transfer", "first_decode")
 
@@ -64,12 +63,12 @@ def measure(args: argparse.Namespace, folder: Path, configs: list[str]) -> None:
         "--drain-timeout",
         str(args.drain_timeout),
     ]
-    subprocess.run(command, check=True, cwd=ROOT)
+    subprocess.run(command, check=True)
 
 
 def speed_check(args: argparse.Namespace, out: Path) -> None:
     command = [sys.executable, "-m", "pdserve.cli", "profile", "--model", args.model, "--speed-check"]
-    subprocess.run([*command, "--out", str(out)], check=True, cwd=ROOT)
+    subprocess.run([*command, "--out", str(out)], check=True)
 
 
 def host_factor(args: argparse.Namespace, folder: Path, label: str) -> tuple[float, list[float]]:
@@ -165,6 +164,29 @@ def knee(scales: list[float], goodput_share: dict[float, float], threshold: floa
     return None
 
 
+def score(
+    cases: dict[float, dict[str, Any]], scales: list[float], measured_knee: float | None, target: float = 0.10
+) -> dict[str, int]:
+    """Issue 33's target for one configuration: its latency cells (TTFT and ITL p50 and p90) at loads
+    at or below the measured knee (every load when the SLO held throughout), how many are within
+    `target` of the measured value, and how many within it or within half the measured runs' spread
+    (what the machine itself does from one run to the next). `cases` maps each scale to its case."""
+    cells = within = within_spread = 0
+    for scale in scales:
+        if measured_knee is not None and scale > measured_knee:
+            continue
+        for metric, stat in METRICS:
+            cell = cases[scale][f"{metric[:-3]}_{stat}"]
+            if cell["error"] is None:
+                continue
+            cells += 1
+            error = abs(cell["error"])
+            within += error <= target
+            noise = (cell["measured_spread"] or 0.0) / 2
+            within_spread += error <= max(target, noise)
+    return {"cells": cells, "within": within, "within_spread": within_spread}
+
+
 def share(summary: dict[str, Any]) -> float:
     overall = summary["overall"]
     total = overall["requests"]
@@ -224,6 +246,7 @@ def main() -> int:
     rows = []
     parts_rows: list[str] = []
     speeds: list[str] = []  # the host's speed factor per config (--speed-check)
+    scores: dict[str, dict[str, Any]] = {}  # issue 33's target, per config
     result: dict[str, Any] = {
         "workload": args.workload,
         "slo": args.slo,
@@ -312,6 +335,12 @@ def main() -> int:
             rows.append("| " + " | ".join(cells) + " |")
         knees = {k: knee(scales, v) for k, v in shares.items()}
         result["cases"][f"{label}:knee"] = knees
+        by_scale = {
+            scale: result["cases"][label if len(scales) == 1 else f"{label}@{scale:g}"] for scale in scales
+        }
+        scores[label] = score(by_scale, scales, knees["measured"]) | {
+            "knee_as_measured": knees["measured"] == knees["sim"]
+        }
         rows.append(
             f"| {label} | knee | measured x{knees['measured']} / simulated x{knees['sim']} | | | | | |"
         )
@@ -324,6 +353,16 @@ def main() -> int:
         scaled = "not scaled (--unscaled); the" if args.unscaled else "scaled to the"
         table += f"the profile {scaled} host's speed checks: " + "; ".join(speeds) + "\n\n"
     table += header + "\n" + "\n".join(rows) + "\n"
+    result["score"] = scores
+    table += (
+        "\nAt or below the measured knee (every load where the SLO held throughout), TTFT and ITL p50/p90: "
+    )
+    table += "; ".join(
+        f"{label} {s['within']} of {s['cells']} within 10% ({s['within_spread']} within 10% or the runs' "
+        f"spread), the knee {'as measured' if s['knee_as_measured'] else 'missed'}"
+        for label, s in scores.items()
+    )
+    table += ".\n"
     if parts_rows:
         table += "\nTTFT by part (remotely prefilled requests; mean ms, the router's own breakdown) and prompts by path:\n\n"
         table += (
