@@ -304,3 +304,33 @@ def test_negative_coefficients_and_unknown_kinds_are_refused(tmp_path: Path) -> 
         profiles.load(tmp_path / "p.json")
     with pytest.raises(ProfileError, match="cannot read"):
         profiles.load(tmp_path / "missing.json")
+
+
+COMMITTED = sorted((Path(__file__).resolve().parents[1] / "profiles").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=[p.name for p in COMMITTED])
+def test_every_committed_profile_loads_and_predicts_steps(path: Path) -> None:
+    """The profiles kept as data (docs/capacity-planning.md) still read under this version, and say
+    a longer time for a longer prompt; one holding a speed check can be scaled by a check of a host
+    (`pdserve sim --speed-check`): against its own check, by exactly x1."""
+    from pdserve.sim import speed
+
+    profile = profiles.load(path)
+    for role, step in profile.steps.items():
+        short, long = step.seconds(Step(64, 64 * 64, 0, 0)), step.seconds(Step(512, 512 * 512, 0, 0))
+        assert 0 < short < long, (role, short, long)
+    if "speed_check" in profile.meta:
+        check = speed.reference(profile, str(path))
+        factor, pairs = speed.speed_factor(check, check)
+        assert factor == 1.0 and pairs == len(check.steps) >= speed.MIN_PAIRS
+        assert speed.scaled(profile, factor).steps["decode"].seconds(Step(0, 0, 4, 512)) == pytest.approx(
+            profile.steps["decode"].seconds(Step(0, 0, 4, 512))
+        )
+
+
+def test_the_committed_cpu_profiles_hold_a_speed_check() -> None:
+    """The AVX2 EPYC's profiles (2026-12-06 20:54 UTC) were measured with the check: `pdserve sim
+    --profile profiles/cpu-avx2-epyc-smollm2-served.json --speed-check now.json` works on such a host."""
+    names = {p.name for p in COMMITTED if "speed_check" in json.loads(p.read_text())["meta"]}
+    assert {"cpu-avx2-epyc-smollm2.json", "cpu-avx2-epyc-smollm2-served.json"} <= names
