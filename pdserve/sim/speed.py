@@ -40,7 +40,7 @@ from pdserve.sim.profile import (
 _Timed = TypeVar("_Timed", Overhead, HostCpu)
 
 FORMAT = "pdserve-speed-check/1"
-PLAN = "check-1"  # the steps the check runs (pdserve.measure.steps.CHECK): a new plan, a new name
+PLAN = "check-1"  # the steps the check runs (pdserve.measure.steps.speed_check): a new plan, a new name
 MIN_PAIRS = 8  # steps both checks ran, at least, for a factor
 
 
