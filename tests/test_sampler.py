@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from pdserve.engine.sampler import SamplingRow, sample
+from pdserve.engine.sampler import TOP_P_CANDIDATES, SamplingRow, sample, top_p_filter
 from pdserve.errors import InvalidRequestError
 from pdserve.sampling_params import SamplingParams
 
@@ -155,6 +155,29 @@ def test_top_k_and_top_p_on_a_large_vocabulary() -> None:
     probs, order = torch.softmax(logits, -1).sort(descending=True)
     nucleus = set(order[: int((probs.cumsum(-1) < 0.9).sum()) + 1].tolist())
     assert set(draws(logits, SamplingParams(temperature=1.0, top_p=0.9), 1000)) <= nucleus
+
+
+def reference_nucleus(logits: torch.Tensor, top_p: float) -> set[int]:
+    """The nucleus by the definition, over the whole vocabulary sorted."""
+    probs, order = torch.softmax(logits, -1).sort(descending=True)
+    return set(order[(probs.cumsum(-1) - probs) < top_p].tolist())
+
+
+@pytest.mark.parametrize("spread", [6.0, 3.0, 0.05])  # peaked, heavy-tailed, near flat
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_top_p_keeps_the_nucleus_of_a_whole_vocabulary(spread: float, top_p: float) -> None:
+    """The nucleus is sought among the top candidates first and, when it is wider than them (a flat
+    distribution), over the whole vocabulary: the same tokens as the definition either way."""
+    logits = random_logits(1, seed=7, vocab=49152)[0] * spread / 3  # SmolLM2's vocabulary size
+    kept = torch.isfinite(top_p_filter(logits, top_p)).nonzero().flatten().tolist()
+    nucleus = reference_nucleus(logits, top_p)
+    assert set(kept) == nucleus
+    if spread > 5:  # peaked: found among the candidates, no sort of the whole vocabulary
+        assert len(nucleus) < TOP_P_CANDIDATES
+    if spread < 1:  # flat: the nucleus is far wider than the candidates looked at first
+        assert len(nucleus) > 10 * TOP_P_CANDIDATES
+    finite = top_p_filter(logits, top_p)[kept]
+    assert torch.equal(finite, logits[kept])  # the kept logits are untouched
 
 
 def expected_penalized(
