@@ -153,6 +153,25 @@ def test_a_simulation_on_a_host_twice_as_slow_takes_twice_as_long(tmp_path: Path
     assert times[1] == pytest.approx([2 * t for t in times[0]], abs=1e-9)
 
 
+def test_several_checks_scale_by_their_geometric_mean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = replace(fixed_profile(), meta={"device": "cpu", "speed_check": check().to_json()})
+    profile.save(tmp_path / "profile.json")
+    for name, factor in (("a", 2.0), ("b", 8.0)):
+        check(factor).save(tmp_path / f"{name}.json")
+    args = ["sim", "--profile", str(tmp_path / "profile.json"), "--colocated", "1", "--max-requests", "1"]
+    checks = ["--speed-check", str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    out = ["--workload", "constant(1) prompt=fixed(50) output=fixed(5)", "--out", str(tmp_path / "run")]
+    assert main([*args, *out, *checks]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["simulation"]["speed_factor"] == pytest.approx(4.0)
+    err = capsys.readouterr().err
+    assert "a.json x2.000" in err and "b.json x8.000" in err and "x4.000" in err
+    with pytest.raises(ProfileError):
+        speed.mean_factor([])
+
+
 def test_a_check_of_another_model_is_refused_before_anything_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

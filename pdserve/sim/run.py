@@ -59,10 +59,13 @@ def add_simulation_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speed-check",
         type=Path,
+        nargs="+",
         default=None,
         metavar="FILE",
         help="a speed check of this host (`pdserve profile --speed-check`): every time the profile "
-        "measured is scaled by how much slower or faster the host runs now than when it was measured",
+        "measured is scaled by how much slower or faster the host runs now than when it was measured; "
+        "several checks: by the geometric mean of their factors (a check is seconds of a host whose "
+        "speed moves from one half-minute to the next: several, spread over the time, are steadier)",
     )
     add_workload_arguments(p)
     p.add_argument(
@@ -306,11 +309,14 @@ def load_inputs(args: argparse.Namespace) -> tuple[profiles.Profile, Workload]:
     profile = profiles.load(args.profile)
     if args.speed_check is not None:
         then = speed.reference(profile, str(args.profile))
-        factor, pairs = speed.speed_factor(then, speed.load(args.speed_check))
+        factors = [speed.speed_factor(then, speed.load(path)) for path in args.speed_check]
+        factor = speed.mean_factor([f for f, _ in factors])
         profile = speed.scaled(profile, factor)
+        checks = ", ".join(f"{path} x{f:.3f}" for path, (f, _) in zip(args.speed_check, factors, strict=True))
+        how = f"the median of {factors[0][1]} steps" if len(factors) == 1 else "the checks' geometric mean"
         print(
-            f"speed check {args.speed_check}: this host runs the engine's steps x{factor:.3f} as long as when "
-            f"the profile was measured ({then.date}; the median of {pairs} steps); the profile's times scaled by it",
+            f"speed check{'s' if len(factors) > 1 else ''} {checks}: this host runs the engine's steps x{factor:.3f} as long as when "
+            f"the profile was measured ({then.date}; {how}); the profile's times scaled by it",
             file=sys.stderr,
         )
     workload = parse_workload(args.workload, args.seed, args.max_requests, args.duration, args.rate_scale)

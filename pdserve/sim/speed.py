@@ -143,6 +143,16 @@ def speed_factor(then: SpeedCheck, now: SpeedCheck) -> tuple[float, int]:
     return statistics.median(ratios), len(ratios)
 
 
+def mean_factor(factors: list[float]) -> float:
+    """Several checks' factors as one: their geometric mean (x2 and x0.5 average to x1). A check
+    samples a few seconds; on a shared 2-vCPU host checks half a minute apart read x1.03 and x1.28,
+    six back to back x1.24-1.49 (docs/performance.md): more checks over the time measured are
+    steadier than the one nearest it."""
+    if not factors or not all(f > 0 for f in factors):
+        raise ProfileError(f"speed factors must be > 0, at least one (got {factors})")
+    return statistics.geometric_mean(factors)
+
+
 def scaled(profile: Profile, factor: float) -> Profile:
     """Every time `profile` measured, times `factor` (a slower host: > 1). Ratios (how steps spread
     around their fit) and counts stay; a roofline's steps are not a host's and are refused."""
