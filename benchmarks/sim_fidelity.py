@@ -16,8 +16,17 @@ simulated with the profile scaled by the geometric mean of the two checks' facto
 profile's own check (pdserve/sim/speed.py): the host's speed while it was measured, not when the
 profile was (a shared 2-vCPU host drifted 24-35% in 25 minutes).
 
+`--check-every-rate` (with `--speed-check`): a check between every two rates as well, each rate
+measured by a `bench compare` of its own (a fresh server per rate) and simulated on a fresh
+deployment with the mean of the checks right before and right after it: the host moved x1.30 ->
+x1.60 in the seven minutes of one config's runs, more than a factor per config can follow.
+`--one-factor`: every rate scaled by the mean of all the config's checks instead (a check is a
+few seconds of a host whose speed also moves from one half-minute to the next: more checks,
+averaged, are a steadier measure than the two nearest).
+
 `--measured DIR`: reuse a finished `bench compare` folder instead of measuring again (with
-`--speed-check`: the folder this script wrote, a `bench compare` folder and two checks a config). Writes
+`--speed-check`: the folder this script wrote, a `bench compare` folder and two checks a config;
+with `--check-every-rate`, a folder and a check per rate and one more a config). Writes
 `fidelity.md` (the table) and `fidelity.json` into --out. With `--repeats N` each measured cell
 shows ±half the spread of its N runs ((max - min) / median / 2): what the machine itself does from
 one run to the next, against which a simulation's error can be read. Run on a quiet machine: the
@@ -27,6 +36,7 @@ servers and the client share its cores.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shlex
 import statistics
@@ -39,7 +49,7 @@ METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("itl_ms", "p50"), ("itl_ms",
 PARTS = ("prefill_queue", "prefill_compute", "kv_transfer", "first_decode")
 
 
-def measure(args: argparse.Namespace, folder: Path, configs: list[str]) -> None:
+def measure(args: argparse.Namespace, folder: Path, configs: list[str], rate_scales: str = "") -> None:
     command = [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--model", args.model]
     for config in configs:
         command += ["--config", config]
@@ -47,7 +57,7 @@ def measure(args: argparse.Namespace, folder: Path, configs: list[str]) -> None:
         "--workload",
         args.workload,
         "--rate-scales",
-        args.rate_scales,
+        rate_scales or args.rate_scales,
         "--duration",
         str(args.duration),
     ]
@@ -71,17 +81,60 @@ def speed_check(args: argparse.Namespace, out: Path) -> None:
     subprocess.run([*command, "--out", str(out)], check=True)
 
 
-def host_factor(args: argparse.Namespace, folder: Path, label: str) -> tuple[float, list[float]]:
-    """The geometric mean of the speed checks' factors before and after the config's runs (and them)."""
+def check_names(args: argparse.Namespace, label: str, scales: list[float]) -> list[str]:
+    """The config's speed checks in the order they ran: before and after its runs, or (with
+    --check-every-rate) before each rate and after the last."""
+    if args.check_every_rate:
+        return [f"{label}-check-{i}.json" for i in range(len(scales) + 1)]
+    return [f"{label}-check-before.json", f"{label}-check-after.json"]
+
+
+def check_factors(args: argparse.Namespace, folder: Path, label: str, scales: list[float]) -> list[float]:
+    """Each of the config's checks as a factor against the profile's own check."""
     from pdserve.sim import profile as profiles
     from pdserve.sim import speed
 
     then = speed.reference(profiles.load(args.profile), str(args.profile))
-    factors = [
-        speed.speed_factor(then, speed.load(folder / f"{label}-check-{when}.json"))[0]
-        for when in ("before", "after")
-    ]
-    return statistics.geometric_mean(factors), factors
+    names = check_names(args, label, scales)
+    return [speed.speed_factor(then, speed.load(folder / name))[0] for name in names]
+
+
+def measure_config(
+    args: argparse.Namespace, folder: Path, label: str, config: str, scales: list[float]
+) -> None:
+    """One config's runs with the host's speed checked around them (--speed-check)."""
+    checks = [folder / name for name in check_names(args, label, scales)]
+    speed_check(args, checks[0])
+    if not args.check_every_rate:
+        measure(args, folder / label, [config])
+        speed_check(args, checks[1])
+        return
+    for scale, check in zip(scales, checks[1:], strict=True):
+        measure(args, folder / f"{label}@{scale:g}", [config], f"{scale:g}")
+        speed_check(args, check)
+
+
+def read_measured(
+    args: argparse.Namespace, folder: Path, labels: list[str], scales: list[float]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The runs and timelines of every cell, named as one `bench compare` of every config names them."""
+    measured: dict[str, Any] = {}
+    timelines: dict[str, Any] = {}
+    if not args.speed_check:
+        compared = json.loads((folder / "summaries.json").read_text())
+        return compared["runs"], compared["timelines"]
+    for label in labels:
+        if not args.check_every_rate:
+            compared = json.loads((folder / label / "summaries.json").read_text())
+            measured |= compared["runs"]
+            timelines |= compared["timelines"]
+            continue
+        for scale in scales:  # one bench compare a rate: its runs are named by the label alone
+            compared = json.loads((folder / f"{label}@{scale:g}" / "summaries.json").read_text())
+            name = label if len(scales) == 1 else f"{label}@{scale:g}"
+            measured[name] = compared["runs"][label]
+            timelines[name] = compared["timelines"][label]
+    return measured, timelines
 
 
 def simulate(
@@ -140,6 +193,18 @@ def simulate(
         summary |= result.server
         summaries.append(summary)
     return summaries
+
+
+def simulate_rates(
+    args: argparse.Namespace, serve_args: str, scales: list[float], seed: int, factors: list[float | None]
+) -> list[dict[str, Any]]:
+    """One summary per rate scale; a rate of its own factor is simulated on a deployment of its own."""
+    if args.fresh_per_rate and len(set(factors)) > 1:
+        return [
+            simulate(args, serve_args, [scale], seed, factor)[0]
+            for scale, factor in zip(scales, factors, strict=True)
+        ]
+    return simulate(args, serve_args, scales, seed, factors[0])
 
 
 def value(summary: dict[str, Any], metric: str, stat: str) -> float | None:
@@ -220,29 +285,38 @@ def main() -> int:
         "profile scaled to it (the profile must hold its own check: `pdserve profile` of this version)",
     )
     p.add_argument(
+        "--check-every-rate",
+        action="store_true",
+        help="with --speed-check: check between every two rates too, measure each rate on a server of "
+        "its own and simulate it fresh, scaled by the checks right before and after it",
+    )
+    p.add_argument(
+        "--one-factor",
+        action="store_true",
+        help="with --check-every-rate: scale every rate by the geometric mean of all the config's checks",
+    )
+    p.add_argument(
         "--unscaled",
         action="store_true",
         help="with --speed-check and --measured: simulate with the profile as it is (the checks only said)",
     )
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
+    if args.check_every_rate and not args.speed_check:
+        p.error("--check-every-rate goes with --speed-check")
+    if args.one_factor and not args.check_every_rate:
+        p.error("--one-factor goes with --check-every-rate")
+    args.fresh_per_rate |= args.check_every_rate  # each rate measured on a server of its own
     args.out.mkdir(parents=True, exist_ok=True)
     measured_dir = args.measured or args.out / "measured"
     labels = [config.split("=", 1)[0] for config in args.config]
+    scales = [float(s) for s in args.rate_scales.split(",")]
     if args.measured is None and args.speed_check:
         for label, config in zip(labels, args.config, strict=True):
-            speed_check(args, measured_dir / f"{label}-check-before.json")
-            measure(args, measured_dir / label, [config])
-            speed_check(args, measured_dir / f"{label}-check-after.json")
+            measure_config(args, measured_dir, label, config, scales)
     elif args.measured is None:
         measure(args, measured_dir, args.config)
-    measured: dict[str, Any] = {}
-    timelines: dict[str, Any] = {}
-    for folder in [measured_dir / label for label in labels] if args.speed_check else [measured_dir]:
-        compared = json.loads((folder / "summaries.json").read_text())
-        measured |= compared["runs"]
-        timelines |= compared["timelines"]
-    scales = [float(s) for s in args.rate_scales.split(",")]
+    measured, timelines = read_measured(args, measured_dir, labels, scales)
     rows = []
     parts_rows: list[str] = []
     speeds: list[str] = []  # the host's speed factor per config (--speed-check)
@@ -256,18 +330,32 @@ def main() -> int:
     for config in args.config:
         label, serve_args = config.split("=", 1)
         shares: dict[str, dict[float, float]] = {"measured": {}, "sim": {}}
-        factor = None
+        # The profile's speed factor per rate: None, one for all (the mean of the checks before and
+        # after the config's runs), or (--check-every-rate) the mean of the two around each rate.
+        factors: list[float | None] = [None] * len(scales)
         if args.speed_check:
-            factor, factors = host_factor(args, measured_dir, label)
+            checks = check_factors(args, measured_dir, label, scales)
+            means = [statistics.geometric_mean(pair) for pair in itertools.pairwise(checks)]
+            if args.one_factor:  # every check of the config, for every rate
+                means = [statistics.geometric_mean(checks)]
             result["cases"][f"{label}:speed"] = {
-                "factor": factor,
-                "before_after": factors,
+                "factor": means[0] if len(means) == 1 else means,
+                "checks": checks,
                 "used": not args.unscaled,
             }
-            speeds.append(f"{label} x{factor:.3f} (before x{factors[0]:.3f}, after x{factors[1]:.3f})")
-            factor = None if args.unscaled else factor
+            speeds.append(
+                f"{label} x"
+                + "/".join(f"{m:.3f}" for m in means)
+                + " (checks "
+                + ", ".join(f"x{c:.3f}" for c in checks)
+                + ")"
+            )
+            if not args.unscaled:
+                factors = list(means) if len(means) == len(scales) else [means[0]] * len(scales)
         # Repeat r: the workload drawn from seed + r at every rate, as bench compare draws it.
-        per_repeat = [simulate(args, serve_args, scales, args.seed + r, factor) for r in range(args.repeats)]
+        per_repeat = [
+            simulate_rates(args, serve_args, scales, args.seed + r, factors) for r in range(args.repeats)
+        ]
         for i, scale in enumerate(scales):
             name = label if len(scales) == 1 else f"{label}@{scale:g}"
             real = measured[name]

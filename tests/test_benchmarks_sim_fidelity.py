@@ -3,7 +3,9 @@ below the measured knee within 10%, or within the measured runs' own spread) and
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -38,3 +40,46 @@ def test_cells_past_the_measured_knee_do_not_count_and_the_spread_widens_the_ban
     assert score(cases, [1.0, 2.0, 4.0], None)["cells"] == 11
     # A knee at the first load: only it counts.
     assert score(cases, [1.0, 2.0, 4.0], 1.0) == {"cells": 4, "within": 3, "within_spread": 3}
+
+
+def options(**given: Any) -> argparse.Namespace:
+    defaults = {
+        "profile": ROOT / "profiles" / "cpu-avx2-epyc-smollm2-served.json",
+        "model": "smollm2-135m",
+        "workload": "chat: poisson(1) prompt=lognormal(64,0.3,16,128) output=uniform(8,16)",
+        "duration": 20.0,
+        "slo": "ttft=2000,itl=250",
+        "drain_timeout": 60.0,
+        "speed_check": True,
+        "check_every_rate": True,
+        "fresh_per_rate": True,
+    }
+    return argparse.Namespace(**(defaults | given))
+
+
+def test_a_check_between_every_two_rates_and_each_rate_read_from_its_own_run(tmp_path: Path) -> None:
+    module = fidelity()
+    args = options()
+    assert module.check_names(args, "dpd", [0.5, 1.0]) == [f"dpd-check-{i}.json" for i in range(3)]
+    assert module.check_names(options(check_every_rate=False), "dpd", [0.5, 1.0]) == [
+        "dpd-check-before.json",
+        "dpd-check-after.json",
+    ]
+    for scale in ("0.5", "1"):  # one bench compare a rate names its runs by the label alone
+        (tmp_path / f"dpd@{scale}").mkdir()
+        runs = {"runs": {"dpd": [{"rate": scale}]}, "timelines": {"dpd": [{"at": scale}]}}
+        (tmp_path / f"dpd@{scale}" / "summaries.json").write_text(json.dumps(runs))
+    measured, timelines = module.read_measured(args, tmp_path, ["dpd"], [0.5, 1.0])
+    assert measured == {"dpd@0.5": [{"rate": "0.5"}], "dpd@1": [{"rate": "1"}]}
+    assert timelines["dpd@1"] == [{"at": "1"}]
+
+
+def test_each_rate_is_simulated_at_the_speed_checked_around_it() -> None:
+    """Two rates alike but for their factor: the one checked slower is simulated slower."""
+    module = fidelity()
+    args = options()
+    fast, slow = module.simulate_rates(args, "--colocated 1", [1.0, 1.0], 0, [1.0, 1.5])
+    for metric in ("ttft_ms", "itl_ms"):
+        assert module.value(slow, metric, "p50") > 1.3 * module.value(fast, metric, "p50")
+    same = module.simulate_rates(args, "--colocated 1", [1.0], 0, [1.0])[0]
+    assert module.value(same, "ttft_ms", "p50") == module.value(fast, "ttft_ms", "p50")
