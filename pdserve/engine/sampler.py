@@ -129,8 +129,10 @@ def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:  # logits [V]
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     # Exponential race (Gumbel-max equivalent): argmax(p / E) with E ~ Exp(1) draws from p,
-    # and takes exactly one draw from the request's generator per token.
-    noise = torch.empty_like(probs).exponential_(generator=row.generator)
+    # and takes one draw per vocabulary entry from the request's generator per token. E is -log(U):
+    # torch's exponential_ took 1.2 ms for 49k entries on a 2-vCPU EPYC, a uniform and its log 0.3.
+    # (U = 0 makes E infinite: that one entry cannot win, a chance of 2^-24 per entry.)
+    noise = -torch.rand(probs.shape, generator=row.generator, dtype=probs.dtype, device=probs.device).log_()
     return int((probs / noise).argmax())
 
 
