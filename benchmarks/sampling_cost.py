@@ -58,7 +58,7 @@ def main() -> int:
         sampler.TOP_P_CANDIDATES = vocab if whole_sort else candidates
         times = []
         for tokens in (1, args.tokens):
-            params = SamplingParams(max_tokens=tokens, ignore_eos=True, seed=0, **fields)  # type: ignore[arg-type]
+            params = SamplingParams(max_tokens=tokens, ignore_eos=True, seed=0, **fields)
             started = time.perf_counter()
             llm.generate(prompts, params)
             times.append(time.perf_counter() - started)

@@ -99,6 +99,16 @@ def check_factors(args: argparse.Namespace, folder: Path, label: str, scales: li
     return [speed.speed_factor(then, speed.load(folder / name))[0] for name in names]
 
 
+def rate_factors(checks: list[float], per_rate: bool, one_factor: bool) -> list[float]:
+    """The speed factors the simulation is scaled by, from the config's checks in the order they
+    ran: without `per_rate`, one (the geometric mean of the checks before and after the runs);
+    with it, one per rate (the mean of the two checks around it), or with `one_factor` one for
+    every rate (the mean of all the checks: a single check is noisy at the half-minute scale)."""
+    if not per_rate or one_factor:
+        return [statistics.geometric_mean(checks)]
+    return [statistics.geometric_mean(pair) for pair in itertools.pairwise(checks)]
+
+
 def measure_config(
     args: argparse.Namespace, folder: Path, label: str, config: str, scales: list[float]
 ) -> None:
@@ -258,7 +268,7 @@ def share(summary: dict[str, Any]) -> float:
     return overall["good_requests"] / total if total else 0.0
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", type=Path, required=True)
     p.add_argument("--model", default="smollm2-135m")
@@ -301,12 +311,17 @@ def main() -> int:
         help="with --speed-check and --measured: simulate with the profile as it is (the checks only said)",
     )
     p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.check_every_rate and not args.speed_check:
         p.error("--check-every-rate goes with --speed-check")
     if args.one_factor and not args.check_every_rate:
         p.error("--one-factor goes with --check-every-rate")
     args.fresh_per_rate |= args.check_every_rate  # each rate measured on a server of its own
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     measured_dir = args.measured or args.out / "measured"
     labels = [config.split("=", 1)[0] for config in args.config]
@@ -335,9 +350,7 @@ def main() -> int:
         factors: list[float | None] = [None] * len(scales)
         if args.speed_check:
             checks = check_factors(args, measured_dir, label, scales)
-            means = [statistics.geometric_mean(pair) for pair in itertools.pairwise(checks)]
-            if args.one_factor:  # every check of the config, for every rate
-                means = [statistics.geometric_mean(checks)]
+            means = rate_factors(checks, args.check_every_rate, args.one_factor)
             result["cases"][f"{label}:speed"] = {
                 "factor": means[0] if len(means) == 1 else means,
                 "checks": checks,

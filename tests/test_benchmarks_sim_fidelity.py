@@ -11,6 +11,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -83,3 +85,20 @@ def test_each_rate_is_simulated_at_the_speed_checked_around_it() -> None:
         assert module.value(slow, metric, "p50") > 1.3 * module.value(fast, metric, "p50")
     same = module.simulate_rates(args, "--colocated 1", [1.0], 0, [1.0])[0]
     assert module.value(same, "ttft_ms", "p50") == module.value(fast, "ttft_ms", "p50")
+
+
+def test_one_factor_scales_every_rate_by_the_mean_of_all_checks_and_the_options_refuse_alone(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    module = fidelity()
+    checks = [1.0, 1.21, 1.0]  # before the first rate, between the two, after the last
+    assert module.rate_factors(checks, per_rate=True, one_factor=False) == pytest.approx([1.1, 1.1])
+    assert module.rate_factors([1.0, 4.0], per_rate=False, one_factor=False) == pytest.approx([2.0])
+    (every,) = module.rate_factors(checks, per_rate=True, one_factor=True)
+    assert every == pytest.approx(1.21 ** (1 / 3))
+    base = ["--profile", "p.json", "--workload", "w", "--config", "dpd=--prefill 1 --decode 1", "--out", "o"]
+    assert module.parse_args([*base, "--speed-check", "--check-every-rate"]).fresh_per_rate
+    for alone, needs in (("--check-every-rate", "--speed-check"), ("--one-factor", "--check-every-rate")):
+        with pytest.raises(SystemExit):
+            module.parse_args([*base, alone])
+        assert f"{alone} goes with {needs}" in capsys.readouterr().err
