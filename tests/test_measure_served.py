@@ -17,7 +17,7 @@ from pdserve.sim.calibrate import calibrated
 def test_both_deployments_are_traced_under_load_and_refit_the_profile(
     tmp_path: Path, tiny_llama: Path
 ) -> None:
-    # The workload to plan for, climbing through its rate x1, x2, x3.5 (a third of the time each):
+    # The workload to plan for, climbing through its rate x0.5, x1, x2, x3.5 (a quarter each):
     # conversations (their later turns carry the answers, re-encoded) and documents.
     workload = (
         "chat: poisson(4) prompt=uniform(16,64) output=uniform(4,24) turns=fixed(2) followup=fixed(8) "
@@ -65,8 +65,11 @@ def test_both_deployments_are_traced_under_load_and_refit_the_profile(
 
 
 def test_the_load_climbs_the_staircase_or_the_workload_given() -> None:
-    (builtin,) = served.phases(None, 90.0, 1.0, 7)
-    assert {step.factor for _, step in builtin.steps} == {2.0, 3.5}
-    given = served.phases("poisson(2) prompt=fixed(32) output=fixed(8)", 90.0, 0.5, 7)
-    assert [w.duration_s for w in given] == [30.0, 30.0, 30.0]
-    assert [w.classes[0].arrival.rate for w in given] == pytest.approx([1.0, 2.0, 3.5])  # type: ignore[attr-defined]
+    # From light (half the built-in rates: chat 1 a second) to past the knee, a quarter each.
+    (builtin,) = served.phases(None, 120.0, 1.0, 7)
+    chat = builtin.classes[0].arrival
+    assert chat.base.rate == pytest.approx(1.0)  # type: ignore[attr-defined]
+    assert [(s.at_s, s.for_s, s.factor) for s in chat.steps] == [(30, 30, 2), (60, 30, 4), (90, 30, 7)]  # type: ignore[attr-defined]
+    given = served.phases("poisson(2) prompt=fixed(32) output=fixed(8)", 120.0, 0.5, 7)
+    assert [w.duration_s for w in given] == [30.0] * 4
+    assert [w.classes[0].arrival.rate for w in given] == pytest.approx([0.5, 1.0, 2.0, 3.5])  # type: ignore[attr-defined]

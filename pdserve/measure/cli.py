@@ -89,8 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--served-workload",
         default=None,
         metavar="SPEC",
-        help="with --served: trace under this workload (pdserve bench's --workload), at 1x, 2x and 3.5x "
-        "its rate (times --served-rate-scale) a third of the time each, instead of the built-in "
+        help="with --served: trace under this workload (pdserve bench's --workload), at 0.5x, 1x, 2x and "
+        "3.5x its rate (times --served-rate-scale) a quarter of the time each, instead of the built-in "
         "chat and documents: the steps then run the mix you plan for",
     )
     p.add_argument(

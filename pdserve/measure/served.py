@@ -2,7 +2,7 @@
 `pdserve serve --prefill 1 --decode 1` and then `--colocated 2` on this machine, each traced
 (`--step-trace`) under a load that climbs from light to past the knee (the bench's own client
 and workload: a built-in staircase of chat and documents, or `--served-workload`, the workload
-to plan for, at 1x, 2x and 3.5x its rate), and the sweep's profile refitted to their steps
+to plan for, at 0.5x, 1x, 2x and 3.5x its rate), and the sweep's profile refitted to their steps
 (pdserve/sim/calibrate.py).
 """
 
@@ -22,44 +22,50 @@ from pdserve.measure.server import running
 logger = logging.getLogger("pdserve.measure")
 
 
-# A staircase of chat and documents over the run's thirds: x1, x2, then x3.5 (past the knee of
-# SmolLM2 on two cores). Scale it to the hardware with --served-rate-scale.
+# Chat and documents at these rates climb a staircase over the run's quarters: x0.5, x1, x2, then
+# x3.5 (past the knee of SmolLM2 on two cores). Scale it to the hardware with --served-rate-scale.
 CLASSES = (
     "chat: poisson(2) prompt=lognormal(128,0.6,16,1024) output=uniform(8,96)",
     "docs: poisson(0.1) prompt=uniform(400,1600) output=uniform(4,32)",
 )
+# A workload's rate times these, a part of the run each, one after another. The first is light:
+# a step beside idle neighbours ran slower than the busier steps' fit put it (x1.2-1.4 on the
+# AVX2 EPYC), and the fit's idle term is only as good as the idle steps it sees.
+STAIRCASE = (0.5, 1.0, 2.0, 3.5)
+DURATION_S = 120.0
 
 
 def load(duration_s: float) -> str:
-    third = duration_s / 3
-    steps = f"step({third:g},{third:g},2) step({2 * third:g},{third:g},3.5)"
+    """The built-in staircase as one workload: CLASSES at STAIRCASE[0] times their rate (the
+    workload's rate scale says it), stepping up to each next multiple for its part of the run."""
+    part = duration_s / len(STAIRCASE)
+    steps = " ".join(
+        f"step({i * part:g},{part:g},{factor / STAIRCASE[0]:g})" for i, factor in enumerate(STAIRCASE) if i
+    )
     return "; ".join(f"{spec} {steps}" for spec in CLASSES)
 
 
-DURATION_S = 90.0
 DEPLOYMENTS = (("dpd", ["--prefill", "1", "--decode", "1"]), ("colocated", ["--colocated", "2"]))
 MAX_FAILED_SHARE = 0.05  # more failed requests than this, and the trace is not of serving
-
-
-STAIRCASE = (1.0, 2.0, 3.5)  # a workload of the user's own, at these multiples of its rate, a third each
 
 
 def phases(workload: str | None, duration_s: float, rate_scale: float, seed: int) -> list[Workload]:
     """The load the servers are traced under: the built-in staircase (one workload), or `workload`
     (the bench's spec: classes, presets, trace replays, conversations) at each STAIRCASE multiple
-    of `rate_scale` for a third of `duration_s`, one after another, each drawn with its own seed."""
+    of `rate_scale` for an equal part of `duration_s`, one after another, each drawn with its own
+    seed."""
     if workload is None:
-        return [parse_workload(load(duration_s), seed, None, duration_s, rate_scale)]
-    third = duration_s / len(STAIRCASE)
+        return [parse_workload(load(duration_s), seed, None, duration_s, rate_scale * STAIRCASE[0])]
+    part = duration_s / len(STAIRCASE)
     try:
         # A closed loop needs a request count to parse at all: one, to ask what it is.
-        if parse_workload(workload, seed, 1, third, rate_scale).concurrency is not None:
+        if parse_workload(workload, seed, 1, part, rate_scale).concurrency is not None:
             raise PdserveError(
                 "a closed loop (concurrency(n)) has no rate to climb; give an arrival process "
                 "(poisson, gamma, constant) or a trace replay"
             )
         return [
-            parse_workload(workload, seed + i, None, third, rate_scale * factor)
+            parse_workload(workload, seed + i, None, part, rate_scale * factor)
             for i, factor in enumerate(STAIRCASE)
         ]
     except PdserveError as exc:
