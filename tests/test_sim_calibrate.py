@@ -16,6 +16,7 @@ from pdserve.costmodel import Step
 from pdserve.router.recorder import STEP_TRACE_KEYS
 from pdserve.sim import profile as profiles
 from pdserve.sim.calibrate import (
+    attention_ratio,
     calibrated,
     fit_alone_and_busy,
     fit_loop,
@@ -248,6 +249,62 @@ def test_steps_alone_and_beside_busy_neighbours_are_told_apart() -> None:
     )
 
 
+def test_a_step_beside_idle_cpus_may_be_fitted_the_slower() -> None:
+    # A light load's steps ran slower than a busy one's on a shared host: the fit says so, rather
+    # than pinning both to the busier steps' line.
+    alone = LinearStep((0.03, 2e-4, 0.0, 1.5e-3, 0.0))
+    busy = LinearStep((0.02, 1e-4, 0.0, 1e-3, 0.0))
+    samples = []
+    for k in range(60):
+        step = Step(prefill_tokens=(k * 37) % 300, decode_streams=k % 9 + (0 if k % 5 else 1))
+        b = (k % 7) / 6
+        samples.append((step, alone.seconds(step) * (1 - b) + busy.seconds(step) * b, b))
+    fitted_alone, fitted_busy = fit_alone_and_busy(samples)
+    assert fitted_alone.coefficients == pytest.approx(alone.coefficients, rel=1e-6, abs=1e-12)
+    assert fitted_busy.coefficients == pytest.approx(busy.coefficients, rel=1e-6, abs=1e-12)
+
+
+def test_a_prompts_cost_per_token_attended_keeps_the_sweeps_ratio(tmp_path: Path) -> None:
+    # A long prompt's chunks: each 256 tokens, attending over all before it. Its first chunk ran
+    # beside idle CPUs, the later (dearer) ones beside busy neighbours, 10% over the truth: the
+    # served steps alone cannot tell a chunk's cost per token from its cost per token attended,
+    # and the free fit splits them anyhow (a long chunk alone off by x3.7 here). With the sweep's
+    # ratio the fit keeps the prompt's shape and scales it: the truth back, alone and beside.
+    ratio = 5e-4
+    truth = LinearStep((0.02, 3e-3, 3e-3 * ratio, 2e-3, 0.0))
+    samples = []
+    for k in range(120):
+        if k % 2:  # decode steps, beside idle and busy neighbours
+            step = Step(0, 0, k % 5 + 1, 300 * (k % 5 + 1))
+            samples.append((step, truth.seconds(step), (k % 4) / 3))
+            continue
+        chunk = k % 6
+        step = Step(256, 256 * (256 * chunk + 128), 0, 0)
+        samples.append((step, truth.seconds(step) * (1.1 if chunk else 1.0), 1.0 if chunk else 0.0))
+    last_chunk = Step(256, 256 * (256 * 5 + 128), 0, 0)
+    free, _ = fit_alone_and_busy(samples)
+    shaped, shaped_busy = fit_alone_and_busy(samples, attention_per_token=ratio)
+    assert abs(free.seconds(last_chunk) / truth.seconds(last_chunk) - 1) > 0.2
+    assert shaped.seconds(last_chunk) == pytest.approx(truth.seconds(last_chunk), rel=1e-3)
+    assert shaped_busy.seconds(last_chunk) == pytest.approx(1.1 * truth.seconds(last_chunk), rel=1e-3)
+    for fit in (shaped, shaped_busy):
+        assert fit.coefficients[2] == pytest.approx(ratio * fit.coefficients[1])
+    # A sweep says its ratio (the decode role's for a colocated one); a served profile does not.
+    sweep = replace(fixed_profile(), steps={"prefill": truth, "decode": LinearStep((0.01, 2e-3, 4e-7, 0, 0))})
+    assert attention_ratio(sweep, "prefill") == pytest.approx(ratio)
+    assert attention_ratio(sweep, "colocated") == pytest.approx(2e-4)
+    assert attention_ratio(replace(sweep, steps_from="serving"), "prefill") is None
+    assert attention_ratio(fixed_profile(), "prefill") is None  # c2 = 0: no shape to keep
+    # calibrated() fits each role to the sweep's ratio, and says so.
+    trace = traced_run(tmp_path, sweep, "--colocated", "1")
+    fitted = calibrated(sweep, [trace])
+    step = fitted.steps["colocated"]
+    assert isinstance(step, LinearStep) and step.coefficients[2] == pytest.approx(2e-4 * step.coefficients[1])
+    assert any(
+        "colocated steps: a prompt's cost per token attended at the sweep's" in a for a in fitted.assumptions
+    )
+
+
 def test_the_stream_gemvs_terms_are_fitted_back_from_steps_that_show_them() -> None:
     # Decode steps of 1-64 streams and a prompt's rows beside some: passes of 4 rows up to 32,
     # a GEMM for the layers past it, another for the logits past 32 streams; the neighbours
@@ -336,7 +393,13 @@ def test_a_served_profile_keeps_the_neighbours_term(tmp_path: Path) -> None:
         host=profiles.HostCpu(cpus=2, router_request_s=0.5),
     )
     itls = {}
-    for name, busy in (("same", alone), ("slower", LinearStep((0.03, 3e-4, 0.0, 6e-3, 0.0)))):
+    # A fit may also say they ran faster beside busy neighbours (a light load's steps the slower).
+    cases = (
+        ("same", alone),
+        ("slower", LinearStep((0.03, 3e-4, 0.0, 6e-3, 0.0))),
+        ("faster", LinearStep((0.004, 1e-4, 0.0, 1e-3, 0.0))),
+    )
+    for name, busy in cases:
         profile = replace(
             base, steps={"prefill": alone, "decode": alone}, steps_busy={"prefill": busy, "decode": busy}
         )
@@ -349,6 +412,7 @@ def test_a_served_profile_keeps_the_neighbours_term(tmp_path: Path) -> None:
         assert code == 0
         itls[name] = json.loads((out / "summary.json").read_text())["overall"]["itl_ms"]["p50"]
     assert itls["slower"] > itls["same"] * 1.2
+    assert itls["faster"] < itls["same"] * 0.95
 
 
 def test_the_fit_keeps_how_the_served_steps_spread_around_it() -> None:

@@ -158,34 +158,46 @@ def fit_alone_and_busy(
     samples: list[tuple[Step, float, float]],
     prompt_from: tuple[LinearStep, LinearStep] | None = None,
     passes: StreamPasses | None = None,
+    attention_per_token: float | None = None,
 ) -> tuple[LinearStep, LinearStep]:
-    """(alone, busy): seconds = alone(x) + (busy(x) - alone(x)) x b, b how busy the other CPUs
-    were, fitted on the relative error with every coefficient of alone and of busy - alone >= 0
-    (the form `pdserve.sim.cluster` steps by, with `Profile.steps_busy`). `prompt_from`: another
-    role's (alone, busy) fit whose prompt coefficients (per prompt token, per token attended) are
-    taken as they are, the rest fitted around them. `passes`: the engine's stream GEMV, whose
+    """(alone, busy): seconds = alone(x) x (1 - b) + busy(x) x b, b how busy the other CPUs were,
+    fitted on the relative error with every coefficient of alone and of busy >= 0 (the form
+    `pdserve.sim.cluster` steps by, with `Profile.steps_busy`). Neither is bound to be the larger:
+    on a shared host a step beside idle CPUs can run slower than beside busy ones (a light
+    load's steps ran x1.2-1.4 over a fit that said they could not, on the AVX2 EPYC).
+    `prompt_from`: another role's (alone, busy) fit whose prompt coefficients (per prompt token,
+    per token attended) are taken as they are, the rest fitted around them. `attention_per_token`:
+    the prompt's cost per token attended over its cost per token (c2 / c1), as the sweep measured
+    it on chunks of every length: the fit then scales that shape, and does not split it. Served
+    steps hardly tell the two apart (a colocated worker's later chunks, the dear ones, ran beside
+    whatever else ran), and a free fit set the colocated role's cost per token attended to 0, its
+    long prompts' later chunks as cheap as their first. `passes`: the engine's stream GEMV, whose
     terms (`StreamPasses.features`) are fitted too, alike alone and beside busy neighbours, each
     where MIN_STEPS steps or more show it (with fewer steps on the GEMV, the line alone)."""
     given = [1, 2] if prompt_from is not None else []
+    shaped = attention_per_token is not None and prompt_from is None
+    ratio = attention_per_token if shaped and attention_per_token is not None else 0.0
     kernels = [passes.features(step) for step, _, _ in samples] if passes is not None else []
     if passes is not None and sum(1 for step, _, _ in samples if passes.on_stream(step)) < MIN_STEPS:
-        passes, kernels = None, []  # too few steps on the stream GEMV to tell its passes from the line
+        passes, kernels = None, []  # too few steps on the GEMV to tell its passes from the line
     known = np.zeros(13 if passes is not None else 10)
     if prompt_from is not None:
         alone_c, busy_c = prompt_from[0].coefficients, prompt_from[1].coefficients
         for i in given:
-            known[i], known[i + 5] = alone_c[i], busy_c[i] - alone_c[i]
+            known[i], known[i + 5] = alone_c[i], busy_c[i]
     rows = []
     for index, (step, seconds, b) in enumerate(samples):
         x = np.array(line_features(step, passes), dtype=float) / seconds
+        if shaped:  # one prompt term: per token plus its attention at the sweep's ratio
+            x[1], x[2] = x[1] + ratio * x[2], 0.0
         kernel = np.array(kernels[index] if kernels else (), dtype=float) / seconds
-        rows.append(np.concatenate([x, x * b, kernel]))
+        rows.append(np.concatenate([x * (1 - b), x * b, kernel]))
     a = np.array(rows)
     target = np.ones(len(rows)) - a @ known  # what the given coefficients leave to explain
     scale = np.abs(a).max(axis=0)  # columns of like size, for the solver; a column of zeros stays 0
     scale[scale == 0] = 1.0
     a = a / scale
-    active = [i for i in range(10) if i % 5 not in given]
+    active = [i for i in range(10) if i % 5 not in given and not (shaped and i % 5 == 2)]
     if passes is not None:  # the GEMMs' steps where the steps reach them
         active.append(10)
         active += [11] if sum(1 for _, layers, _ in kernels if layers) >= MIN_STEPS else []
@@ -194,13 +206,11 @@ def fit_alone_and_busy(
     if coef is None:
         raise ProfileError("the served steps fit no step time with non-negative coefficients")
     c = [float(x) for x in coef / scale + known]
+    if shaped:
+        c[2], c[7] = ratio * c[1], ratio * c[6]
     pass_coefficients = (c[10], c[11], c[12]) if passes is not None else (0.0, 0.0, 0.0)
     alone = LinearStep((c[0], c[1], c[2], c[3], c[4]), passes=passes, pass_coefficients=pass_coefficients)
-    busy = LinearStep(
-        (c[0] + c[5], c[1] + c[6], c[2] + c[7], c[3] + c[8], c[4] + c[9]),
-        passes=passes,
-        pass_coefficients=pass_coefficients,
-    )
+    busy = LinearStep((c[5], c[6], c[7], c[8], c[9]), passes=passes, pass_coefficients=pass_coefficients)
     fitted_and_measured = [
         (fitted, t, step.prefill_tokens > 0 and step.decode_streams > 0)
         for step, t, b in samples
@@ -326,6 +336,19 @@ def stream_passes(profile: Profile) -> StreamPasses | None:
     return StreamPasses.from_json(body, "meta.stream_passes") if body is not None else None
 
 
+def attention_ratio(base: Profile, role: str) -> float | None:
+    """A prompt's cost per token attended over its cost per token (c2 / c1) in `base`'s step time
+    for `role` (the decode role's for colocated, as the sweep measures one engine for both), where
+    `base` is a sweep's (`steps_from: alone`: steps timed on chunks of every length and context,
+    which tell the two apart); None otherwise."""
+    if base.steps_from != "alone":
+        return None
+    step = base.steps.get(role) or (base.steps.get("decode") if role == "colocated" else None)
+    if not isinstance(step, LinearStep) or step.coefficients[1] <= 0 or step.coefficients[2] <= 0:
+        return None
+    return step.coefficients[2] / step.coefficients[1]
+
+
 def calibrated(base: Profile, traces: list[Path]) -> Profile:
     """`base` with each traced pool role's step time (alone, and beside busy neighbours), and its
     worker loop's time, fitted to the traces."""
@@ -368,8 +391,14 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
                 f"{role} steps: the {donor} pool's cost per prompt token (the {role} pool ran "
                 f"{prompt_steps(role)} steps of {PROMPT_CHUNK_TOKENS} prompt tokens or more)"
             )
+        ratio = attention_ratio(base, role) if donor is None else None
+        if ratio is not None:
+            notes.append(
+                f"{role} steps: a prompt's cost per token attended at the sweep's {ratio:.3g} of its "
+                "cost per token (the served steps scale it, not split it)"
+            )
         steps[role], steps_busy[role] = fit_alone_and_busy(
-            timed, (steps[donor], steps_busy[donor]) if donor is not None else None, passes
+            timed, (steps[donor], steps_busy[donor]) if donor is not None else None, passes, ratio
         )
         if passes is not None and steps[role].passes is None:
             notes.append(

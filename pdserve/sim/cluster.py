@@ -106,9 +106,11 @@ class SimCluster:
             features = step_features(out)
             seconds = step_time.seconds(features)
             if host is not None and busy_time is not None:
-                # Slowed by its neighbours' work, as far as they were busy.
+                # Moved by its neighbours' work, as far as they were busy: slowed, as a rule (the
+                # caches and memory shared), but a served fit may say a step beside idle CPUs ran
+                # slower (calibrate.fit_alone_and_busy).
                 beside = host.others_busy(worker_id, seconds)
-                seconds += max(0.0, busy_time.seconds(features) - seconds) * beside
+                seconds += (busy_time.seconds(features) - seconds) * beside
             quantiles: tuple[float, ...] = ()
             if spread_at is not None:  # a mixed step (prompt beside streams) by its own where known
                 quantiles = spread_at(seconds, features.prefill_tokens > 0 and features.decode_streams > 0)
