@@ -10,9 +10,9 @@ this fits each pool role's step time to the steps that pool's workers ran, and e
 loop time around a step (per step and per stream, its waits on KV pulls left out) and, where
 the trace says what they moved, its waits on KV pulls (per pull and per block, as the steps,
 alone and beside busy neighbours), into a copy of a base profile (its KV transfers, start time,
-blocks and overhead are kept). Each step is fitted as alone + (beside busy neighbours - alone) x
-how busy the other workers were while it ran (read from the trace as the simulation reckons
-it), so the fit keeps how the steps slow as the load rises. The result says `steps_from: serving`: the simulation then adds the
+blocks and overhead are kept). Each step is fitted as alone x (1 - b) + beside busy neighbours x b,
+b how busy the other workers were while it ran (read from the trace as the simulation reckons
+it), so the fit keeps how the steps move as the load rises. The result says `steps_from: serving`: the simulation then adds the
 neighbours' term and no stretch for the router's and the client's CPU (that is in the fit, at the
 loads the trace covered: trace a load that climbs past the knee, as `pdserve profile --served` does).
 """
