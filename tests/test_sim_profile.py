@@ -333,4 +333,9 @@ def test_the_committed_cpu_profiles_hold_a_speed_check() -> None:
     """The AVX2 EPYC's profiles (2026-12-06 20:54 UTC) were measured with the check: `pdserve sim
     --profile profiles/cpu-avx2-epyc-smollm2-served.json --speed-check now.json` works on such a host."""
     names = {p.name for p in COMMITTED if "speed_check" in json.loads(p.read_text())["meta"]}
-    assert {"cpu-avx2-epyc-smollm2.json", "cpu-avx2-epyc-smollm2-served.json"} <= names
+    assert {
+        "cpu-avx2-epyc-smollm2.json",
+        "cpu-avx2-epyc-smollm2-served.json",
+        "cpu-avx512-epyc-smollm2.json",
+        "cpu-avx512-epyc-smollm2-served.json",
+    } <= names
