@@ -181,3 +181,33 @@ def test_a_check_of_another_model_is_refused_before_anything_runs(
     args = ["sim", "--profile", str(tmp_path / "profile.json"), "--colocated", "1", "--max-requests", "1"]
     assert main([*args, "--workload", "constant(1)", "--speed-check", str(tmp_path / "now.json")]) == 2
     assert "model" in capsys.readouterr().err
+
+
+def test_headroom_simulates_a_host_that_much_slower_on_top_of_the_checks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = fixed_profile(step=0.010, request_s=0.002, step_s=0.001)
+    profile = replace(profile, meta=profile.meta | {"speed_check": check().to_json()})
+    profile.save(tmp_path / "profile.json")
+    check(2.0).save(tmp_path / "now.json")
+    args = ["sim", "--profile", str(tmp_path / "profile.json"), "--colocated", "1", "--max-requests", "1"]
+    workload = ["--workload", "constant(1) prompt=fixed(50) output=fixed(5)"]
+    alone = [0.002 + 0.010 + 0.011 * k for k in range(5)]
+    for extra, factor in (
+        (["--headroom", "0.25"], 1.25),
+        (["--headroom", "0.25", "--speed-check", str(tmp_path / "now.json")], 2.5),
+    ):
+        out = tmp_path / f"run{len(extra)}"
+        assert main([*args, *workload, "--out", str(out), *extra]) == 0
+        (record,) = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+        assert [t - record["sent_s"] for t in record["chunk_times_s"]] == pytest.approx(
+            [factor * t for t in alone], abs=1e-9
+        )
+        assert json.loads((out / "summary.json").read_text())["simulation"]["speed_factor"] == factor
+        assert "--headroom 0.25" in capsys.readouterr().err
+    assert main([*args, *workload, "--headroom", "-0.1"]) == 2
+    assert "--headroom must be a fraction >= 0" in capsys.readouterr().err
+    roofline = Path(__file__).resolve().parents[1] / "profiles" / "h200-llama-3.1-8b-roofline.json"
+    assert main(["sim", "--profile", str(roofline), "--colocated", "1", "--max-requests", "1", *workload,
+                 "--headroom", "0.1"]) == 2  # fmt: skip
+    assert "a roofline's are derived from the hardware's data sheet" in capsys.readouterr().err

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import functools
 import logging
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -66,6 +67,16 @@ def add_simulation_arguments(p: argparse.ArgumentParser) -> None:
         "measured is scaled by how much slower or faster the host runs now than when it was measured; "
         "several checks: by the geometric mean of their factors (a check is seconds of a host whose "
         "speed moves from one half-minute to the next: several, spread over the time, are steadier)",
+    )
+    p.add_argument(
+        "--headroom",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="simulate a host this much slower than the profile (after --speed-check) says: 0.1 scales "
+        "every time by 1.1. A deployment near its knee moves by more than the host's speed does (a "
+        "2-vCPU host ~10%% slower for half an hour quadrupled a DPD server's TTFT p90 at its knee), "
+        "and a check reads the speed to within 5-15%%: plan with the margin you cannot measure",
     )
     add_workload_arguments(p)
     p.add_argument(
@@ -306,12 +317,15 @@ def load_inputs(args: argparse.Namespace) -> tuple[profiles.Profile, Workload]:
     if not args.finish_timeout > 0:
         raise PdserveError("--finish-timeout must be > 0")
     check_timeline_options(args)
+    headroom = getattr(args, "headroom", 0.0)
+    if not (headroom >= 0 and math.isfinite(headroom)):
+        raise PdserveError(f"--headroom must be a fraction >= 0 (0.1: a host 10% slower), got {headroom}")
     profile = profiles.load(args.profile)
+    factor = 1.0
     if args.speed_check is not None:
         then = speed.reference(profile, str(args.profile))
         factors = [speed.speed_factor(then, speed.load(path)) for path in args.speed_check]
         factor = speed.mean_factor([f for f, _ in factors])
-        profile = speed.scaled(profile, factor)
         checks = ", ".join(f"{path} x{f:.3f}" for path, (f, _) in zip(args.speed_check, factors, strict=True))
         how = f"the median of {factors[0][1]} steps" if len(factors) == 1 else "the checks' geometric mean"
         print(
@@ -319,6 +333,18 @@ def load_inputs(args: argparse.Namespace) -> tuple[profiles.Profile, Workload]:
             f"the profile was measured ({then.date}; {how}); the profile's times scaled by it",
             file=sys.stderr,
         )
+    if headroom > 0:
+        if not all(isinstance(step, profiles.LinearStep) for step in profile.steps.values()):
+            raise PdserveError(
+                "--headroom scales measured step times, and a roofline's are derived from the hardware's "
+                "data sheet: it cannot scale them"
+            )
+        factor *= 1 + headroom
+        print(
+            f"--headroom {headroom:g}: the profile's times scaled by x{1 + headroom:g} more", file=sys.stderr
+        )
+    if args.speed_check is not None or headroom > 0:
+        profile = speed.scaled(profile, factor)
     workload = parse_workload(args.workload, args.seed, args.max_requests, args.duration, args.rate_scale)
     return profile, workload
 
