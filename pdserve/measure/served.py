@@ -29,8 +29,9 @@ CLASSES = (
     "docs: poisson(0.1) prompt=uniform(400,1600) output=uniform(4,32)",
 )
 # A workload's rate times these, a part of the run each, one after another. The first is light:
-# a step beside idle neighbours ran slower than the busier steps' fit put it (x1.2-1.4 on the
-# AVX2 EPYC), and the fit's idle term is only as good as the idle steps it sees.
+# the fit's idle term is only as good as the idle steps it sees (the AVX2 EPYC's light-load steps
+# of another run came x1.2-1.4 over a fit without such a phase; on the AVX512 EPYC the light
+# quarter's median step sat on the fit, in sample and held out: docs/performance.md).
 STAIRCASE = (0.5, 1.0, 2.0, 3.5)
 DURATION_S = 120.0
 

@@ -163,8 +163,8 @@ def fit_alone_and_busy(
     """(alone, busy): seconds = alone(x) x (1 - b) + busy(x) x b, b how busy the other CPUs were,
     fitted on the relative error with every coefficient of alone and of busy >= 0 (the form
     `pdserve.sim.cluster` steps by, with `Profile.steps_busy`). Neither is bound to be the larger:
-    on a shared host a step beside idle CPUs can run slower than beside busy ones (a light
-    load's steps ran x1.2-1.4 over a fit that said they could not, on the AVX2 EPYC).
+    whether a step beside idle CPUs runs faster is the trace's to say (a host's idle cores may
+    clock or be scheduled otherwise), not the form's.
     `prompt_from`: another role's (alone, busy) fit whose prompt coefficients (per prompt token,
     per token attended) are taken as they are, the rest fitted around them. `attention_per_token`:
     the prompt's cost per token attended over its cost per token (c2 / c1), as the sweep measured
