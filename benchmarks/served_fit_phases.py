@@ -53,7 +53,7 @@ def fit(
     module: ModuleType, form: str, base: profiles.Profile, role: str, rows: list[dict[str, Any]], donor: Any
 ) -> Any:
     timed = [
-        (calibrate._step(r), float(r["seconds"]), float(r["busy"])) for r in rows if float(r["seconds"]) > 0
+        (calibrate.read_step(r), float(r["seconds"]), float(r["busy"])) for r in rows if float(r["seconds"]) > 0
     ]
     passes = calibrate.stream_passes(base)
     if form != "ratio":  # the free form, or an older version's own
@@ -73,7 +73,7 @@ def cells(pair: Any, rows: list[dict[str, Any]]) -> str:
         fitted = [
             alone.seconds(s) * (1 - r["busy"]) + busy.seconds(s) * r["busy"]
             for r in chosen
-            if (s := calibrate._step(r))
+            if (s := calibrate.read_step(r))
         ]
         measured = [float(r["seconds"]) for r in chosen]
         median = statistics.median(m / max(f, 1e-9) for m, f in zip(measured, fitted, strict=True))

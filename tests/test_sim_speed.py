@@ -211,3 +211,45 @@ def test_headroom_simulates_a_host_that_much_slower_on_top_of_the_checks(
     assert main(["sim", "--profile", str(roofline), "--colocated", "1", "--max-requests", "1", *workload,
                  "--headroom", "0.1"]) == 2  # fmt: skip
     assert "a roofline's are derived from the hardware's data sheet" in capsys.readouterr().err
+
+
+def test_a_served_runs_step_trace_says_the_hosts_speed_while_it_served(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A run on a host twice as slow as the profile (simulated: the profile scaled x2) traces its
+    # steps; read against the profile, the trace says x2, and a simulation scaled by it runs at
+    # the slow host's pace.
+    served = replace(fixed_profile(step=0.010, per_token=1e-4, per_stream=2e-3), steps_from="serving")
+    served.save(tmp_path / "served.json")
+    speed.scaled(served, 2.0).save(tmp_path / "slow.json")
+    workload = [
+        "--workload",
+        "poisson(20) prompt=uniform(20,200) output=uniform(2,20)",
+        "--max-requests",
+        "60",
+    ]
+    trace = tmp_path / "steps.jsonl"
+    run = ["sim", "--prefill", "1", "--decode", "1", *workload, "--seed", "3"]
+    assert main([*run, "--profile", str(tmp_path / "slow.json"), "--step-trace", str(trace)]) == 0
+    factor, steps = speed.trace_factor(served, [trace])
+    assert factor == pytest.approx(2.0) and steps == len(trace.read_text().splitlines()) >= speed.MIN_PAIRS
+    out = tmp_path / "scaled"
+    assert (
+        main(
+            [*run, "--profile", str(tmp_path / "served.json"), "--speed-trace", str(trace), "--out", str(out)]
+        )
+        == 0
+    )
+    assert json.loads((out / "summary.json").read_text())["simulation"]["speed_factor"] == pytest.approx(2.0)
+    assert "took x2.000 the profile's fit" in capsys.readouterr().err
+    # A sweep's profile leaves the router's CPU out of its steps: a served trace cannot scale it.
+    with pytest.raises(ProfileError, match="only scale a profile fitted to served steps"):
+        speed.trace_factor(replace(served, steps_from="alone"), [trace])
+    # Too few steps of the profile's roles, or both ways of saying the speed: refused.
+    (tmp_path / "short.jsonl").write_text("\n".join(trace.read_text().splitlines()[:3]) + "\n")
+    with pytest.raises(ProfileError, match="at least 8"):
+        speed.trace_factor(served, [tmp_path / "short.jsonl"])
+    check(2.0).save(tmp_path / "now.json")
+    both = ["--speed-trace", str(trace), "--speed-check", str(tmp_path / "now.json")]
+    assert main([*run, "--profile", str(tmp_path / "served.json"), *both]) == 2
+    assert "give one" in capsys.readouterr().err

@@ -75,7 +75,7 @@ def read_trace(paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
                 missing = [key for key in STEP_TRACE_KEYS if key not in row and key not in OPTIONAL_KEYS]
                 if missing:
                     raise ValueError(f"no {', '.join(missing)}")
-                float(row["seconds"]), float(row["t_s"]), _step(row)
+                float(row["seconds"]), float(row["t_s"]), read_step(row)
                 row["trace"] = index  # one run's workers share a host; another run's did not
                 pools[str(row["pool"])].append(row)
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
@@ -85,7 +85,8 @@ def read_trace(paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
     return dict(pools)
 
 
-def _step(row: dict[str, Any]) -> Step:
+def read_step(row: dict[str, Any]) -> Step:
+    """What a step trace's row computed."""
     return Step(
         int(row["prefill_tokens"]),
         int(row["prefill_attention"]),
@@ -366,7 +367,7 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
     notes = []
     passes = stream_passes(base)
     timed_by_role = {
-        role: [(_step(r), float(r["seconds"]), float(r["busy"])) for r in rows if float(r["seconds"]) > 0]
+        role: [(read_step(r), float(r["seconds"]), float(r["busy"])) for r in rows if float(r["seconds"]) > 0]
         for role, rows in pools.items()
     }
 

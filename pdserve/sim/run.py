@@ -69,6 +69,16 @@ def add_simulation_arguments(p: argparse.ArgumentParser) -> None:
         "speed moves from one half-minute to the next: several, spread over the time, are steadier)",
     )
     p.add_argument(
+        "--speed-trace",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="instead of --speed-check: a served run's step trace (`pdserve serve --step-trace`) on this "
+        "host; the profile (fitted to served steps) is scaled by the median of the trace's steps over "
+        "its fit: the host's speed while it served, from every step rather than a check's seconds",
+    )
+    p.add_argument(
         "--headroom",
         type=float,
         default=0.0,
@@ -320,6 +330,8 @@ def load_inputs(args: argparse.Namespace) -> tuple[profiles.Profile, Workload]:
     headroom = getattr(args, "headroom", 0.0)
     if not (headroom >= 0 and math.isfinite(headroom)):
         raise PdserveError(f"--headroom must be a fraction >= 0 (0.1: a host 10% slower), got {headroom}")
+    if args.speed_trace is not None and args.speed_check is not None:
+        raise PdserveError("--speed-trace and --speed-check both say the host's speed: give one")
     profile = profiles.load(args.profile)
     factor = 1.0
     if args.speed_check is not None:
@@ -333,6 +345,13 @@ def load_inputs(args: argparse.Namespace) -> tuple[profiles.Profile, Workload]:
             f"the profile was measured ({then.date}; {how}); the profile's times scaled by it",
             file=sys.stderr,
         )
+    if args.speed_trace is not None:
+        factor, steps = speed.trace_factor(profile, list(args.speed_trace))
+        print(
+            f"step trace {', '.join(map(str, args.speed_trace))}: its {steps} steps took x{factor:.3f} "
+            "the profile's fit (the median); the profile's times scaled by it",
+            file=sys.stderr,
+        )
     if headroom > 0:
         if not all(isinstance(step, profiles.LinearStep) for step in profile.steps.values()):
             raise PdserveError(
@@ -343,7 +362,7 @@ def load_inputs(args: argparse.Namespace) -> tuple[profiles.Profile, Workload]:
         print(
             f"--headroom {headroom:g}: the profile's times scaled by x{1 + headroom:g} more", file=sys.stderr
         )
-    if args.speed_check is not None or headroom > 0:
+    if args.speed_check is not None or args.speed_trace is not None or headroom > 0:
         profile = speed.scaled(profile, factor)
     workload = parse_workload(args.workload, args.seed, args.max_requests, args.duration, args.rate_scale)
     return profile, workload
