@@ -53,7 +53,9 @@ def fit(
     module: ModuleType, form: str, base: profiles.Profile, role: str, rows: list[dict[str, Any]], donor: Any
 ) -> Any:
     timed = [
-        (calibrate.read_step(r), float(r["seconds"]), float(r["busy"])) for r in rows if float(r["seconds"]) > 0
+        (calibrate.read_step(r), float(r["seconds"]), float(r["busy"]))
+        for r in rows
+        if float(r["seconds"]) > 0
     ]
     passes = calibrate.stream_passes(base)
     if form != "ratio":  # the free form, or an older version's own
