@@ -253,3 +253,46 @@ def test_a_served_runs_step_trace_says_the_hosts_speed_while_it_served(
     both = ["--speed-trace", str(trace), "--speed-check", str(tmp_path / "now.json")]
     assert main([*run, "--profile", str(tmp_path / "served.json"), *both]) == 2
     assert "give one" in capsys.readouterr().err
+
+
+def test_a_trace_of_the_profiles_own_spread_reads_x1(tmp_path: Path) -> None:
+    # Served steps spread around their fit with a right tail, their median under it (the fit is of
+    # the relative error): a run that steps as the profile draws them reads x1, not that median.
+    band = Spread(None, (0.8, 0.85, 0.88, 0.9, 0.92, 0.95, 1.2, 2.0))
+    line = LinearStep((0.010, 1e-4, 0.0, 2e-3, 0.0), spread=(band,))
+    served = replace(fixed_profile(), steps={"prefill": line, "decode": line}, steps_from="serving")
+    served.save(tmp_path / "served.json")
+    trace = tmp_path / "steps.jsonl"
+    run = [
+        "sim",
+        "--profile",
+        str(tmp_path / "served.json"),
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--seed",
+        "3",
+    ]
+    workload = [
+        "--workload",
+        "poisson(20) prompt=uniform(20,200) output=uniform(2,20)",
+        "--max-requests",
+        "80",
+    ]
+    assert main([*run, *workload, "--step-trace", str(trace)]) == 0
+    factor, _ = speed.trace_factor(served, [trace])
+    assert factor == pytest.approx(1.0, abs=0.04)
+    rows = [json.loads(row) for row in trace.read_text().splitlines()]
+    raw = [
+        row["seconds"]
+        / line.seconds(
+            Step(
+                row["prefill_tokens"], row["prefill_attention"], row["decode_streams"], row["decode_context"]
+            )
+        )
+        for row in rows
+    ]
+    assert len(raw) >= 100 and sorted(raw)[len(raw) // 2] == pytest.approx(
+        0.91, abs=0.03
+    )  # the band's median
