@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
-from collections import defaultdict
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -35,16 +34,10 @@ LONG_ATTENTION = 100_000  # prompt tokens x tokens attended: a long prompt's lat
 def phased(base: profiles.Profile, traces: list[Path], load_s: float) -> dict[str, list[dict[str, Any]]]:
     """Each pool's rows with how busy the other workers were (as the fit reads it) and the phase
     of the staircase they ran in (from the trace's first step; the drain counts as the last)."""
-    pools = calibrate.read_trace(traces)
-    cpus = base.host.cpus if base.host is not None else 1
-    by_trace: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for rows in pools.values():
-        for row in rows:
-            by_trace[row["trace"]].append(row)
-    for rows in by_trace.values():
+    pools = calibrate.read_busy_trace(traces, base.host.cpus if base.host is not None else 1)
+    for rows in calibrate.by_run(pools):
         start = min(float(r["t_s"]) - float(r["seconds"]) for r in rows)
-        for row, busy in zip(rows, calibrate.others_busy(rows, cpus), strict=True):
-            row["busy"] = busy
+        for row in rows:
             row["phase"] = min(PHASES - 1, int((float(row["t_s"]) - start) / (load_s / PHASES)))
     return pools
 

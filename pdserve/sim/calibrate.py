@@ -350,18 +350,29 @@ def attention_ratio(base: Profile, role: str) -> float | None:
     return step.coefficients[2] / step.coefficients[1]
 
 
+def by_run(pools: dict[str, list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    """Each traced run's rows, every pool's together (one run's workers shared a host)."""
+    runs: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for rows in pools.values():
+        for row in rows:
+            runs[row["trace"]].append(row)
+    return list(runs.values())
+
+
+def read_busy_trace(traces: list[Path], cpus: int) -> dict[str, list[dict[str, Any]]]:
+    """`read_trace`, each row with `busy`: how busy the other workers of its run were while it ran
+    (`others_busy`, as the fit and the simulation reckon it)."""
+    pools = read_trace(traces)
+    for rows in by_run(pools):
+        for row, busy in zip(rows, others_busy(rows, cpus), strict=True):
+            row["busy"] = busy
+    return pools
+
+
 def calibrated(base: Profile, traces: list[Path]) -> Profile:
     """`base` with each traced pool role's step time (alone, and beside busy neighbours), and its
     worker loop's time, fitted to the traces."""
-    pools = read_trace(traces)
-    cpus = base.host.cpus if base.host is not None else 1
-    by_trace: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for rows in pools.values():
-        for row in rows:
-            by_trace[row["trace"]].append(row)
-    for rows in by_trace.values():
-        for row, b in zip(rows, others_busy(rows, cpus), strict=True):
-            row["busy"] = b
+    pools = read_busy_trace(traces, base.host.cpus if base.host is not None else 1)
     steps: dict[str, LinearStep] = {}
     steps_busy: dict[str, LinearStep] = {}
     notes = []

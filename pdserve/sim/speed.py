@@ -161,16 +161,11 @@ def trace_factor(profile: Profile, traces: list[Path]) -> tuple[float, int]:
             "a step trace can only scale a profile fitted to served steps (pdserve profile --served "
             "or --from-trace): this one's steps are a sweep's"
         )
-    pools = calibrate.read_trace(traces)
-    cpus = profile.host.cpus if profile.host is not None else 1
-    by_trace: dict[int, list[dict[str, Any]]] = {}
+    pools = calibrate.read_busy_trace(traces, profile.host.cpus if profile.host is not None else 1)
+    ratios = []
     for rows in pools.values():
         for row in rows:
-            by_trace.setdefault(row["trace"], []).append(row)
-    ratios = []
-    for rows in by_trace.values():
-        for row, busy in zip(rows, calibrate.others_busy(rows, cpus), strict=True):
-            role, seconds = str(row["pool"]), float(row["seconds"])
+            role, seconds, busy = str(row["pool"]), float(row["seconds"]), float(row["busy"])
             if role not in profile.steps and not (role == "colocated" and "decode" in profile.steps):
                 continue
             alone = profile.step_time(role)
