@@ -148,11 +148,17 @@ def read_measured(
 
 
 def simulate(
-    args: argparse.Namespace, serve_args: str, scales: list[float], seed: int, factor: float | None = None
+    args: argparse.Namespace,
+    serve_args: str,
+    scales: list[float],
+    seed: int,
+    factor: float | None = None,
+    fresh: bool | None = None,
 ) -> list[dict[str, Any]]:
     """One summary per rate scale. The rates run one after another on one simulated deployment, as
     `bench compare` ran them on one server (its router's path-choice cost model, fitted at the
-    lower rates, carries into the next); `--fresh-per-rate`: each on a deployment of its own."""
+    lower rates, carries into the next); `--fresh-per-rate` (or `fresh`): each on a deployment of
+    its own."""
     from pdserve.bench.summary import parse_slos, summarize
     from pdserve.bench.timeline import build_timeline
     from pdserve.bench.workload import parse_workload
@@ -187,7 +193,7 @@ def simulate(
         "pool_sample_interval_s": 1.0,
         "client_on_host": True,
     }
-    if args.fresh_per_rate:
+    if args.fresh_per_rate if fresh is None else fresh:
         results = [sim.simulate(o, profile, w, **options) for w in workloads]
     else:
         results = sim.simulate_in_sequence(o, profile, workloads, **options)
@@ -217,6 +223,34 @@ def simulate_rates(
     return simulate(args, serve_args, scales, seed, factors[0])
 
 
+def knee_shares(
+    args: argparse.Namespace, serve_args: str, factors: list[float | None], simulated: dict[float, float]
+) -> dict[float, float]:
+    """The simulated shares within the SLO with `--knee-scales` added: each scale not simulated yet
+    on a fresh deployment per repeat's seed (the median of the repeats), at the config's speed (the
+    geometric mean of its rates' factors)."""
+    extra = [x for x in (float(v) for v in args.knee_scales.split(",") if v) if x not in simulated]
+    if not extra:
+        return dict(simulated)
+    known = [f for f in factors if f is not None]
+    factor = statistics.geometric_mean(known) if known else None
+    runs = [simulate(args, serve_args, extra, args.seed + r, factor, fresh=True) for r in range(args.repeats)]
+    shares = dict(simulated)
+    for i, scale in enumerate(extra):
+        shares[scale] = statistics.median(share(summaries[i]) for summaries in runs)
+    return shares
+
+
+def crossing_text(crossing: dict[str, float | None]) -> str:
+    def at(scale: float | None) -> str:
+        return "none in range" if scale is None else f"x{scale:.2f}"
+
+    error = crossing["error"]
+    return f"{at(crossing['measured'])} / simulated {at(crossing['sim'])}" + (
+        f" ({error:+.0%})" if error is not None else ""
+    )
+
+
 def value(summary: dict[str, Any], metric: str, stat: str) -> float | None:
     v = summary.get("overall", {}).get(metric, {}).get(stat)
     return float(v) if v is not None else None
@@ -236,6 +270,23 @@ def knee(scales: list[float], goodput_share: dict[float, float], threshold: floa
     for scale in scales:
         if goodput_share[scale] < threshold:
             return scale
+    return None
+
+
+def knee_crossing(goodput_share: dict[float, float], threshold: float = 0.9) -> float | None:
+    """Where the share of requests within the SLO first falls through `threshold`, interpolated
+    linearly between the last rate scale at or above it and the next (below it): the knee at a
+    finer grain than the rates run. The lowest scale when the share is under it there already (the
+    knee lies at or below it); None when it never falls under. Near a knee the share moves a few
+    points a tenth of the rate, so the first rate under the threshold says little finer than the
+    rates' own spacing."""
+    scales = sorted(goodput_share)
+    if scales and goodput_share[scales[0]] < threshold:
+        return scales[0]
+    for lower, upper in itertools.pairwise(scales):
+        above, below = goodput_share[lower], goodput_share[upper]
+        if below < threshold:
+            return lower + (upper - lower) * (above - threshold) / (above - below)
     return None
 
 
@@ -309,6 +360,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--unscaled",
         action="store_true",
         help="with --speed-check and --measured: simulate with the profile as it is (the checks only said)",
+    )
+    p.add_argument(
+        "--knee-scales",
+        default="",
+        metavar="S1,S2,...",
+        help="more rate scales to simulate (each on a fresh deployment, every repeat's seed) for the "
+        "simulated knee's crossing: the measured one is interpolated between the measured rates",
     )
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
@@ -436,15 +494,24 @@ def main() -> int:
             rows.append("| " + " | ".join(cells) + " |")
         knees = {k: knee(scales, v) for k, v in shares.items()}
         result["cases"][f"{label}:knee"] = knees
+        crossing = {
+            "measured": knee_crossing(shares["measured"]),
+            "sim": knee_crossing(knee_shares(args, serve_args, factors, shares["sim"])),
+        }
+        m_knee, s_knee = crossing["measured"], crossing["sim"]
+        crossing["error"] = (s_knee - m_knee) / m_knee if m_knee and s_knee is not None else None
+        result["cases"][f"{label}:knee_crossing"] = crossing
         by_scale = {
             scale: result["cases"][label if len(scales) == 1 else f"{label}@{scale:g}"] for scale in scales
         }
         scores[label] = score(by_scale, scales, knees["measured"]) | {
-            "knee_as_measured": knees["measured"] == knees["sim"]
+            "knee_as_measured": knees["measured"] == knees["sim"],
+            "knee_crossing_error": crossing["error"],
         }
         rows.append(
             f"| {label} | knee | measured x{knees['measured']} / simulated x{knees['sim']} | | | | | |"
         )
+        rows.append(f"| {label} | knee, interpolated | measured {crossing_text(crossing)} | | | | | | |")
     header = (
         "| config | load | TTFT p50 ms meas / sim | TTFT p90 | ITL p50 | ITL p90 | goodput req/s | in SLO | worker-s |\n"
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
@@ -461,6 +528,11 @@ def main() -> int:
     table += "; ".join(
         f"{label} {s['within']} of {s['cells']} within 10% ({s['within_spread']} within 10% or the runs' "
         f"spread), the knee {'as measured' if s['knee_as_measured'] else 'missed'}"
+        + (
+            f" (interpolated: {'within' if abs(s['knee_crossing_error']) <= 0.10 else 'off by more than'} 10%)"
+            if s["knee_crossing_error"] is not None
+            else ""
+        )
         for label, s in scores.items()
     )
     table += ".\n"

@@ -102,3 +102,32 @@ def test_one_factor_scales_every_rate_by_the_mean_of_all_checks_and_the_options_
         with pytest.raises(SystemExit):
             module.parse_args([*base, alone])
         assert f"{alone} goes with {needs}" in capsys.readouterr().err
+
+
+def test_the_knee_is_interpolated_where_the_share_in_slo_first_falls_through_the_threshold() -> None:
+    crossing = fidelity().knee_crossing
+    # 92% at x1.8, 88% at x2.2: halfway between them.
+    assert crossing({1.8: 0.92, 2.2: 0.88, 1.0: 0.99}) == pytest.approx(2.0)
+    # The first fall counts, not a later one after a noisy recovery; 90% itself holds.
+    assert crossing({1.0: 0.95, 1.5: 0.80, 2.0: 0.95, 2.5: 0.5}) == pytest.approx(1.0 + 0.5 / 3)
+    assert crossing({1.0: 0.95, 2.0: 0.90, 3.0: 0.80}) == pytest.approx(2.0)
+    assert crossing({1.0: 0.99, 2.0: 0.91}) is None  # it never fell: no knee in the range
+    assert crossing({1.0: 0.85, 2.0: 0.5}) == 1.0  # under it at the lowest rate: the knee at or below
+
+
+def test_a_simulated_knee_is_found_between_the_rates_on_fresh_deployments() -> None:
+    """--knee-scales: more rates simulated, each fresh; a rate already simulated is not run again,
+    and a deployment that fails at a higher rate crosses there."""
+    module = fidelity()
+    args = options(knee_scales="1,6", repeats=1, seed=0, duration=15.0)
+    shares = module.knee_shares(args, "--colocated 1", [1.0, 1.0], {1.0: 0.5})
+    assert shares[1.0] == 0.5  # given: not simulated again
+    assert shares[6.0] < 0.9  # six times the load on one worker misses the SLO
+    assert module.knee_shares(options(knee_scales=""), "--colocated 1", [None], {1.0: 0.5}) == {1.0: 0.5}
+    assert (
+        module.crossing_text({"measured": 2.0, "sim": 2.2, "error": 0.1}) == "x2.00 / simulated x2.20 (+10%)"
+    )
+    assert (
+        module.crossing_text({"measured": None, "sim": 1.5, "error": None})
+        == "none in range / simulated x1.50"
+    )
