@@ -20,9 +20,10 @@ profile was (a shared 2-vCPU host drifted 24-35% in 25 minutes).
 measured by a `bench compare` of its own (a fresh server per rate) and simulated on a fresh
 deployment with the mean of the checks right before and right after it: the host moved x1.30 ->
 x1.60 in the seven minutes of one config's runs, more than a factor per config can follow.
-`--one-factor`: every rate scaled by the mean of all the config's checks instead (a check is a
-few seconds of a host whose speed also moves from one half-minute to the next: more checks,
-averaged, are a steadier measure than the two nearest).
+`--one-factor [mean|median]`: every rate scaled by the mean of all the config's checks instead (a
+check is a few seconds of a host whose speed also moves from one half-minute to the next: more
+checks, averaged, are a steadier measure than the two nearest), or by their median (one check
+caught in a stall does not move it).
 
 `--measured DIR`: reuse a finished `bench compare` folder instead of measuring again (with
 `--speed-check`: the folder this script wrote, a `bench compare` folder and two checks a config;
@@ -99,11 +100,15 @@ def check_factors(args: argparse.Namespace, folder: Path, label: str, scales: li
     return [speed.speed_factor(then, speed.load(folder / name))[0] for name in names]
 
 
-def rate_factors(checks: list[float], per_rate: bool, one_factor: bool) -> list[float]:
+def rate_factors(checks: list[float], per_rate: bool, one_factor: str | None) -> list[float]:
     """The speed factors the simulation is scaled by, from the config's checks in the order they
     ran: without `per_rate`, one (the geometric mean of the checks before and after the runs);
     with it, one per rate (the mean of the two checks around it), or with `one_factor` one for
-    every rate (the mean of all the checks: a single check is noisy at the half-minute scale)."""
+    every rate: the geometric mean of all the checks ("mean": a single check is noisy at the
+    half-minute scale) or their median ("median": one check in five read x1.60 where the others
+    read x1.02-1.18, and a mean follows it)."""
+    if per_rate and one_factor == "median":
+        return [statistics.median(checks)]
     if not per_rate or one_factor:
         return [statistics.geometric_mean(checks)]
     return [statistics.geometric_mean(pair) for pair in itertools.pairwise(checks)]
@@ -353,8 +358,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--one-factor",
-        action="store_true",
-        help="with --check-every-rate: scale every rate by the geometric mean of all the config's checks",
+        nargs="?",
+        const="mean",
+        choices=("mean", "median"),
+        help="with --check-every-rate: scale every rate by one factor of all the config's checks, their "
+        "geometric mean (the default) or their median (robust to one check caught in a stall)",
     )
     p.add_argument(
         "--unscaled",

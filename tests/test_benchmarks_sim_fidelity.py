@@ -92,12 +92,19 @@ def test_one_factor_scales_every_rate_by_the_mean_of_all_checks_and_the_options_
 ) -> None:
     module = fidelity()
     checks = [1.0, 1.21, 1.0]  # before the first rate, between the two, after the last
-    assert module.rate_factors(checks, per_rate=True, one_factor=False) == pytest.approx([1.1, 1.1])
-    assert module.rate_factors([1.0, 4.0], per_rate=False, one_factor=False) == pytest.approx([2.0])
-    (every,) = module.rate_factors(checks, per_rate=True, one_factor=True)
+    assert module.rate_factors(checks, per_rate=True, one_factor=None) == pytest.approx([1.1, 1.1])
+    assert module.rate_factors([1.0, 4.0], per_rate=False, one_factor=None) == pytest.approx([2.0])
+    (every,) = module.rate_factors(checks, per_rate=True, one_factor="mean")
     assert every == pytest.approx(1.21 ** (1 / 3))
+    # One check caught in a stall: the median keeps to the others, the mean follows it.
+    stalled = [1.02, 1.03, 1.18, 1.06, 1.60]
+    assert module.rate_factors(stalled, per_rate=True, one_factor="median") == [1.06]
+    assert module.rate_factors(stalled, per_rate=True, one_factor="mean")[0] > 1.15
     base = ["--profile", "p.json", "--workload", "w", "--config", "dpd=--prefill 1 --decode 1", "--out", "o"]
     assert module.parse_args([*base, "--speed-check", "--check-every-rate"]).fresh_per_rate
+    every_rate = [*base, "--speed-check", "--check-every-rate", "--one-factor"]
+    assert module.parse_args(every_rate).one_factor == "mean"  # the flag alone, as before
+    assert module.parse_args([*every_rate, "median"]).one_factor == "median"
     for alone, needs in (("--check-every-rate", "--speed-check"), ("--one-factor", "--check-every-rate")):
         with pytest.raises(SystemExit):
             module.parse_args([*base, alone])
