@@ -108,7 +108,9 @@ def rate_factors(checks: list[float], per_rate: bool, one_factor: str | None) ->
     half-minute scale) or their median ("median": one check in five read x1.60 where the others
     read x1.02-1.18, and a mean follows it)."""
     if per_rate and one_factor == "median":
-        return [statistics.median(checks)]
+        from pdserve.sim import speed
+
+        return [speed.combined_factor(checks)]
     if not per_rate or one_factor:
         return [statistics.geometric_mean(checks)]
     return [statistics.geometric_mean(pair) for pair in itertools.pairwise(checks)]
@@ -502,13 +504,14 @@ def main() -> int:
             rows.append("| " + " | ".join(cells) + " |")
         knees = {k: knee(scales, v) for k, v in shares.items()}
         result["cases"][f"{label}:knee"] = knees
-        crossing = {
-            "measured": knee_crossing(shares["measured"]),
-            "sim": knee_crossing(knee_shares(args, serve_args, factors, shares["sim"])),
-        }
+        grid = knee_shares(args, serve_args, factors, shares["sim"])
+        crossing = {"measured": knee_crossing(shares["measured"]), "sim": knee_crossing(grid)}
         m_knee, s_knee = crossing["measured"], crossing["sim"]
         crossing["error"] = (s_knee - m_knee) / m_knee if m_knee and s_knee is not None else None
-        result["cases"][f"{label}:knee_crossing"] = crossing
+        # The simulated share curve it was read from (with --knee-scales, the fine grid's).
+        result["cases"][f"{label}:knee_crossing"] = crossing | {
+            "sim_shares": {f"{k:g}": grid[k] for k in sorted(grid)}
+        }
         by_scale = {
             scale: result["cases"][label if len(scales) == 1 else f"{label}@{scale:g}"] for scale in scales
         }

@@ -169,7 +169,10 @@ def test_several_checks_scale_by_their_geometric_mean(
     err = capsys.readouterr().err
     assert "a.json x2.000" in err and "b.json x8.000" in err and "x4.000" in err
     with pytest.raises(ProfileError):
-        speed.mean_factor([])
+        speed.combined_factor([])
+    # Three checks or more: their median, not the mean that one caught in a stall would pull.
+    assert speed.combined_factor([1.02, 1.03, 1.18, 1.06, 1.60]) == pytest.approx(1.06)
+    assert speed.combined_factor([1.0, 1.1, 1.2, 3.0]) == pytest.approx((1.1 * 1.2) ** 0.5)
 
 
 def test_a_check_of_another_model_is_refused_before_anything_runs(

@@ -65,8 +65,9 @@ def add_simulation_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="a speed check of this host (`pdserve profile --speed-check`): every time the profile "
         "measured is scaled by how much slower or faster the host runs now than when it was measured; "
-        "several checks: by the geometric mean of their factors (a check is seconds of a host whose "
-        "speed moves from one half-minute to the next: several, spread over the time, are steadier)",
+        "several checks: by the median of their factors (a check is seconds of a host whose speed "
+        "moves from one half-minute to the next: several, spread over the time, are steadier, and "
+        "their median does not follow one caught in a stall; two: their geometric mean)",
     )
     p.add_argument(
         "--speed-trace",
@@ -337,9 +338,9 @@ def load_inputs(args: argparse.Namespace) -> tuple[profiles.Profile, Workload]:
     if args.speed_check is not None:
         then = speed.reference(profile, str(args.profile))
         factors = [speed.speed_factor(then, speed.load(path)) for path in args.speed_check]
-        factor = speed.mean_factor([f for f, _ in factors])
+        factor = speed.combined_factor([f for f, _ in factors])
         checks = ", ".join(f"{path} x{f:.3f}" for path, (f, _) in zip(args.speed_check, factors, strict=True))
-        how = f"the median of {factors[0][1]} steps" if len(factors) == 1 else "the checks' geometric mean"
+        how = f"the median of {factors[0][1]} steps" if len(factors) == 1 else "the checks' median"
         print(
             f"speed check{'s' if len(factors) > 1 else ''} {checks}: this host runs the engine's steps x{factor:.3f} as long as when "
             f"the profile was measured ({then.date}; {how}); the profile's times scaled by it",
