@@ -1,5 +1,5 @@
-"""benchmarks/sim_fidelity.py: issue 33's target counted as the issue states it (latency cells at or
-below the measured knee within 10%, or within the measured runs' own spread) and the knee as measured."""
+"""benchmarks/sim_fidelity.py: the host's speed checks as the simulation's factors, the measured runs
+read back, the simulated knee's fine grid (its scoring: test_benchmarks_fidelity_score.py)."""
 
 from __future__ import annotations
 
@@ -23,25 +23,6 @@ def fidelity() -> ModuleType:
     sys.modules["sim_fidelity"] = module
     spec.loader.exec_module(module)
     return module
-
-
-def case(errors: tuple[float | None, ...], spread: float | None = None) -> dict[str, Any]:
-    keys = ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90")
-    return {key: {"error": error, "measured_spread": spread} for key, error in zip(keys, errors, strict=True)}
-
-
-def test_cells_past_the_measured_knee_do_not_count_and_the_spread_widens_the_band() -> None:
-    score = fidelity().score
-    cases = {
-        1.0: case((0.05, -0.10, 0.02, -0.3)),  # 3 within 10% (10% itself counts), one out
-        2.0: case((0.15, -0.2, 0.0, None), spread=0.5),  # 1 within 10%; 2 more within the ±25% spread
-        4.0: case((2.0, 2.0, 2.0, 2.0)),  # past the knee: left out
-    }
-    assert score(cases, [1.0, 2.0, 4.0], 2.0) == {"cells": 7, "within": 4, "within_spread": 6}
-    # The SLO held at every load: every load counts.
-    assert score(cases, [1.0, 2.0, 4.0], None)["cells"] == 11
-    # A knee at the first load: only it counts.
-    assert score(cases, [1.0, 2.0, 4.0], 1.0) == {"cells": 4, "within": 3, "within_spread": 3}
 
 
 def options(**given: Any) -> argparse.Namespace:
@@ -111,30 +92,11 @@ def test_one_factor_scales_every_rate_by_the_mean_of_all_checks_and_the_options_
         assert f"{alone} goes with {needs}" in capsys.readouterr().err
 
 
-def test_the_knee_is_interpolated_where_the_share_in_slo_first_falls_through_the_threshold() -> None:
-    crossing = fidelity().knee_crossing
-    # 92% at x1.8, 88% at x2.2: halfway between them.
-    assert crossing({1.8: 0.92, 2.2: 0.88, 1.0: 0.99}) == pytest.approx(2.0)
-    # The first fall counts, not a later one after a noisy recovery; 90% itself holds.
-    assert crossing({1.0: 0.95, 1.5: 0.80, 2.0: 0.95, 2.5: 0.5}) == pytest.approx(1.0 + 0.5 / 3)
-    assert crossing({1.0: 0.95, 2.0: 0.90, 3.0: 0.80}) == pytest.approx(2.0)
-    assert crossing({1.0: 0.99, 2.0: 0.91}) is None  # it never fell: no knee in the range
-    assert crossing({1.0: 0.85, 2.0: 0.5}) == 1.0  # under it at the lowest rate: the knee at or below
-
-
 def test_a_simulated_knee_is_found_between_the_rates_on_fresh_deployments() -> None:
-    """--knee-scales: more rates simulated, each fresh; a rate already simulated is not run again,
-    and a deployment that fails at a higher rate crosses there."""
+    """--knee-scales: more rates simulated, each fresh; a rate already simulated is not run again."""
     module = fidelity()
     args = options(knee_scales="1,6", repeats=1, seed=0, duration=15.0)
     shares = module.knee_shares(args, "--colocated 1", [1.0, 1.0], {1.0: 0.5})
     assert shares[1.0] == 0.5  # given: not simulated again
     assert shares[6.0] < 0.9  # six times the load on one worker misses the SLO
     assert module.knee_shares(options(knee_scales=""), "--colocated 1", [None], {1.0: 0.5}) == {1.0: 0.5}
-    assert (
-        module.crossing_text({"measured": 2.0, "sim": 2.2, "error": 0.1}) == "x2.00 / simulated x2.20 (+10%)"
-    )
-    assert (
-        module.crossing_text({"measured": None, "sim": 1.5, "error": None})
-        == "none in range / simulated x1.50"
-    )
