@@ -332,6 +332,7 @@ def main() -> int:
     rows = []
     parts_rows: list[str] = []
     speeds: list[str] = []  # the host's speed factor per config (--speed-check)
+    curves: list[str] = []  # the simulated share in the SLO by rate, per config (--knee-scales)
     scores: dict[str, dict[str, Any]] = {}  # issue 33's target, per config
     result: dict[str, Any] = {
         "workload": args.workload,
@@ -452,6 +453,8 @@ def main() -> int:
             f"| {label} | knee | measured x{knees['measured']} / simulated x{knees['sim']} | | | | | |"
         )
         rows.append(f"| {label} | knee, interpolated | measured {crossing_text(crossing)} | | | | | | |")
+        if args.knee_scales:
+            curves.append(f"{label}: " + ", ".join(f"x{k:g} {grid[k]:.1%}" for k in sorted(grid)))
     header = (
         "| config | load | TTFT p50 ms meas / sim | TTFT p90 | ITL p50 | ITL p90 | goodput req/s | in SLO | worker-s |\n"
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
@@ -476,6 +479,9 @@ def main() -> int:
         for label, s in scores.items()
     )
     table += ".\n"
+    if curves:
+        table += "\nSimulated share of the requests in the SLO by rate (with --knee-scales):\n\n"
+        table += "\n".join(f"- {curve}" for curve in curves) + "\n"
     if parts_rows:
         table += "\nTTFT by part (remotely prefilled requests; mean ms, the router's own breakdown) and prompts by path:\n\n"
         table += (
