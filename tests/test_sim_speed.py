@@ -109,6 +109,65 @@ def test_every_time_a_profile_measured_is_scaled_and_its_ratios_are_not() -> Non
     assert slow.meta["speed_factor"] == 1.5
 
 
+PROMPT_STEPS = tuple(
+    (Step(tokens, tokens * (tokens + 1) // 2, 0, 0), 0.001 * tokens) for tokens in (16, 64, 128)
+)
+
+
+def test_the_prompt_work_has_a_factor_of_its_own_where_the_check_ran_prompts() -> None:
+    """On the AVX512 EPYC a check read the prompt steps 7-10% faster than the decode steps; the
+    simulation then scales a step's cost per prompt token (and per token attended) by their factor
+    and the rest by the steps' own."""
+    then = check(1.0, steps=STEPS + PROMPT_STEPS)
+    now = check(
+        1.0, steps=tuple((s, t * 1.2) for s, t in STEPS) + tuple((s, t * 1.05) for s, t in PROMPT_STEPS)
+    )
+    assert speed.speed_factor(then, now)[0] == pytest.approx(1.2)  # 10 decode steps of 13: their median
+    assert speed.prompt_factor(then, now) == pytest.approx(1.05)
+    assert speed.prompt_factor(check(), check(2.0)) is None  # no prompt steps: none of its own
+    assert speed.prompt_factor(then, replace(now, model="other")) is None
+    linear = LinearStep((0.01, 1e-4, 1e-9, 2e-3, 1e-6))
+    profile = replace(fixed_profile(), steps={"decode": linear}, steps_busy={})
+    both = speed.scaled(profile, 1.2, 1.05)
+    prompt, decode, mixed = Step(300, 45150, 0, 0), Step(0, 0, 8, 2000), Step(100, 5050, 8, 2000)
+    assert both.step_time("decode").seconds(prompt) == pytest.approx(0.01 * 1.2 + (300e-4 + 45150e-9) * 1.05)
+    assert both.step_time("decode").seconds(decode) == pytest.approx(1.2 * linear.seconds(decode))
+    assert (
+        linear.seconds(mixed) * 1.05 < both.step_time("decode").seconds(mixed) < linear.seconds(mixed) * 1.2
+    )
+    assert (both.meta["speed_factor"], both.meta["speed_factor_prompt"]) == (1.2, 1.05)
+    assert speed.scaled(profile, 1.2).meta["speed_factor_prompt"] == 1.2  # one factor: the same for both
+
+
+def test_a_simulation_scales_its_prompts_by_the_checks_prompt_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    linear = LinearStep((0.002, 1e-4, 0.0, 1e-3, 0.0))
+    then = check(1.0, steps=STEPS + PROMPT_STEPS)
+    profile = replace(
+        fixed_profile(request_s=0.0, step_s=0.0),
+        steps={"colocated": linear, "decode": linear, "prefill": linear},
+        steps_busy={},
+        meta={"device": "cpu", "speed_check": then.to_json()},
+    )
+    profile.save(tmp_path / "profile.json")
+    now = replace(
+        then, steps=tuple((s, t * 2.0) for s, t in STEPS) + tuple((s, t * 1.5) for s, t in PROMPT_STEPS)
+    )
+    now.save(tmp_path / "now.json")
+    args = ["sim", "--profile", str(tmp_path / "profile.json"), "--colocated", "1", "--max-requests", "1"]
+    args += ["--workload", "constant(1) prompt=fixed(50) output=fixed(2)", "--out", str(tmp_path / "run")]
+    assert main([*args, "--speed-check", str(tmp_path / "now.json")]) == 0
+    err = capsys.readouterr().err
+    assert "x2.000" in err and "its prompt work x1.500" in err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["simulation"]["speed_factor"], summary["simulation"]["speed_factor_prompt"]) == (2.0, 1.5)
+    (record,) = [json.loads(line) for line in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
+    # The prompt's step: its per-step part twice as long, its 50 tokens half again.
+    first = record["chunk_times_s"][0] - record["sent_s"]
+    assert first == pytest.approx(0.002 * 2.0 + 50 * 1e-4 * 1.5, rel=0.02)
+
+
 def test_a_roofline_or_a_profile_without_a_check_cannot_be_scaled() -> None:
     roofline = replace(
         fixed_profile(), steps={"decode": RooflineStep(0.004, 16e9, 1e6, 16e9, 131072, 6e14, 3.8e12)}
@@ -153,9 +212,7 @@ def test_a_simulation_on_a_host_twice_as_slow_takes_twice_as_long(tmp_path: Path
     assert times[1] == pytest.approx([2 * t for t in times[0]], abs=1e-9)
 
 
-def test_several_checks_scale_by_their_geometric_mean(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_several_checks_scale_by_their_median(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     profile = replace(fixed_profile(), meta={"device": "cpu", "speed_check": check().to_json()})
     profile.save(tmp_path / "profile.json")
     for name, factor in (("a", 2.0), ("b", 8.0)):

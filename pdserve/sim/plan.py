@@ -323,6 +323,7 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "profile": str(args.profile),
         "speed_factor": profile.meta.get("speed_factor"),
+        "speed_factor_prompt": profile.meta.get("speed_factor_prompt"),
         "workload": args.workload,
         "slo": slos,
         "scales": {},

@@ -334,18 +334,9 @@ def load_inputs(args: argparse.Namespace) -> tuple[profiles.Profile, Workload]:
     if args.speed_trace is not None and args.speed_check is not None:
         raise PdserveError("--speed-trace and --speed-check both say the host's speed: give one")
     profile = profiles.load(args.profile)
-    factor = 1.0
+    factor, prompt = 1.0, None  # the steps' factor, and the prompt work's own where a check says it
     if args.speed_check is not None:
-        then = speed.reference(profile, str(args.profile))
-        factors = [speed.speed_factor(then, speed.load(path)) for path in args.speed_check]
-        factor = speed.combined_factor([f for f, _ in factors])
-        checks = ", ".join(f"{path} x{f:.3f}" for path, (f, _) in zip(args.speed_check, factors, strict=True))
-        how = f"the median of {factors[0][1]} steps" if len(factors) == 1 else "the checks' median"
-        print(
-            f"speed check{'s' if len(factors) > 1 else ''} {checks}: this host runs the engine's steps x{factor:.3f} as long as when "
-            f"the profile was measured ({then.date}; {how}); the profile's times scaled by it",
-            file=sys.stderr,
-        )
+        factor, prompt = checked_factors(profile, args.speed_check, str(args.profile))
     if args.speed_trace is not None:
         factor, steps = speed.trace_factor(profile, list(args.speed_trace))
         print(
@@ -360,13 +351,36 @@ def load_inputs(args: argparse.Namespace) -> tuple[profiles.Profile, Workload]:
                 "data sheet: it cannot scale them"
             )
         factor *= 1 + headroom
+        prompt = None if prompt is None else prompt * (1 + headroom)
         print(
             f"--headroom {headroom:g}: the profile's times scaled by x{1 + headroom:g} more", file=sys.stderr
         )
     if args.speed_check is not None or args.speed_trace is not None or headroom > 0:
-        profile = speed.scaled(profile, factor)
+        profile = speed.scaled(profile, factor, prompt)
     workload = parse_workload(args.workload, args.seed, args.max_requests, args.duration, args.rate_scale)
     return profile, workload
+
+
+def checked_factors(profile: profiles.Profile, paths: list[Path], where: str) -> tuple[float, float | None]:
+    """(the steps' factor, the prompt work's) from speed checks against the profile's own, each the
+    checks' median, said on stderr. The prompt work's is None where a check lacks its steps."""
+    then = speed.reference(profile, where)
+    factors = [speed.speed_factor(then, speed.load(path)) for path in paths]
+    prompts = [speed.prompt_factor(then, speed.load(path)) for path in paths]
+    factor = speed.combined_factor([f for f, _ in factors])
+    known = [p for p in prompts if p is not None]
+    prompt = speed.combined_factor(known) if len(known) == len(prompts) else None
+    checks = ", ".join(f"{path} x{f:.3f}" for path, (f, _) in zip(paths, factors, strict=True))
+    how = f"the median of {factors[0][1]} steps" if len(factors) == 1 else "the checks' median"
+    print(
+        f"speed check{'s' if len(factors) > 1 else ''} {checks}: this host runs the engine's steps "
+        f"x{factor:.3f} as long as when the profile was measured ({then.date}; {how})"
+        + ("" if prompt is None else f", its prompt work x{prompt:.3f}")
+        + "; the profile's times scaled by it"
+        + ("" if prompt is None else ", a step's cost per prompt token by the prompt work's"),
+        file=sys.stderr,
+    )
+    return factor, prompt
 
 
 def report_slos(args: argparse.Namespace, o: dict[str, Any]) -> dict[str, float]:
@@ -411,6 +425,7 @@ def run(args: argparse.Namespace) -> int:
         "profile": str(args.profile),
         "profile_source": profile.source,
         "speed_factor": profile.meta.get("speed_factor"),
+        "speed_factor_prompt": profile.meta.get("speed_factor_prompt"),
         "workers_started": result.workers_started,
         "wall_s": round(result.wall_s, 3),
         "simulated_s": round(result.duration_s, 3),
