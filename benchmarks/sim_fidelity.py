@@ -37,7 +37,6 @@ servers and the client share its cores.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import shlex
 import statistics
@@ -48,6 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its scoring, beside it (also when loaded by path)
 from fidelity_score import METRICS, crossing_text, knee, knee_crossing, score, share, spread
+from fidelity_speed import check_factors, check_names, prompt_ratio, rate_factors
 
 PARTS = ("prefill_queue", "prefill_compute", "kv_transfer", "first_decode")
 
@@ -82,40 +82,6 @@ def measure(args: argparse.Namespace, folder: Path, configs: list[str], rate_sca
 def speed_check(args: argparse.Namespace, out: Path) -> None:
     command = [sys.executable, "-m", "pdserve.cli", "profile", "--model", args.model, "--speed-check"]
     subprocess.run([*command, "--out", str(out)], check=True)
-
-
-def check_names(args: argparse.Namespace, label: str, scales: list[float]) -> list[str]:
-    """The config's speed checks in the order they ran: before and after its runs, or (with
-    --check-every-rate) before each rate and after the last."""
-    if args.check_every_rate:
-        return [f"{label}-check-{i}.json" for i in range(len(scales) + 1)]
-    return [f"{label}-check-before.json", f"{label}-check-after.json"]
-
-
-def check_factors(args: argparse.Namespace, folder: Path, label: str, scales: list[float]) -> list[float]:
-    """Each of the config's checks as a factor against the profile's own check."""
-    from pdserve.sim import profile as profiles
-    from pdserve.sim import speed
-
-    then = speed.reference(profiles.load(args.profile), str(args.profile))
-    names = check_names(args, label, scales)
-    return [speed.speed_factor(then, speed.load(folder / name))[0] for name in names]
-
-
-def rate_factors(checks: list[float], per_rate: bool, one_factor: str | None) -> list[float]:
-    """The speed factors the simulation is scaled by, from the config's checks in the order they
-    ran: without `per_rate`, one (the geometric mean of the checks before and after the runs);
-    with it, one per rate (the mean of the two checks around it), or with `one_factor` one for
-    every rate: the geometric mean of all the checks ("mean": a single check is noisy at the
-    half-minute scale) or their median ("median": one check in five read x1.60 where the others
-    read x1.02-1.18, and a mean follows it)."""
-    if per_rate and one_factor == "median":
-        from pdserve.sim import speed
-
-        return [speed.combined_factor(checks)]
-    if not per_rate or one_factor:
-        return [statistics.geometric_mean(checks)]
-    return [statistics.geometric_mean(pair) for pair in itertools.pairwise(checks)]
 
 
 def measure_config(
@@ -193,7 +159,8 @@ def simulate(
     if factor is not None:
         from pdserve.sim import speed
 
-        profile = speed.scaled(profile, factor)
+        ratio = getattr(args, "prompt_ratio", None)  # the config's, set by main (--speed-check)
+        profile = speed.scaled(profile, factor, None if ratio is None else factor * ratio)
     o = sim.resolve(sim_args, profile)
     workloads = [parse_workload(args.workload, seed, None, args.duration, scale) for scale in scales]
     # The bench client ran on this host, beside the servers: its CPU is charged too.
@@ -296,6 +263,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "geometric mean (the default) or their median (robust to one check caught in a stall)",
     )
     p.add_argument(
+        "--one-speed",
+        action="store_true",
+        help="with --speed-check: scale the prompt work by the steps' factor too, not by the checks' "
+        "prompt steps' own (as before pdserve sim read them apart)",
+    )
+    p.add_argument(
         "--unscaled",
         action="store_true",
         help="with --speed-check and --measured: simulate with the profile as it is (the checks only said)",
@@ -348,10 +321,12 @@ def main() -> int:
         factors: list[float | None] = [None] * len(scales)
         if args.speed_check:
             checks = check_factors(args, measured_dir, label, scales)
+            args.prompt_ratio = None if args.unscaled else prompt_ratio(args, measured_dir, label, scales)
             means = rate_factors(checks, args.check_every_rate, args.one_factor)
             result["cases"][f"{label}:speed"] = {
                 "factor": means[0] if len(means) == 1 else means,
                 "checks": checks,
+                "prompt_ratio": args.prompt_ratio,
                 "used": not args.unscaled,
             }
             speeds.append(
@@ -360,6 +335,7 @@ def main() -> int:
                 + " (checks "
                 + ", ".join(f"x{c:.3f}" for c in checks)
                 + ")"
+                + ("" if args.prompt_ratio is None else f", the prompt work x{args.prompt_ratio:.3f} of that")
             )
             if not args.unscaled:
                 factors = list(means) if len(means) == len(scales) else [means[0]] * len(scales)

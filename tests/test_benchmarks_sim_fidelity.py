@@ -40,14 +40,9 @@ def options(**given: Any) -> argparse.Namespace:
     return argparse.Namespace(**(defaults | given))
 
 
-def test_a_check_between_every_two_rates_and_each_rate_read_from_its_own_run(tmp_path: Path) -> None:
+def test_each_rate_is_read_from_its_own_run(tmp_path: Path) -> None:
     module = fidelity()
     args = options()
-    assert module.check_names(args, "dpd", [0.5, 1.0]) == [f"dpd-check-{i}.json" for i in range(3)]
-    assert module.check_names(options(check_every_rate=False), "dpd", [0.5, 1.0]) == [
-        "dpd-check-before.json",
-        "dpd-check-after.json",
-    ]
     for scale in ("0.5", "1"):  # one bench compare a rate names its runs by the label alone
         (tmp_path / f"dpd@{scale}").mkdir()
         runs = {"runs": {"dpd": [{"rate": scale}]}, "timelines": {"dpd": [{"at": scale}]}}
@@ -68,19 +63,8 @@ def test_each_rate_is_simulated_at_the_speed_checked_around_it() -> None:
     assert module.value(same, "ttft_ms", "p50") == module.value(fast, "ttft_ms", "p50")
 
 
-def test_one_factor_scales_every_rate_by_the_mean_of_all_checks_and_the_options_refuse_alone(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_the_speed_options_refuse_to_go_alone(capsys: pytest.CaptureFixture[str]) -> None:
     module = fidelity()
-    checks = [1.0, 1.21, 1.0]  # before the first rate, between the two, after the last
-    assert module.rate_factors(checks, per_rate=True, one_factor=None) == pytest.approx([1.1, 1.1])
-    assert module.rate_factors([1.0, 4.0], per_rate=False, one_factor=None) == pytest.approx([2.0])
-    (every,) = module.rate_factors(checks, per_rate=True, one_factor="mean")
-    assert every == pytest.approx(1.21 ** (1 / 3))
-    # One check caught in a stall: the median keeps to the others, the mean follows it.
-    stalled = [1.02, 1.03, 1.18, 1.06, 1.60]
-    assert module.rate_factors(stalled, per_rate=True, one_factor="median") == [1.06]
-    assert module.rate_factors(stalled, per_rate=True, one_factor="mean")[0] > 1.15
     base = ["--profile", "p.json", "--workload", "w", "--config", "dpd=--prefill 1 --decode 1", "--out", "o"]
     assert module.parse_args([*base, "--speed-check", "--check-every-rate"]).fresh_per_rate
     every_rate = [*base, "--speed-check", "--check-every-rate", "--one-factor"]
