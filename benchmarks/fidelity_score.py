@@ -74,6 +74,18 @@ def share(summary: dict[str, Any]) -> float:
     return overall["good_requests"] / total if total else 0.0
 
 
+def crossing_error(
+    measured: dict[float, float], simulated: dict[float, float], threshold: float = 0.9
+) -> dict[str, float | None]:
+    """Both knees (knee_crossing) and the simulated one's error against the measured; no error
+    where either share was under the threshold at its lowest rate already (a knee at or below it
+    is not a value to compare) or either never fell under it."""
+    m_knee, s_knee = knee_crossing(measured, threshold), knee_crossing(simulated, threshold)
+    clamped = any(shares and shares[min(shares)] < threshold for shares in (measured, simulated))
+    error = None if clamped or not m_knee or s_knee is None else (s_knee - m_knee) / m_knee
+    return {"measured": m_knee, "sim": s_knee, "error": error}
+
+
 def crossing_text(crossing: dict[str, float | None]) -> str:
     def at(scale: float | None) -> str:
         return "none in range" if scale is None else f"x{scale:.2f}"

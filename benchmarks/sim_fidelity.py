@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import statistics
 import subprocess
@@ -46,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its scoring, beside it (also when loaded by path)
-from fidelity_score import METRICS, crossing_text, knee, knee_crossing, score, share, spread
+from fidelity_score import METRICS, crossing_error, crossing_text, knee, score, share, spread
 from fidelity_speed import check_factors, check_names, prompt_ratio, rate_factors
 
 PARTS = ("prefill_queue", "prefill_compute", "kv_transfer", "first_decode")
@@ -277,11 +278,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--knee-scales",
         default="",
         metavar="S1,S2,...",
-        help="more rate scales to simulate (each on a fresh deployment, every repeat's seed) for the "
-        "simulated knee's crossing: the measured one is interpolated between the measured rates",
+        help="more rate scales to simulate (each on a fresh deployment, every repeat's seed, at the config's "
+        "mean factor) for the simulated knee's crossing: the measured one is interpolated between the "
+        "measured rates. The measured rates are simulated fresh too only with --check-every-rate or "
+        "--fresh-per-rate: use one of them for a curve of one kind",
     )
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
+    try:
+        knee_scales = [float(v) for v in args.knee_scales.split(",") if v.strip()]
+    except ValueError:
+        knee_scales = [-1.0]
+    if not all(math.isfinite(v) and v > 0 for v in knee_scales):
+        p.error(f"--knee-scales takes rate scales > 0, comma-separated: got {args.knee_scales!r}")
     if args.check_every_rate and not args.speed_check:
         p.error("--check-every-rate goes with --speed-check")
     if args.one_factor and not args.check_every_rate:
@@ -411,9 +420,7 @@ def main() -> int:
         knees = {k: knee(scales, v) for k, v in shares.items()}
         result["cases"][f"{label}:knee"] = knees
         grid = knee_shares(args, serve_args, factors, shares["sim"])
-        crossing = {"measured": knee_crossing(shares["measured"]), "sim": knee_crossing(grid)}
-        m_knee, s_knee = crossing["measured"], crossing["sim"]
-        crossing["error"] = (s_knee - m_knee) / m_knee if m_knee and s_knee is not None else None
+        crossing = crossing_error(shares["measured"], grid)
         # The simulated share curve it was read from (with --knee-scales, the fine grid's).
         result["cases"][f"{label}:knee_crossing"] = crossing | {
             "sim_shares": {f"{k:g}": grid[k] for k in sorted(grid)}

@@ -56,3 +56,12 @@ def test_the_knee_line_says_both_knees_and_the_error() -> None:
     text = scoring().crossing_text
     assert text({"measured": 2.0, "sim": 2.2, "error": 0.1}) == "x2.00 / simulated x2.20 (+10%)"
     assert text({"measured": None, "sim": 1.5, "error": None}) == "none in range / simulated x1.50"
+
+
+def test_a_knee_at_or_below_the_lowest_rate_has_no_error_to_compare() -> None:
+    error = scoring().crossing_error
+    assert error({1.0: 0.95, 2.0: 0.85}, {1.0: 0.97, 2.0: 0.87})["error"] == pytest.approx((1.7 - 1.5) / 1.5)
+    # Measured under 90% at its lowest rate: the knee is somewhere at or below it, no error.
+    clamped = error({1.0: 0.85, 2.0: 0.5}, {0.5: 0.95, 1.0: 0.85})
+    assert clamped["measured"] == 1.0 and clamped["sim"] == pytest.approx(0.75) and clamped["error"] is None
+    assert error({1.0: 0.95}, {1.0: 0.99})["error"] is None  # neither fell: no knee in range

@@ -70,6 +70,10 @@ def test_the_speed_options_refuse_to_go_alone(capsys: pytest.CaptureFixture[str]
     every_rate = [*base, "--speed-check", "--check-every-rate", "--one-factor"]
     assert module.parse_args(every_rate).one_factor == "mean"  # the flag alone, as before
     assert module.parse_args([*every_rate, "median"]).one_factor == "median"
+    for bad in ("1,x", "0.5,0", "-1"):
+        with pytest.raises(SystemExit):
+            module.parse_args([*base, "--knee-scales", bad])
+        assert "--knee-scales takes rate scales > 0" in capsys.readouterr().err
     for alone, needs in (("--check-every-rate", "--speed-check"), ("--one-factor", "--check-every-rate")):
         with pytest.raises(SystemExit):
             module.parse_args([*base, alone])

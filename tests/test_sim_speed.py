@@ -127,16 +127,30 @@ def test_the_prompt_work_has_a_factor_of_its_own_where_the_check_ran_prompts() -
     assert speed.prompt_factor(check(), check(2.0)) is None  # no prompt steps: none of its own
     assert speed.prompt_factor(then, replace(now, model="other")) is None
     linear = LinearStep((0.01, 1e-4, 1e-9, 2e-3, 1e-6))
-    profile = replace(fixed_profile(), steps={"decode": linear}, steps_busy={})
-    both = speed.scaled(profile, 1.2, 1.05)
+    gemv = replace(linear, passes=StreamPasses(8, 128, 32), pass_coefficients=(0.004, 0.01, 0.002))
     prompt, decode, mixed = Step(300, 45150, 0, 0), Step(0, 0, 8, 2000), Step(100, 5050, 8, 2000)
-    assert both.step_time("decode").seconds(prompt) == pytest.approx(0.01 * 1.2 + (300e-4 + 45150e-9) * 1.05)
-    assert both.step_time("decode").seconds(decode) == pytest.approx(1.2 * linear.seconds(decode))
-    assert (
-        linear.seconds(mixed) * 1.05 < both.step_time("decode").seconds(mixed) < linear.seconds(mixed) * 1.2
+    short = Step(64, 2080, 0, 0)  # on the stream GEMV's passes where the profile has them
+    for fitted in (linear, gemv):
+        profile = replace(fixed_profile(), steps={"decode": fitted}, steps_busy={})
+        both = speed.scaled(profile, 1.2, 1.05).step_time("decode")
+        # A prompt-only step, whatever its terms, runs at the prompt steps' factor; a decode step
+        # at the steps'; a mixed one its decode part at the one, what its prompt adds at the other.
+        for step in (prompt, short):
+            assert both.seconds(step) == pytest.approx(1.05 * fitted.seconds(step))
+        assert both.seconds(decode) == pytest.approx(1.2 * fitted.seconds(decode))
+        rest = fitted.seconds(decode)
+        assert both.seconds(mixed) == pytest.approx(1.2 * rest + 1.05 * (fitted.seconds(mixed) - rest))
+        again = speed.scaled(replace(profile, steps={"decode": both}), 2.0, 1.0).step_time("decode")
+        assert again.seconds(short) == pytest.approx(1.05 * fitted.seconds(short))  # factors compound
+    scaled = speed.scaled(profile, 1.2, 1.05)
+    assert (scaled.meta["speed_factor"], scaled.meta["speed_factor_prompt"]) == (1.2, 1.05)
+    # One factor: the prompt work's is not known, and every step runs at it.
+    assert speed.scaled(profile, 1.2).meta["speed_factor_prompt"] is None
+    assert speed.scaled(profile, 1.2).step_time("decode").seconds(short) == pytest.approx(
+        1.2 * gemv.seconds(short)
     )
-    assert (both.meta["speed_factor"], both.meta["speed_factor_prompt"]) == (1.2, 1.05)
-    assert speed.scaled(profile, 1.2).meta["speed_factor_prompt"] == 1.2  # one factor: the same for both
+    with pytest.raises(ProfileError):
+        LinearStep((0.01, 0, 0, 0, 0), prompt_scale=0.0)
 
 
 def test_a_simulation_scales_its_prompts_by_the_checks_prompt_steps(
@@ -163,9 +177,9 @@ def test_a_simulation_scales_its_prompts_by_the_checks_prompt_steps(
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert (summary["simulation"]["speed_factor"], summary["simulation"]["speed_factor_prompt"]) == (2.0, 1.5)
     (record,) = [json.loads(line) for line in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
-    # The prompt's step: its per-step part twice as long, its 50 tokens half again.
+    # The prompt's step (prompt-only): all of it at the prompt steps' x1.5.
     first = record["chunk_times_s"][0] - record["sent_s"]
-    assert first == pytest.approx(0.002 * 2.0 + 50 * 1e-4 * 1.5, rel=0.02)
+    assert first == pytest.approx((0.002 + 50 * 1e-4) * 1.5, rel=0.02)
 
 
 def test_a_roofline_or_a_profile_without_a_check_cannot_be_scaled() -> None:

@@ -155,8 +155,16 @@ class LinearStep:
     # it and for the logits' GEMM past theirs; None: the step time is the line alone.
     passes: StreamPasses | None = None
     pass_coefficients: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # What a step's prompt work takes against the fit, beside the rest of the step (a speed check's
+    # prompt steps against its steps as a whole, pdserve/sim/speed.py): the time a step's prompt
+    # tokens add to it, its whole time in a prompt-only step, runs this many times as fitted.
+    prompt_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.prompt_scale) and self.prompt_scale > 0):
+            raise ProfileError(
+                f"a step time's prompt_scale must be a finite number > 0, got {self.prompt_scale}"
+            )
         if len(self.pass_coefficients) != 3 or not all(
             math.isfinite(c) and c >= 0 for c in self.pass_coefficients
         ):
@@ -188,6 +196,16 @@ class LinearStep:
         return (sum(last) / len(last),)
 
     def seconds(self, step: Step) -> float:
+        fitted = self._fitted(step)
+        if self.prompt_scale == 1.0 or step.prefill_tokens == 0:
+            return fitted
+        # The step's decode part as fitted, the time its prompt adds scaled.
+        rest = (
+            self._fitted(Step(0, 0, step.decode_streams, step.decode_context)) if step.decode_streams else 0.0
+        )
+        return rest + max(0.0, fitted - rest) * self.prompt_scale
+
+    def _fitted(self, step: Step) -> float:
         line = sum(c * x for c, x in zip(self.coefficients, line_features(step, self.passes), strict=True))
         if self.passes is None:
             return line
@@ -214,6 +232,8 @@ class LinearStep:
                 del body[key]  # profiles without one read as before
         if self.passes is None:
             del body["passes"], body["pass_coefficients"]
+        if self.prompt_scale == 1.0:
+            del body["prompt_scale"]  # as fitted: profiles read as before
         return body
 
 

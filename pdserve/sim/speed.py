@@ -228,14 +228,14 @@ def combined_factor(factors: list[float]) -> float:
 
 
 def scaled(profile: Profile, factor: float, prompt: float | None = None) -> Profile:
-    """Every time `profile` measured, times `factor` (a slower host: > 1); with `prompt`, a step's
-    cost per prompt token and per token a prompt attends times that instead (prompt_factor). Ratios
-    (how steps spread around their fit) and counts stay; a roofline's steps are not a host's and
-    are refused."""
+    """Every time `profile` measured, times `factor` (a slower host: > 1); with `prompt`
+    (prompt_factor), the time a step's prompt work takes times that instead (a prompt-only step's
+    whole time; in a step beside decode streams, what its prompt adds to theirs). Ratios (how steps
+    spread around their fit) and counts stay; a roofline's steps are not a host's and are refused."""
     if not factor > 0 or not (prompt is None or prompt > 0):
         raise ProfileError(f"a speed factor must be > 0 (got {factor}, prompt {prompt})")
     host = profile.host
-    prompt = factor if prompt is None else prompt
+    measured, prompt = prompt, factor if prompt is None else prompt
     return replace(
         profile,
         steps={role: _step(step, factor, prompt) for role, step in profile.steps.items()},
@@ -250,7 +250,11 @@ def scaled(profile: Profile, factor: float, prompt: float | None = None) -> Prof
             for role, loop in profile.loops.items()
         },
         pulls={role: _pull(pull, factor) for role, pull in profile.pulls.items()},
-        meta=profile.meta | {"speed_factor": round(factor, 4), "speed_factor_prompt": round(prompt, 4)},
+        meta=profile.meta
+        | {
+            "speed_factor": round(factor, 4),
+            "speed_factor_prompt": None if measured is None else round(measured, 4),
+        },
     )
 
 
@@ -266,21 +270,17 @@ def _step(step: StepTime, factor: float, prompt: float) -> LinearStep:
         raise ProfileError(
             "a roofline's step times are not measured on a host: a speed check cannot scale them"
         )
-    per_step, per_token, per_attended, per_stream, per_context = step.coefficients
     return replace(
         step,
-        coefficients=(
-            per_step * factor,
-            per_token * prompt,
-            per_attended * prompt,
-            per_stream * factor,
-            per_context * factor,
-        ),
+        coefficients=tuple(c * factor for c in step.coefficients),  # type: ignore[arg-type]
         pass_coefficients=tuple(c * factor for c in step.pass_coefficients),  # type: ignore[arg-type]
         spread=tuple(
             Spread(None if band.below_s is None else band.below_s * factor, band.quantiles)
             for band in step.spread
         ),
+        # The check timed whole prompt-only steps (on a CPU with the stream GEMV, short prompts run
+        # on its passes, not on the line's per-token term): their time against the rest's.
+        prompt_scale=step.prompt_scale * prompt / factor,
     )
 
 
