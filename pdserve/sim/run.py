@@ -377,7 +377,7 @@ def checked_factors(profile: profiles.Profile, paths: list[Path], where: str) ->
         f"x{factor:.3f} as long as when the profile was measured ({then.date}; {how})"
         + ("" if prompt is None else f", its prompt work x{prompt:.3f}")
         + "; the profile's times scaled by it"
-        + ("" if prompt is None else ", a step's cost per prompt token by the prompt work's"),
+        + ("" if prompt is None else ", a step's prompt work by its own"),
         file=sys.stderr,
     )
     return factor, prompt

@@ -148,7 +148,7 @@ def speed_factor(then: SpeedCheck, now: SpeedCheck) -> tuple[float, int]:
 def prompt_factor(then: SpeedCheck, now: SpeedCheck) -> float | None:
     """The median of now / then over the check's prompt-only steps (None: fewer than
     MIN_PROMPT_STEPS of them in common). A host's prompt work and its decode steps need not slow
-    alike: on the AVX512 EPYC, every check of one hour read the prompt steps 7-10% faster than the
+    alike: on the AVX512 EPYC, every check of one hour read the prompt steps 5-11% faster than the
     decode steps (x1.01 against x1.10), which the whole check's median (39 of its 46 steps decode)
     does not say; a served trace of that hour agreed (its mixed steps x1.07, decode x1.18)."""
     if (then.plan, then.model, then.device, then.dtype, then.threads) != (
