@@ -130,11 +130,12 @@ def simulate(
     seed: int,
     factor: float | None = None,
     fresh: bool | None = None,
+    prompt_ratio: float | None = None,
 ) -> list[dict[str, Any]]:
     """One summary per rate scale. The rates run one after another on one simulated deployment, as
     `bench compare` ran them on one server (its router's path-choice cost model, fitted at the
     lower rates, carries into the next); `--fresh-per-rate` (or `fresh`): each on a deployment of
-    its own."""
+    its own. The profile scaled by `factor`, its prompt work by `factor * prompt_ratio` if given."""
     from pdserve.bench.summary import parse_slos, summarize
     from pdserve.bench.timeline import build_timeline
     from pdserve.bench.workload import parse_workload
@@ -160,8 +161,7 @@ def simulate(
     if factor is not None:
         from pdserve.sim import speed
 
-        ratio = getattr(args, "prompt_ratio", None)  # the config's, set by main (--speed-check)
-        profile = speed.scaled(profile, factor, None if ratio is None else factor * ratio)
+        profile = speed.scaled(profile, factor, None if prompt_ratio is None else factor * prompt_ratio)
     o = sim.resolve(sim_args, profile)
     workloads = [parse_workload(args.workload, seed, None, args.duration, scale) for scale in scales]
     # The bench client ran on this host, beside the servers: its CPU is charged too.
@@ -189,19 +189,28 @@ def simulate(
 
 
 def simulate_rates(
-    args: argparse.Namespace, serve_args: str, scales: list[float], seed: int, factors: list[float | None]
+    args: argparse.Namespace,
+    serve_args: str,
+    scales: list[float],
+    seed: int,
+    factors: list[float | None],
+    prompt_ratio: float | None = None,
 ) -> list[dict[str, Any]]:
     """One summary per rate scale; a rate of its own factor is simulated on a deployment of its own."""
     if args.fresh_per_rate and len(set(factors)) > 1:
         return [
-            simulate(args, serve_args, [scale], seed, factor)[0]
+            simulate(args, serve_args, [scale], seed, factor, prompt_ratio=prompt_ratio)[0]
             for scale, factor in zip(scales, factors, strict=True)
         ]
-    return simulate(args, serve_args, scales, seed, factors[0])
+    return simulate(args, serve_args, scales, seed, factors[0], prompt_ratio=prompt_ratio)
 
 
 def knee_shares(
-    args: argparse.Namespace, serve_args: str, factors: list[float | None], simulated: dict[float, float]
+    args: argparse.Namespace,
+    serve_args: str,
+    factors: list[float | None],
+    simulated: dict[float, float],
+    prompt_ratio: float | None = None,
 ) -> dict[float, float]:
     """The simulated shares within the SLO with `--knee-scales` added: each scale not simulated yet
     on a fresh deployment per repeat's seed (the median of the repeats), at the config's speed (the
@@ -211,7 +220,10 @@ def knee_shares(
         return dict(simulated)
     known = [f for f in factors if f is not None]
     factor = statistics.geometric_mean(known) if known else None
-    runs = [simulate(args, serve_args, extra, args.seed + r, factor, fresh=True) for r in range(args.repeats)]
+    runs = [
+        simulate(args, serve_args, extra, args.seed + r, factor, fresh=True, prompt_ratio=prompt_ratio)
+        for r in range(args.repeats)
+    ]
     shares = dict(simulated)
     for i, scale in enumerate(extra):
         shares[scale] = statistics.median(share(summaries[i]) for summaries in runs)
@@ -328,14 +340,15 @@ def main() -> int:
         # The profile's speed factor per rate: None, one for all (the mean of the checks before and
         # after the config's runs), or (--check-every-rate) the mean of the two around each rate.
         factors: list[float | None] = [None] * len(scales)
+        ratio: float | None = None  # the prompt work's factor over the steps' (the checks' prompt steps)
         if args.speed_check:
             checks = check_factors(args, measured_dir, label, scales)
-            args.prompt_ratio = None if args.unscaled else prompt_ratio(args, measured_dir, label, scales)
+            ratio = None if args.unscaled else prompt_ratio(args, measured_dir, label, scales)
             means = rate_factors(checks, args.check_every_rate, args.one_factor)
             result["cases"][f"{label}:speed"] = {
                 "factor": means[0] if len(means) == 1 else means,
                 "checks": checks,
-                "prompt_ratio": args.prompt_ratio,
+                "prompt_ratio": ratio,
                 "used": not args.unscaled,
             }
             speeds.append(
@@ -344,13 +357,14 @@ def main() -> int:
                 + " (checks "
                 + ", ".join(f"x{c:.3f}" for c in checks)
                 + ")"
-                + ("" if args.prompt_ratio is None else f", the prompt work x{args.prompt_ratio:.3f} of that")
+                + ("" if ratio is None else f", the prompt work x{ratio:.3f} of that")
             )
             if not args.unscaled:
                 factors = list(means) if len(means) == len(scales) else [means[0]] * len(scales)
         # Repeat r: the workload drawn from seed + r at every rate, as bench compare draws it.
         per_repeat = [
-            simulate_rates(args, serve_args, scales, args.seed + r, factors) for r in range(args.repeats)
+            simulate_rates(args, serve_args, scales, args.seed + r, factors, ratio)
+            for r in range(args.repeats)
         ]
         for i, scale in enumerate(scales):
             name = label if len(scales) == 1 else f"{label}@{scale:g}"
@@ -419,7 +433,7 @@ def main() -> int:
             rows.append("| " + " | ".join(cells) + " |")
         knees = {k: knee(scales, v) for k, v in shares.items()}
         result["cases"][f"{label}:knee"] = knees
-        grid = knee_shares(args, serve_args, factors, shares["sim"])
+        grid = knee_shares(args, serve_args, factors, shares["sim"], ratio)
         crossing = crossing_error(shares["measured"], grid)
         # The simulated share curve it was read from (with --knee-scales, the fine grid's).
         result["cases"][f"{label}:knee_crossing"] = crossing | {
