@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from types import ModuleType
+
+from benchmark_scripts import benchmark
 
 from pdserve.bench.summary import RequestRecord
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def load_script() -> object:
-    spec = importlib.util.spec_from_file_location(
-        "conversations_benchmark", ROOT / "benchmarks" / "conversations.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def load_script() -> ModuleType:
+    return benchmark("conversations", "conversations_benchmark")
 
 
 def turn(session: int, n: int, prompt: int, output: int) -> RequestRecord:

@@ -4,22 +4,15 @@ first rate under 90% in the SLO and interpolated where the share falls through i
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmark_scripts import benchmark
 
 
 def scoring() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fidelity_score", ROOT / "benchmarks" / "fidelity_score.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark("fidelity_score")
 
 
 def case(errors: tuple[float | None, ...], spread: float | None = None) -> dict[str, Any]:

@@ -4,23 +4,19 @@ rate or per config, the prompt work's own against the steps'."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from benchmark_scripts import benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def speeds() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fidelity_speed", ROOT / "benchmarks" / "fidelity_speed.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark("fidelity_speed")
 
 
 def options(**given: Any) -> argparse.Namespace:

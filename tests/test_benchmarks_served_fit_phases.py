@@ -3,28 +3,18 @@ a fit; a simulated run's trace of a known profile, fitted back, meets its steps 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
+from benchmark_scripts import benchmark
 from test_sim_calibrate import traced_run
 from test_sim_profile import fixed_profile
 
 from pdserve.sim import calibrate
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def phases_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "served_fit_phases", ROOT / "benchmarks" / "served_fit_phases.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["served_fit_phases"] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark("served_fit_phases")
 
 
 def test_each_step_falls_in_its_phase_and_a_fit_of_the_truth_meets_every_phase(tmp_path: Path) -> None:

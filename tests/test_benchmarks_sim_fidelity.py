@@ -4,25 +4,19 @@ read back, the simulated knee's fine grid (its scoring: test_benchmarks_fidelity
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from benchmark_scripts import benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def fidelity() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sim_fidelity", ROOT / "benchmarks" / "sim_fidelity.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sim_fidelity"] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark("sim_fidelity")
 
 
 def options(**given: Any) -> argparse.Namespace:
