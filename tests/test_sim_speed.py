@@ -180,6 +180,12 @@ def test_a_simulation_scales_its_prompts_by_the_checks_prompt_steps(
     # The prompt's step (prompt-only): all of it at the prompt steps' x1.5.
     first = record["chunk_times_s"][0] - record["sent_s"]
     assert first == pytest.approx((0.002 + 50 * 1e-4) * 1.5, rel=0.02)
+    # --headroom slows both on top of the checks.
+    args[-1] = str(tmp_path / "slower")
+    assert main([*args, "--speed-check", str(tmp_path / "now.json"), "--headroom", "0.1"]) == 0
+    summary = json.loads((tmp_path / "slower" / "summary.json").read_text())
+    assert summary["simulation"]["speed_factor"] == pytest.approx(2.2)
+    assert summary["simulation"]["speed_factor_prompt"] == pytest.approx(1.65)
 
 
 def test_a_roofline_or_a_profile_without_a_check_cannot_be_scaled() -> None:
