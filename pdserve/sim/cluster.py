@@ -21,6 +21,7 @@ import math
 import random
 import zlib
 
+from pdserve import clock
 from pdserve.cluster.base import ExitCallback, WorkerExit, WorkerHandle, WorkerStartError
 from pdserve.config import WorkerConfig
 from pdserve.engine.core import step_features
@@ -28,6 +29,7 @@ from pdserve.engine.sched_types import SchedulerOutput
 from pdserve.router.channel import ChannelEvents
 from pdserve.sim.host import HostLoad
 from pdserve.sim.profile import LinearStep, Profile, ProfileError
+from pdserve.sim.trace_speed import SpeedCourse
 from pdserve.sim.worker import SimConnector, SimWorker, WorkerFactory
 
 MEDIAN_ABS_NORMAL = 0.6745  # the median of |z| for a standard normal z
@@ -53,11 +55,20 @@ class SimCluster:
     name = "sim"
 
     def __init__(
-        self, profile: Profile, connector: SimConnector, host: HostLoad | None = None, noise_seed: int = 0
+        self,
+        profile: Profile,
+        connector: SimConnector,
+        host: HostLoad | None = None,
+        noise_seed: int = 0,
+        speed_course: SpeedCourse | None = None,
     ) -> None:
         """`host`: the CPUs the workers share with the router, whose load stretches their steps.
-        `noise_seed`: which draw of the steps' deviations from their fit (0: each worker's own)."""
+        `noise_seed`: which draw of the steps' deviations from their fit (0: each worker's own).
+        `speed_course`: a served run's speed over its time, replayed from `course_from` on (the
+        workload's start; set by the simulation when it starts the workload)."""
         self.profile = profile
+        self.speed_course = speed_course
+        self.course_from: float | None = None
         self.noise_seed = noise_seed
         self.connector = connector
         self.host = host
@@ -118,6 +129,7 @@ class SimCluster:
                 seconds *= drawn(quantiles, spread.random())
             elif sigma > 0:
                 seconds *= math.exp(spread.gauss(0.0, sigma))
+            seconds *= self._course(pool)
             if host is None:
                 return seconds
             seconds *= host.stretch()
@@ -128,6 +140,7 @@ class SimCluster:
 
         def loop_seconds(out: SchedulerOutput) -> float:
             loop = per_step + per_stream * sum(1 for c in out.chunks if c.sample)
+            loop *= self._course(pool)
             if host is None:
                 return loop
             loop *= host.stretch()
@@ -166,6 +179,13 @@ class SimCluster:
             )
 
         return make
+
+    def _course(self, pool: str) -> float:
+        """How much slower than its own pace the replayed run's host ran `pool`'s steps now (1: no
+        replay, or before the workload started)."""
+        if self.speed_course is None or self.course_from is None:
+            return 1.0
+        return self.speed_course.at(pool, clock.monotonic() - self.course_from)
 
     async def start_worker(self, config: WorkerConfig, timeout: float) -> WorkerHandle:
         worker_id = config.worker_id

@@ -311,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
     kinds = {k.strip() for k in args.kinds.split(",") if k.strip()}
     if not kinds or not kinds <= {"disaggregated", "colocated"}:
         raise PdserveError("--kinds takes disaggregated, colocated or both")
-    profile, _ = sim.load_inputs(args)
+    profile, _, _ = sim.load_inputs(args)
     base = serve_options.layered(args)
     base["model"] = base["model"] or profile.model
     slos = parse_slos(args.report_slo if args.report_slo is not None else base["slo"])

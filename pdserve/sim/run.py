@@ -42,6 +42,7 @@ from pdserve.sim import speed
 from pdserve.sim.cluster import SimCluster
 from pdserve.sim.front import Front, drive
 from pdserve.sim.host import HostLoad
+from pdserve.sim.trace_speed import SpeedCourse, speed_course, trace_speed
 from pdserve.sim.worker import SimConnector
 
 logger = logging.getLogger("pdserve.sim")
@@ -77,7 +78,18 @@ def add_simulation_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="instead of --speed-check: a served run's step trace (`pdserve serve --step-trace`) on this "
         "host; the profile (fitted to served steps) is scaled by the median of the trace's steps over "
-        "its fit: the host's speed while it served, from every step rather than a check's seconds",
+        "its fit, and the prompt work by its prompt-only steps': the host's speed while it served, from "
+        "every step rather than a check's seconds",
+    )
+    p.add_argument(
+        "--speed-window",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --speed-trace (one run's): replay how the host's speed moved over that run, window "
+        "by window of this many seconds, each pool's steps as much slower or faster than the run's "
+        "own pace as the trace's were then (from the workload's start). A diagnosis of a measured "
+        "run (was a miss the model's, or a stall of the host's?), not a prediction",
     )
     p.add_argument(
         "--headroom",
@@ -160,11 +172,13 @@ def simulate(
     pool_sample_interval_s: float = 1.0,
     client_on_host: bool = False,
     noise_seed: int = 0,
+    speed_course: SpeedCourse | None = None,
 ) -> SimResult:
     """Runs the deployment `o` on `workload` in virtual time. The router shares the workers' CPUs
     when the profile says they are a host's (`profile.host`: a CPU deployment on one machine), and
     so does the load's client with `client_on_host`. `noise_seed` picks the draw of the steps'
-    deviations from their fit (another run of the same load, as a trace replay repeated is)."""
+    deviations from their fit (another run of the same load, as a trace replay repeated is);
+    `speed_course`, a served run's host speed over time, replayed from the workload's start."""
     return simulate_in_sequence(
         o,
         profile,
@@ -173,6 +187,7 @@ def simulate(
         pool_sample_interval_s=pool_sample_interval_s,
         client_on_host=client_on_host,
         noise_seed=noise_seed,
+        speed_course=speed_course,
     )[0]
 
 
@@ -185,6 +200,7 @@ def simulate_in_sequence(
     pool_sample_interval_s: float = 1.0,
     client_on_host: bool = False,
     noise_seed: int = 0,
+    speed_course: SpeedCourse | None = None,
 ) -> list[SimResult]:
     """Runs the workloads one after another on one deployment, each once the one before has
     finished (its requests done, or `finish_timeout_s` after its last was sent), as `pdserve bench
@@ -205,6 +221,7 @@ def simulate_in_sequence(
             pool_sample_interval_s,
             client_on_host,
             noise_seed,
+            speed_course,
         )
     )  # type: ignore[assignment]
     return results
@@ -218,6 +235,7 @@ async def _simulate(
     pool_sample_interval_s: float,
     client_on_host: bool,
     noise_seed: int,
+    speed_course: SpeedCourse | None,
 ) -> list[SimResult]:
     # The router's parts, built as `pdserve serve` builds them, over simulated workers.
     from prometheus_client import generate_latest
@@ -247,7 +265,7 @@ async def _simulate(
         if profile.host is not None and o["cluster"] == "local"
         else None
     )
-    backend = SimCluster(profile, connector, host, noise_seed)
+    backend = SimCluster(profile, connector, host, noise_seed, speed_course)
     pools = PoolManager(
         backend,
         workers,
@@ -282,6 +300,8 @@ async def _simulate(
             # The router's counters before and after, as bench scrapes a server's /metrics.
             before = generate_latest(metrics.registry).decode()
             start = clock.monotonic()
+            if backend.course_from is None:  # a replayed speed runs on the first workload's clock
+                backend.course_from = start
             sampler = None
             if pool_sample_interval_s > 0:
                 sampler = asyncio.create_task(_sample(pools, start, pool_sample_interval_s, samples))
@@ -322,7 +342,9 @@ async def _sample(pools: Any, start: float, interval_s: float, samples: list[dic
         await asyncio.sleep(interval_s)
 
 
-def load_inputs(args: argparse.Namespace) -> tuple[profiles.Profile, Workload]:
+def load_inputs(args: argparse.Namespace) -> tuple[profiles.Profile, Workload, SpeedCourse | None]:
+    """The profile (scaled as --speed-check, --speed-trace and --headroom say), the workload, and
+    with --speed-window the traced run's speed over time."""
     if args.max_requests is None and args.duration is None:
         raise PdserveError("give --max-requests or --duration (or both): a simulation must end by itself")
     if not args.finish_timeout > 0:
@@ -333,15 +355,29 @@ def load_inputs(args: argparse.Namespace) -> tuple[profiles.Profile, Workload]:
         raise PdserveError(f"--headroom must be a fraction >= 0 (0.1: a host 10% slower), got {headroom}")
     if args.speed_trace is not None and args.speed_check is not None:
         raise PdserveError("--speed-trace and --speed-check both say the host's speed: give one")
+    window = getattr(args, "speed_window", None)
+    if window is not None and args.speed_trace is None:
+        raise PdserveError("--speed-window replays a served run's speed: give its --speed-trace")
     profile = profiles.load(args.profile)
+    course = None if window is None else speed_course(profile, list(args.speed_trace), window)
+    if course is not None:
+        print(
+            f"--speed-window {window:g}: each pool's steps, window by window, as much slower than the "
+            f"run's pace as the trace's: {course.describe()}",
+            file=sys.stderr,
+        )
     factor, prompt = 1.0, None  # the steps' factor, and the prompt work's own where a check says it
     if args.speed_check is not None:
         factor, prompt = checked_factors(profile, args.speed_check, str(args.profile))
     if args.speed_trace is not None:
-        factor, steps = speed.trace_factor(profile, list(args.speed_trace))
+        traced = trace_speed(profile, list(args.speed_trace))
+        factor, prompt = traced.factor, traced.prompt
         print(
-            f"step trace {', '.join(map(str, args.speed_trace))}: its {steps} steps took x{factor:.3f} "
-            "the profile's fit (the median); the profile's times scaled by it",
+            f"step trace {', '.join(map(str, args.speed_trace))}: its {traced.steps} steps took "
+            f"x{factor:.3f} the profile's fit (the median)"
+            + ("" if prompt is None else f", its {traced.prompt_steps} prompt-only steps x{prompt:.3f}")
+            + "; the profile's times scaled by it"
+            + ("" if prompt is None else ", a step's prompt work by its own"),
             file=sys.stderr,
         )
     if headroom > 0:
@@ -358,7 +394,7 @@ def load_inputs(args: argparse.Namespace) -> tuple[profiles.Profile, Workload]:
     if args.speed_check is not None or args.speed_trace is not None or headroom > 0:
         profile = speed.scaled(profile, factor, prompt)
     workload = parse_workload(args.workload, args.seed, args.max_requests, args.duration, args.rate_scale)
-    return profile, workload
+    return profile, workload, course
 
 
 def checked_factors(profile: profiles.Profile, paths: list[Path], where: str) -> tuple[float, float | None]:
@@ -394,7 +430,7 @@ class _SimulatedTimeFormatter(logging.Formatter):
 
 
 def run(args: argparse.Namespace) -> int:
-    profile, workload = load_inputs(args)
+    profile, workload, course = load_inputs(args)
     o = resolve(args, profile)
     slos = report_slos(args, o)
     # serve's --log-level, with each line stamped in simulated seconds (the wall clock says nothing)
@@ -409,6 +445,7 @@ def run(args: argparse.Namespace) -> int:
         finish_timeout_s=args.finish_timeout,
         pool_sample_interval_s=args.pool_sample_interval,
         client_on_host=args.client_on_host,
+        speed_course=course,
     )
     summary = summarize(result.records, result.duration_s, slos)
     summary |= result.server
@@ -426,6 +463,7 @@ def run(args: argparse.Namespace) -> int:
         "profile_source": profile.source,
         "speed_factor": profile.meta.get("speed_factor"),
         "speed_factor_prompt": profile.meta.get("speed_factor_prompt"),
+        "speed_window_s": None if course is None else course.window_s,
         "workers_started": result.workers_started,
         "wall_s": round(result.wall_s, 3),
         "simulated_s": round(result.duration_s, 3),

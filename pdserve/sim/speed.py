@@ -9,8 +9,9 @@ fresh engine: on the sweep's own engine the same steps took 13-18% longer), and 
 profile (`meta.speed_check`). `pdserve sim` and `pdserve plan` with `--speed-check FILE` pair the two checks' steps,
 take the median of now / then as the host's speed factor, and scale every time the profile
 measured by it (steps, the worker loop, pulls, the serving overhead, the router's and client's
-CPU, a worker's start): one number, said with the run. A factor is a speed, not a shape: it
-cannot say that one kind of step slowed more than another.
+CPU, a worker's start): one number, said with the run, and the prompt work by a second where
+the check's prompt-only steps say it (`prompt_factor`): a host's prompt work and its decode steps
+need not slow alike. A served run's step trace says the same of that run (pdserve/sim/trace_speed.py).
 
 Pure Python: the simulator and planner import it; only the measuring side runs the engine.
 """
@@ -166,53 +167,6 @@ def prompt_factor(then: SpeedCheck, now: SpeedCheck) -> float | None:
         if step in before and step.prefill_tokens > 0 and step.decode_streams == 0
     ]
     return statistics.median(ratios) if len(ratios) >= MIN_PROMPT_STEPS else None
-
-
-def trace_factor(profile: Profile, traces: list[Path]) -> tuple[float, int]:
-    """(factor, steps): how much longer than `profile`'s served fit the steps of a served run took
-    (`pdserve serve --step-trace`), the median of measured / fitted over every step of a role the
-    profile has, each fitted beside its neighbours as busy as the trace says (as the fit reads
-    them) and against the fit's own median deviation at its length. The served steps' speed
-    while they ran, from thousands of steps rather than a check's seconds; the steps only (the
-    loop, the router's CPU and the pulls may have moved otherwise: on the AVX512 EPYC a DPD run at
-    its knee read x0.939 where checks around it read x0.968, and simulated at the trace's factor it
-    came 6-13% fast, at the checks' within 11%: docs/capacity-planning.md).
-    Only a profile fitted to served steps (`steps_from: serving`): a sweep's leaves out the
-    router's and the client's CPU, which the served steps hold and the simulation adds again."""
-    from pdserve.sim import calibrate  # the trace's reader and neighbours' reckoning, as the fit's
-
-    if profile.steps_from != "serving":
-        raise ProfileError(
-            "a step trace can only scale a profile fitted to served steps (pdserve profile --served "
-            "or --from-trace): this one's steps are a sweep's"
-        )
-    pools = calibrate.read_busy_trace(traces, profile.host.cpus if profile.host is not None else 1)
-    ratios = []
-    for rows in pools.values():
-        for row in rows:
-            role, seconds, busy = str(row["pool"]), float(row["seconds"]), float(row["busy"])
-            if role not in profile.steps and not (role == "colocated" and "decode" in profile.steps):
-                continue
-            alone = profile.step_time(role)
-            beside = profile.busy_step_time(role) or alone
-            step = calibrate.read_step(row)
-            fitted = alone.seconds(step) * (1 - busy) + beside.seconds(step) * busy
-            if fitted > 0 and seconds > 0:
-                # Against the fit's own median there (its spread bands): the fit is of the relative
-                # error, and its steps' median ratio is 0.96-1.02 by band, not 1. The profile's own
-                # traces read x1.000 so.
-                typical = _spread_median(alone, fitted, step.prefill_tokens > 0 and step.decode_streams > 0)
-                ratios.append(seconds / (fitted * typical))
-    if len(ratios) < MIN_PAIRS:
-        raise ProfileError(
-            f"the step trace has {len(ratios)} steps of the profile's roles (at least {MIN_PAIRS}): no factor"
-        )
-    return statistics.median(ratios), len(ratios)
-
-
-def _spread_median(step_time: StepTime, fitted: float, mixed: bool) -> float:
-    quantiles = step_time.spread_at(fitted, mixed) if isinstance(step_time, LinearStep) else ()
-    return statistics.median(quantiles) if quantiles else 1.0
 
 
 def combined_factor(factors: list[float]) -> float:

@@ -1,0 +1,158 @@
+"""A served run's own speed, read from its step trace (`pdserve serve --step-trace`): the factor of
+the whole run, the prompt work's factor, and how the host's speed moved over the run. No torch.
+
+`pdserve sim --speed-trace FILE` scales a profile fitted to served steps by what the trace's steps
+took against that fit: the run's median (`TraceSpeed.factor`), and, as a speed check does
+(`speed.prompt_factor`), its prompt-only steps' median for the prompt work (`TraceSpeed.prompt`).
+A DPD run at its knee on the AVX512 EPYC read x0.982 over all its steps but x0.895 over its
+prefill worker's: scaled by the one factor the simulated prefill worker ran ~9% slow, near
+saturation, and its documents' TTFT p50 came +29% (p90 +50%); scaled by both, -3% (+22%).
+
+`--speed-window S` replays the host's speed over time too (`SpeedCourse`): a shared host stalls
+for tens of seconds (the same run's steps 1.2-1.5x their fit for 30 s, after 40 s at 0.92-1.02),
+a backlog forms at the knee and lasts past the stall, and no one factor reproduces that. Each
+window of S seconds of the trace, per pool, takes its steps' time against their fit relative to
+the whole run's; the simulation's steps (and the worker loop's time) run that much longer in the
+same window of the workload (both clocks from the workload's start: the trace's from its first
+step, which comes a prompt's time after the first request). A diagnosis, not a prediction: it
+says whether a miss was the model's or the host's, and needs the measured run's own trace.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.sim.profile import LinearStep, Profile, ProfileError, StepTime
+from pdserve.sim.speed import MIN_PAIRS, MIN_PROMPT_STEPS
+
+MIN_WINDOW_STEPS = 3  # a window's steps of one pool, at least, for a factor of its own (else x1)
+
+
+@dataclass(frozen=True)
+class TracedStep:
+    """One step of the trace against the profile's fit."""
+
+    pool: str
+    t_s: float  # when its load report came, seconds since the trace's first step
+    seconds: float  # measured
+    expected: float  # the fit's, beside its neighbours as busy as they were, at the fit's median
+    prompt_only: bool
+
+    @property
+    def ratio(self) -> float:
+        return self.seconds / self.expected
+
+
+@dataclass(frozen=True)
+class TraceSpeed:
+    """What a served run's steps took against the profile's fit."""
+
+    factor: float  # the median of measured / fitted over every step
+    prompt: float | None  # the same over its prompt-only steps (None: fewer than MIN_PROMPT_STEPS)
+    steps: int
+    prompt_steps: int
+
+
+@dataclass(frozen=True)
+class SpeedCourse:
+    """How much longer than the run's own pace each window's steps took, per pool: the time the
+    window's steps took over their fitted time, divided by the same over the whole run (x1 where a
+    window has fewer than MIN_WINDOW_STEPS steps of that pool, and after the trace's end)."""
+
+    window_s: float
+    factors: dict[str, tuple[float, ...]]  # pool -> one factor per window, the first from 0
+
+    def at(self, pool: str, seconds: float) -> float:
+        """The factor for a step of `pool` that starts `seconds` after the workload began."""
+        windows = self.factors.get(pool, ())
+        index = int(seconds // self.window_s) if seconds >= 0 else -1
+        return windows[index] if 0 <= index < len(windows) else 1.0
+
+    def describe(self) -> str:
+        return "; ".join(
+            f"{pool} " + " ".join(f"{factor:.2f}" for factor in factors)
+            for pool, factors in self.factors.items()
+        )
+
+
+def traced_steps(profile: Profile, traces: list[Path]) -> list[TracedStep]:
+    """Every step of the traces of a pool the profile has, against the profile's fit there, each
+    fitted beside its neighbours as busy as the trace says (as the fit reads them) and against the
+    fit's own median deviation at its length. Only a profile fitted to served steps
+    (`steps_from: serving`): a sweep's leaves out the router's and the client's CPU, which the
+    served steps hold and the simulation adds again."""
+    from pdserve.sim import calibrate  # the trace's reader and neighbours' reckoning, as the fit's
+
+    if profile.steps_from != "serving":
+        raise ProfileError(
+            "a step trace can only scale a profile fitted to served steps (pdserve profile --served "
+            "or --from-trace): this one's steps are a sweep's"
+        )
+    pools = calibrate.read_busy_trace(traces, profile.host.cpus if profile.host is not None else 1)
+    rows = [row for rows in pools.values() for row in rows]
+    first = min((float(row["t_s"]) for row in rows), default=0.0)
+    traced = []
+    for row in rows:
+        pool, seconds, busy = str(row["pool"]), float(row["seconds"]), float(row["busy"])
+        if pool not in profile.steps and not (pool == "colocated" and "decode" in profile.steps):
+            continue
+        alone = profile.step_time(pool)
+        beside = profile.busy_step_time(pool) or alone
+        step = calibrate.read_step(row)
+        fitted = alone.seconds(step) * (1 - busy) + beside.seconds(step) * busy
+        if fitted > 0 and seconds > 0:
+            # Against the fit's own median there (its spread bands): the fit is of the relative
+            # error, and its steps' median ratio is 0.96-1.02 by band, not 1. The profile's own
+            # traces read x1.000 so.
+            mixed = step.prefill_tokens > 0 and step.decode_streams > 0
+            expected = fitted * _spread_median(alone, fitted, mixed)
+            prompt_only = step.prefill_tokens > 0 and step.decode_streams == 0
+            traced.append(TracedStep(pool, float(row["t_s"]) - first, seconds, expected, prompt_only))
+    return traced
+
+
+def trace_speed(profile: Profile, traces: list[Path]) -> TraceSpeed:
+    """How much longer than `profile`'s served fit the steps of a served run took: the whole
+    run's median and its prompt-only steps' (`traced_steps`). The served steps' speed while they
+    ran, from thousands of steps rather than a check's seconds; the steps only (the loop, the
+    router's CPU and the pulls may have moved otherwise)."""
+    steps = traced_steps(profile, traces)
+    if len(steps) < MIN_PAIRS:
+        raise ProfileError(
+            f"the step trace has {len(steps)} steps of the profile's roles (at least {MIN_PAIRS}): no factor"
+        )
+    prompts = [step.ratio for step in steps if step.prompt_only]
+    prompt = statistics.median(prompts) if len(prompts) >= MIN_PROMPT_STEPS else None
+    return TraceSpeed(statistics.median(step.ratio for step in steps), prompt, len(steps), len(prompts))
+
+
+def speed_course(profile: Profile, traces: list[Path], window_s: float) -> SpeedCourse:
+    """The host's speed over the run, window by window (SpeedCourse). One run's trace: another
+    run's clock is not this one's."""
+    if not window_s > 0:
+        raise ProfileError(f"a speed window must be > 0 seconds (got {window_s})")
+    if len(traces) != 1:
+        raise ProfileError("the speed over time replays one run: give one step trace with a window")
+    steps = traced_steps(profile, traces)
+    factors: dict[str, tuple[float, ...]] = {}
+    for pool in sorted({step.pool for step in steps}):
+        mine = [step for step in steps if step.pool == pool]
+        whole = sum(s.seconds for s in mine) / sum(s.expected for s in mine)
+        count = int(max(s.t_s for s in mine) // window_s) + 1
+        windows: list[list[TracedStep]] = [[] for _ in range(count)]
+        for step in mine:
+            windows[int(step.t_s // window_s)].append(step)
+        factors[pool] = tuple(
+            sum(s.seconds for s in w) / sum(s.expected for s in w) / whole
+            if len(w) >= MIN_WINDOW_STEPS
+            else 1.0
+            for w in windows
+        )
+    return SpeedCourse(window_s, factors)
+
+
+def _spread_median(step_time: StepTime, fitted: float, mixed: bool) -> float:
+    quantiles = step_time.spread_at(fitted, mixed) if isinstance(step_time, LinearStep) else ()
+    return statistics.median(quantiles) if quantiles else 1.0

@@ -1,0 +1,208 @@
+"""A served run's step trace read against its profile: the run's speed, its prompt work's own, and
+how the host's speed moved over the run, replayed in a simulation window by window."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_sim_profile import fixed_profile
+
+from pdserve.cli import main
+from pdserve.costmodel import Step
+from pdserve.sim import speed
+from pdserve.sim.profile import LinearStep, ProfileError, Spread
+from pdserve.sim.speed import SpeedCheck
+from pdserve.sim.trace_speed import SpeedCourse, speed_course, trace_speed
+
+
+def served_profile(tmp_path: Path, **changes: float) -> Path:
+    served = replace(fixed_profile(**changes), steps_from="serving")  # type: ignore[arg-type]
+    served.save(tmp_path / "served.json")
+    return tmp_path / "served.json"
+
+
+def test_a_served_runs_step_trace_says_the_hosts_speed_while_it_served(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A run on a host twice as slow as the profile, its prompt work 1.5 times (simulated: the
+    # profile scaled so), traces its steps; read against the profile, the trace says x2 and x1.5,
+    # and a simulation scaled by it runs at the slow host's pace.
+    served_path = served_profile(tmp_path, step=0.010, per_token=1e-4, per_stream=2e-3)
+    served = fixed_profile(step=0.010, per_token=1e-4, per_stream=2e-3)
+    served = replace(served, steps_from="serving")
+    speed.scaled(served, 2.0, prompt=1.5).save(tmp_path / "slow.json")
+    workload = [
+        "--workload",
+        "poisson(20) prompt=uniform(20,200) output=uniform(2,20)",
+        "--max-requests",
+        "60",
+    ]
+    trace = tmp_path / "steps.jsonl"
+    run = ["sim", "--prefill", "1", "--decode", "1", *workload, "--seed", "3"]
+    assert main([*run, "--profile", str(tmp_path / "slow.json"), "--step-trace", str(trace)]) == 0
+    traced = trace_speed(served, [trace])
+    assert traced.factor == pytest.approx(2.0)  # most steps are the decode worker's
+    assert traced.prompt == pytest.approx(1.5)  # the prefill worker's, prompt-only
+    assert traced.steps == len(trace.read_text().splitlines()) >= speed.MIN_PAIRS
+    assert traced.prompt_steps >= speed.MIN_PROMPT_STEPS
+    out = tmp_path / "scaled"
+    assert main([*run, "--profile", str(served_path), "--speed-trace", str(trace), "--out", str(out)]) == 0
+    simulation = json.loads((out / "summary.json").read_text())["simulation"]
+    assert simulation["speed_factor"] == pytest.approx(2.0)
+    assert simulation["speed_factor_prompt"] == pytest.approx(1.5)
+    assert simulation["speed_window_s"] is None
+    err = capsys.readouterr().err
+    assert "took x2.000 the profile's fit" in err and "prompt-only steps x1.500" in err
+    # Simulated so, the slow host's run comes out again: the same requests' first tokens.
+    again = tmp_path / "slow-run"
+    assert main([*run, "--profile", str(tmp_path / "slow.json"), "--out", str(again)]) == 0
+    ttfts = [
+        [json.loads(line)["chunk_times_s"][0] for line in (path / "records.jsonl").read_text().splitlines()]
+        for path in (out, again)
+    ]
+    assert ttfts[0] == pytest.approx(ttfts[1], rel=1e-6)
+    # A sweep's profile leaves the router's CPU out of its steps: a served trace cannot scale it.
+    with pytest.raises(ProfileError, match="only scale a profile fitted to served steps"):
+        trace_speed(replace(served, steps_from="alone"), [trace])
+    # Too few steps of the profile's roles, or both ways of saying the speed: refused.
+    (tmp_path / "short.jsonl").write_text("\n".join(trace.read_text().splitlines()[:3]) + "\n")
+    with pytest.raises(ProfileError, match="at least 8"):
+        trace_speed(served, [tmp_path / "short.jsonl"])
+    SpeedCheck("tiny", "cpu", "float32", 1, ()).save(tmp_path / "now.json")
+    both = ["--speed-trace", str(trace), "--speed-check", str(tmp_path / "now.json")]
+    assert main([*run, "--profile", str(served_path), *both]) == 2
+    assert "give one" in capsys.readouterr().err
+
+
+def test_a_trace_of_the_profiles_own_spread_reads_x1(tmp_path: Path) -> None:
+    # Served steps spread around their fit with a right tail, their median under it (the fit is of
+    # the relative error): a run that steps as the profile draws them reads x1, not that median.
+    band = Spread(None, (0.8, 0.85, 0.88, 0.9, 0.92, 0.95, 1.2, 2.0))
+    line = LinearStep((0.010, 1e-4, 0.0, 2e-3, 0.0), spread=(band,))
+    served = replace(fixed_profile(), steps={"prefill": line, "decode": line}, steps_from="serving")
+    served.save(tmp_path / "served.json")
+    trace = tmp_path / "steps.jsonl"
+    run = [
+        "sim",
+        "--profile",
+        str(tmp_path / "served.json"),
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--seed",
+        "3",
+    ]
+    workload = [
+        "--workload",
+        "poisson(20) prompt=uniform(20,200) output=uniform(2,20)",
+        "--max-requests",
+        "80",
+    ]
+    assert main([*run, *workload, "--step-trace", str(trace)]) == 0
+    assert trace_speed(served, [trace]).factor == pytest.approx(1.0, abs=0.04)
+    rows = [json.loads(row) for row in trace.read_text().splitlines()]
+    raw = [
+        row["seconds"]
+        / line.seconds(
+            Step(
+                row["prefill_tokens"], row["prefill_attention"], row["decode_streams"], row["decode_context"]
+            )
+        )
+        for row in rows
+    ]
+    assert len(raw) >= 100 and sorted(raw)[len(raw) // 2] == pytest.approx(
+        0.91, abs=0.03
+    )  # the band's median
+
+
+def write_trace(path: Path, paces: list[float], per_window: int = 10, window_s: float = 10.0) -> None:
+    """A colocated worker's decode steps (one stream; the fixed profile's 0.012 s), `per_window` in
+    each window of `window_s` seconds, each window's `pace` times as long as the fit."""
+    rows = []
+    for index, pace in enumerate(paces):
+        for k in range(per_window):
+            t = index * window_s + k * window_s / per_window
+            step = {"prefill_tokens": 0, "prefill_attention": 0, "decode_streams": 1, "decode_context": 100}
+            rows.append(
+                {"t_s": t + 3.0, "worker": "colocated-0", "pool": "colocated", "seconds": 0.012 * pace}
+                | step
+                | {"loop_seconds": 0.0, "pull_wait_seconds": 0.0, "pull_blocks": 0, "pull_seconds": 0.0}
+            )
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_the_course_is_each_windows_pace_against_the_runs() -> None:
+    course = SpeedCourse(10.0, {"decode": (0.5, 2.0)})
+    assert [course.at("decode", t) for t in (0.0, 9.9, 10.0, 19.9)] == [0.5, 0.5, 2.0, 2.0]
+    # Before the workload, after the trace, and a pool it does not have: the run's own pace.
+    assert [course.at("decode", -1.0), course.at("decode", 20.0), course.at("prefill", 5.0)] == [
+        1.0,
+        1.0,
+        1.0,
+    ]
+    assert course.describe() == "decode 0.50 2.00"
+
+
+def test_a_stall_in_the_trace_is_a_slow_window(tmp_path: Path) -> None:
+    profile = replace(fixed_profile(step=0.01, per_stream=0.002), steps_from="serving")
+    trace = tmp_path / "steps.jsonl"
+    write_trace(trace, [1.0, 1.0, 3.0, 1.0])  # 30 s at the fit's pace, 10 at a third of it
+    # The whole run took 1.5 times the fit (its median step: x1); its windows against that.
+    assert trace_speed(profile, [trace]).factor == pytest.approx(1.0)
+    course = speed_course(profile, [trace], 10.0)
+    assert course.factors == {"colocated": pytest.approx((2 / 3, 2 / 3, 2.0, 2 / 3))}
+    # The trace's clock starts at its first step (3 s into it here).
+    assert course.at("colocated", 0.0) == pytest.approx(2 / 3)
+    # A window with fewer than three steps of the pool says nothing of its own.
+    write_trace(trace, [1.0, 3.0], per_window=2)
+    assert speed_course(profile, [trace], 10.0).factors == {"colocated": (1.0, 1.0)}
+    with pytest.raises(ProfileError, match="> 0 seconds"):
+        speed_course(profile, [trace], 0.0)
+    with pytest.raises(ProfileError, match="give one step trace"):
+        speed_course(profile, [trace, trace], 10.0)
+
+
+def test_a_simulation_replays_the_hosts_speed_window_by_window(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Requests every 10 s (each in the middle of a 12-s window) on a host whose third window ran a
+    # served run's steps three times as long as the rest: replayed, that window's request streams
+    # three times as slowly as the others, and each as the course says against the profile's own
+    # pace.
+    profile_path = served_profile(tmp_path, step=0.01, per_stream=0.002)
+    trace = tmp_path / "steps.jsonl"
+    write_trace(trace, [1.0, 1.0, 3.0, 1.0, 1.0], window_s=12.0)
+    workload = ["--workload", "constant(0.1) prompt=fixed(16) output=fixed(5)", "--max-requests", "4"]
+    run = ["sim", "--profile", str(profile_path), "--colocated", "1", *workload]
+    records = {}
+    for name, extra in {
+        "alone": [],
+        "replayed": ["--speed-trace", str(trace), "--speed-window", "12"],
+    }.items():
+        assert main([*run, *extra, "--out", str(tmp_path / name)]) == 0
+        records[name] = [
+            json.loads(line) for line in (tmp_path / name / "records.jsonl").read_text().splitlines()
+        ]
+    assert "--speed-window 12: each pool's steps" in capsys.readouterr().err
+    course = speed_course(
+        replace(fixed_profile(step=0.01, per_stream=0.002), steps_from="serving"), [trace], 12.0
+    )
+    slow = []
+    for alone, replayed in zip(records["alone"], records["replayed"], strict=True):
+        gaps, alone_gaps = (np.diff(record["chunk_times_s"]).tolist() for record in (replayed, alone))
+        pace = course.at("colocated", replayed["sent_s"])
+        assert gaps == pytest.approx([g * pace for g in alone_gaps], rel=1e-6)
+        slow.append(pace > 1)
+    assert slow.count(True) == 1 and len(slow) == 4
+    summary = json.loads((tmp_path / "replayed" / "summary.json").read_text())
+    assert summary["simulation"]["speed_window_s"] == 12.0
+    # A window needs the run it replays, and one run.
+    assert main([*run, "--speed-window", "10"]) == 2
+    assert "give its --speed-trace" in capsys.readouterr().err
+    assert main([*run, "--speed-trace", str(trace), str(trace), "--speed-window", "10"]) == 2
+    assert "give one step trace" in capsys.readouterr().err
