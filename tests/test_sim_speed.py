@@ -153,6 +153,31 @@ def test_the_prompt_work_has_a_factor_of_its_own_where_the_check_ran_prompts() -
         LinearStep((0.01, 0, 0, 0, 0), prompt_scale=0.0)
 
 
+def test_a_served_traces_mixed_steps_scale_as_a_whole() -> None:
+    """A served trace times a decode worker's mixed steps (short local chunks beside its streams)
+    apart from its prompts: such a step runs at the mixed factor as a whole, the others as before,
+    and a profile keeps the scale through its JSON."""
+    linear = LinearStep((0.01, 1e-4, 1e-9, 2e-3, 1e-6))
+    profile = replace(fixed_profile(), steps={"decode": linear}, steps_busy={})
+    prompt, decode, mixed = Step(300, 45150, 0, 0), Step(0, 0, 8, 2000), Step(9, 45, 4, 1000)
+    scaled = speed.scaled(profile, 0.96, 0.90, 1.0)
+    step = scaled.step_time("decode")
+    assert step.seconds(mixed) == pytest.approx(1.0 * linear.seconds(mixed))
+    assert step.seconds(prompt) == pytest.approx(0.90 * linear.seconds(prompt))
+    assert step.seconds(decode) == pytest.approx(0.96 * linear.seconds(decode))
+    assert (
+        scaled.meta["speed_factor_mixed"] == 1.0
+        and speed.scaled(profile, 1.2).meta["speed_factor_mixed"] is None
+    )
+    # A headroom on top (another scaling) compounds, mixed steps included.
+    again = speed.scaled(scaled, 1.1).step_time("decode")
+    assert again.seconds(mixed) == pytest.approx(1.1 * linear.seconds(mixed))
+    assert LinearStep.to_json(linear).get("mixed_scale") is None  # as fitted: read as before
+    assert isinstance(step, LinearStep) and step.to_json()["mixed_scale"] == pytest.approx(1.0 / 0.96)
+    with pytest.raises(ProfileError, match="mixed_scale must be a finite number > 0"):
+        LinearStep((0.01, 0, 0, 0, 0), mixed_scale=0.0)
+
+
 def test_a_simulation_scales_its_prompts_by_the_checks_prompt_steps(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

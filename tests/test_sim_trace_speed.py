@@ -28,13 +28,14 @@ def served_profile(tmp_path: Path, **changes: float) -> Path:
 def test_a_served_runs_step_trace_says_the_hosts_speed_while_it_served(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # A run on a host twice as slow as the profile, its prompt work 1.5 times (simulated: the
-    # profile scaled so), traces its steps; read against the profile, the trace says x2 and x1.5,
-    # and a simulation scaled by it runs at the slow host's pace.
+    # A run on a host twice as slow as the profile, its prompt work 1.5 times and its mixed steps
+    # (a decode worker's local chunks beside its streams) 2.5 times (simulated: the profile scaled
+    # so), traces its steps; read against the profile, the trace says x2, x1.5 and x2.5, and a
+    # simulation scaled by it runs at the slow host's pace.
     served_path = served_profile(tmp_path, step=0.010, per_token=1e-4, per_stream=2e-3)
     served = fixed_profile(step=0.010, per_token=1e-4, per_stream=2e-3)
     served = replace(served, steps_from="serving")
-    speed.scaled(served, 2.0, prompt=1.5).save(tmp_path / "slow.json")
+    speed.scaled(served, 2.0, prompt=1.5, mixed=2.5).save(tmp_path / "slow.json")
     workload = [
         "--workload",
         "poisson(20) prompt=uniform(20,200) output=uniform(2,20)",
@@ -65,6 +66,24 @@ def test_a_served_runs_step_trace_says_the_hosts_speed_while_it_served(
         for path in (out, again)
     ]
     assert ttfts[0] == pytest.approx(ttfts[1], rel=1e-6)
+    # Colocated workers run chunks beside their streams: on a host where those steps took x2.5 and
+    # the rest x2, they read x2.5, and scaled so, the simulation runs at that host's pace again.
+    speed.scaled(served, 2.0, mixed=2.5).save(tmp_path / "slow-mixed.json")
+    colocated = ["sim", "--colocated", "2", *workload, "--seed", "3"]
+    trace_colocated = tmp_path / "colocated.jsonl"
+    slow = [*colocated, "--profile", str(tmp_path / "slow-mixed.json")]
+    assert main([*slow, "--step-trace", str(trace_colocated), "--out", str(tmp_path / "slow-colocated")]) == 0
+    traced = trace_speed(served, [trace_colocated])
+    assert (traced.factor, traced.mixed) == pytest.approx((2.0, 2.5)) and traced.mixed_steps >= 3
+    again = [*colocated, "--profile", str(served_path), "--speed-trace", str(trace_colocated)]
+    assert main([*again, "--out", str(tmp_path / "scaled-colocated")]) == 0
+    assert "mixed steps x2.500" in capsys.readouterr().err
+    summaries = [
+        json.loads((tmp_path / name / "summary.json").read_text())
+        for name in ("slow-colocated", "scaled-colocated")
+    ]
+    assert summaries[1]["simulation"]["speed_factor_mixed"] == pytest.approx(2.5)
+    assert summaries[1]["overall"]["itl_ms"] == pytest.approx(summaries[0]["overall"]["itl_ms"], rel=1e-6)
     # A sweep's profile leaves the router's CPU out of its steps: a served trace cannot scale it.
     with pytest.raises(ProfileError, match="only scale a profile fitted to served steps"):
         trace_speed(replace(served, steps_from="alone"), [trace])

@@ -159,12 +159,17 @@ class LinearStep:
     # prompt steps against its steps as a whole, pdserve/sim/speed.py): the time a step's prompt
     # tokens add to it, its whole time in a prompt-only step, runs this many times as fitted.
     prompt_scale: float = 1.0
+    # What a step with prompt tokens beside decode streams takes against the fit, as a whole (a
+    # served run's mixed steps against its steps as a whole, pdserve/sim/trace_speed.py): a decode
+    # worker's short local chunks do not run at the pace of a prefill worker's prompts. 1: such a
+    # step's prompt part runs at prompt_scale instead.
+    mixed_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.prompt_scale) and self.prompt_scale > 0):
-            raise ProfileError(
-                f"a step time's prompt_scale must be a finite number > 0, got {self.prompt_scale}"
-            )
+        for name in ("prompt_scale", "mixed_scale"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ProfileError(f"a step time's {name} must be a finite number > 0, got {value}")
         if len(self.pass_coefficients) != 3 or not all(
             math.isfinite(c) and c >= 0 for c in self.pass_coefficients
         ):
@@ -197,6 +202,8 @@ class LinearStep:
 
     def seconds(self, step: Step) -> float:
         fitted = self._fitted(step)
+        if self.mixed_scale != 1.0 and step.prefill_tokens > 0 and step.decode_streams > 0:
+            return fitted * self.mixed_scale
         if self.prompt_scale == 1.0 or step.prefill_tokens == 0:
             return fitted
         # The step's decode part as fitted, the time its prompt adds scaled.
@@ -232,8 +239,9 @@ class LinearStep:
                 del body[key]  # profiles without one read as before
         if self.passes is None:
             del body["passes"], body["pass_coefficients"]
-        if self.prompt_scale == 1.0:
-            del body["prompt_scale"]  # as fitted: profiles read as before
+        for key in ("prompt_scale", "mixed_scale"):
+            if body[key] == 1.0:
+                del body[key]  # as fitted: profiles read as before
         return body
 
 

@@ -53,6 +53,24 @@ EOS = (0,)  # the modelled engine never samples it (its tokens are 1000 + positi
 def add_arguments(p: argparse.ArgumentParser) -> None:
     serve_options.add_arguments(p)
     add_simulation_arguments(p)
+    # One simulated run's own (not `pdserve plan`'s: its --repeats draw anew by themselves).
+    p.add_argument(
+        "--speed-window",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --speed-trace (one run's): replay how the host's speed moved over that run, window "
+        "by window of this many seconds, each pool's steps as much slower or faster than the run's "
+        "own pace as the trace's were then (from the workload's start). A diagnosis of a measured "
+        "run (was a miss the model's, or a stall of the host's?), not a prediction",
+    )
+    p.add_argument(
+        "--noise-seed",
+        type=int,
+        default=0,
+        help="which draw of the steps' deviations from their fit (0: each worker's own): another "
+        "draw of the same load is another run of it, as a served run repeated is another",
+    )
 
 
 def add_simulation_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,16 +98,6 @@ def add_simulation_arguments(p: argparse.ArgumentParser) -> None:
         "host; the profile (fitted to served steps) is scaled by the median of the trace's steps over "
         "its fit, and the prompt work by its prompt-only steps': the host's speed while it served, from "
         "every step rather than a check's seconds",
-    )
-    p.add_argument(
-        "--speed-window",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="with --speed-trace (one run's): replay how the host's speed moved over that run, window "
-        "by window of this many seconds, each pool's steps as much slower or faster than the run's "
-        "own pace as the trace's were then (from the workload's start). A diagnosis of a measured "
-        "run (was a miss the model's, or a stall of the host's?), not a prediction",
     )
     p.add_argument(
         "--headroom",
@@ -366,18 +374,19 @@ def load_inputs(args: argparse.Namespace) -> tuple[profiles.Profile, Workload, S
             f"run's pace as the trace's: {course.describe()}",
             file=sys.stderr,
         )
-    factor, prompt = 1.0, None  # the steps' factor, and the prompt work's own where a check says it
+    # The steps' factor, the prompt work's own where a check says it, a trace's mixed steps' own
+    factor, prompt, mixed = 1.0, None, None
     if args.speed_check is not None:
         factor, prompt = checked_factors(profile, args.speed_check, str(args.profile))
     if args.speed_trace is not None:
         traced = trace_speed(profile, list(args.speed_trace))
-        factor, prompt = traced.factor, traced.prompt
+        factor, prompt, mixed = traced.factor, traced.prompt, traced.mixed
         print(
             f"step trace {', '.join(map(str, args.speed_trace))}: its {traced.steps} steps took "
             f"x{factor:.3f} the profile's fit (the median)"
             + ("" if prompt is None else f", its {traced.prompt_steps} prompt-only steps x{prompt:.3f}")
-            + "; the profile's times scaled by it"
-            + ("" if prompt is None else ", a step's prompt work by its own"),
+            + ("" if mixed is None else f", its {traced.mixed_steps} mixed steps x{mixed:.3f}")
+            + "; the profile's times scaled by it, each kind of step by its own",
             file=sys.stderr,
         )
     if headroom > 0:
@@ -388,11 +397,12 @@ def load_inputs(args: argparse.Namespace) -> tuple[profiles.Profile, Workload, S
             )
         factor *= 1 + headroom
         prompt = None if prompt is None else prompt * (1 + headroom)
+        mixed = None if mixed is None else mixed * (1 + headroom)
         print(
             f"--headroom {headroom:g}: the profile's times scaled by x{1 + headroom:g} more", file=sys.stderr
         )
     if args.speed_check is not None or args.speed_trace is not None or headroom > 0:
-        profile = speed.scaled(profile, factor, prompt)
+        profile = speed.scaled(profile, factor, prompt, mixed)
     workload = parse_workload(args.workload, args.seed, args.max_requests, args.duration, args.rate_scale)
     return profile, workload, course
 
@@ -445,6 +455,7 @@ def run(args: argparse.Namespace) -> int:
         finish_timeout_s=args.finish_timeout,
         pool_sample_interval_s=args.pool_sample_interval,
         client_on_host=args.client_on_host,
+        noise_seed=args.noise_seed,
         speed_course=course,
     )
     summary = summarize(result.records, result.duration_s, slos)
@@ -463,7 +474,9 @@ def run(args: argparse.Namespace) -> int:
         "profile_source": profile.source,
         "speed_factor": profile.meta.get("speed_factor"),
         "speed_factor_prompt": profile.meta.get("speed_factor_prompt"),
+        "speed_factor_mixed": profile.meta.get("speed_factor_mixed"),
         "speed_window_s": None if course is None else course.window_s,
+        "noise_seed": args.noise_seed,
         "workers_started": result.workers_started,
         "wall_s": round(result.wall_s, 3),
         "simulated_s": round(result.duration_s, 3),

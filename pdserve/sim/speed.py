@@ -181,19 +181,24 @@ def combined_factor(factors: list[float]) -> float:
     return math.exp(statistics.median(math.log(f) for f in factors))
 
 
-def scaled(profile: Profile, factor: float, prompt: float | None = None) -> Profile:
+def scaled(
+    profile: Profile, factor: float, prompt: float | None = None, mixed: float | None = None
+) -> Profile:
     """Every time `profile` measured, times `factor` (a slower host: > 1); with `prompt`
     (prompt_factor), the time a step's prompt work takes times that instead (a prompt-only step's
-    whole time; in a step beside decode streams, what its prompt adds to theirs). Ratios (how steps
-    spread around their fit) and counts stay; a roofline's steps are not a host's and are refused."""
-    if not factor > 0 or not (prompt is None or prompt > 0):
-        raise ProfileError(f"a speed factor must be > 0 (got {factor}, prompt {prompt})")
+    whole time; in a step beside decode streams, what its prompt adds to theirs); with `mixed` (a
+    served trace's, pdserve/sim/trace_speed.py), a step of prompt tokens beside decode streams
+    times that as a whole. Ratios (how steps spread around their fit) and counts stay; a
+    roofline's steps are not a host's and are refused."""
+    if not factor > 0 or not all(f is None or f > 0 for f in (prompt, mixed)):
+        raise ProfileError(f"a speed factor must be > 0 (got {factor}, prompt {prompt}, mixed {mixed})")
     host = profile.host
     measured, prompt = prompt, factor if prompt is None else prompt
+    kinds = (factor, prompt, mixed)
     return replace(
         profile,
-        steps={role: _step(step, factor, prompt) for role, step in profile.steps.items()},
-        steps_busy={role: _step(step, factor, prompt) for role, step in profile.steps_busy.items()},
+        steps={role: _step(step, *kinds) for role, step in profile.steps.items()},
+        steps_busy={role: _step(step, *kinds) for role, step in profile.steps_busy.items()},
         transfers={name: _transfer(t, factor) for name, t in profile.transfers.items()},
         overhead=_times(profile.overhead, factor),
         start_s=profile.start_s * factor,
@@ -208,6 +213,7 @@ def scaled(profile: Profile, factor: float, prompt: float | None = None) -> Prof
         | {
             "speed_factor": round(factor, 4),
             "speed_factor_prompt": None if measured is None else round(measured, 4),
+            "speed_factor_mixed": None if mixed is None else round(mixed, 4),
         },
     )
 
@@ -219,7 +225,7 @@ def _times(item: _Timed, factor: float, keep: tuple[str, ...] = ()) -> _Timed:
     )
 
 
-def _step(step: StepTime, factor: float, prompt: float) -> LinearStep:
+def _step(step: StepTime, factor: float, prompt: float, mixed: float | None = None) -> LinearStep:
     if not isinstance(step, LinearStep):
         raise ProfileError(
             "a roofline's step times are not measured on a host: a speed check cannot scale them"
@@ -235,6 +241,7 @@ def _step(step: StepTime, factor: float, prompt: float) -> LinearStep:
         # The check timed whole prompt-only steps (on a CPU with the stream GEMV, short prompts run
         # on its passes, not on the line's per-token term): their time against the rest's.
         prompt_scale=step.prompt_scale * prompt / factor,
+        mixed_scale=step.mixed_scale * (1.0 if mixed is None else mixed / factor),
     )
 
 
