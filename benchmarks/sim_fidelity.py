@@ -447,7 +447,7 @@ def main() -> int:
             "knee_crossing_error": crossing["error"],
         }
         rows.append(
-            f"| {label} | knee | measured x{knees['measured']} / simulated x{knees['sim']} | | | | | |"
+            f"| {label} | knee | measured x{knees['measured']} / simulated x{knees['sim']} | | | | | | |"
         )
         rows.append(f"| {label} | knee, interpolated | measured {crossing_text(crossing)} | | | | | | |")
         if args.knee_scales:
