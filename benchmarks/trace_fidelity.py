@@ -1,0 +1,237 @@
+"""Where a simulation's miss comes from (issue 33): served runs simulated three ways, from what a
+plan can know beforehand to what the run itself did.
+
+Each run is a fresh `pdserve serve CONFIG --step-trace` under `pdserve bench` at one rate, with a
+speed check of this host right before and right after it; then `pdserve sim` of the same
+deployment and workload, its profile scaled
+- `checks`: by the two checks (their geometric mean; the prompt work by the checks' prompt steps),
+  what a plan can know of the host's speed around the run;
+- `trace`: by the run's own steps (`--speed-trace`: the median of its steps over the profile's
+  fit, its prompt work by its prompt-only steps');
+- `replay`: by those and by how the host's speed moved during the run (`--speed-window`).
+What `trace` still misses is the model's (or the host's moving within the run); what `replay`
+closes of it was the host's, a stall a run-wide factor cannot hold (pdserve/sim/trace_speed.py).
+
+    python benchmarks/trace_fidelity.py --profile profiles/cpu-avx512-epyc-smollm2-served.json \\
+        --out runs/trace-fidelity --duration 120 --slo ttft=3000,itl=200 \\
+        --workload "chat: poisson(2) prompt=lognormal(96,0.4,32,256) output=uniform(24,48)" \\
+        --run "dpd@2=--prefill 1 --decode 1" --run "colocated@0.9=--colocated 2"
+
+`--measured`: simulate the runs already in --out again (no serving). Writes each run's folder
+(LABEL@SCALE/: the checks, steps.jsonl, bench/, and sim-checks/, sim-trace/, sim-replay/, each
+with a folder a draw) and `trace_fidelity.md` / `.json` (the table: each simulated cell the median of
+its draws'; `--draws N` simulations a mode, each on its own draw of the steps' deviations). Run on a quiet machine: server and client share its cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MODES = ("checks", "trace", "replay")
+CELLS = (
+    ("ttft_ms", "p50"),
+    ("ttft_ms", "p90"),
+    ("itl_ms", "p50"),
+    ("itl_ms", "p90"),
+)
+PARTS = ("prefill_queue", "prefill_compute", "kv_transfer", "first_decode")
+
+
+@dataclass(frozen=True)
+class Run:
+    label: str
+    scale: float
+    serve_args: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.label}@{self.scale:g}"
+
+
+def parse_run(text: str) -> Run:
+    """LABEL@SCALE=SERVE ARGS, e.g. "dpd@2=--prefill 1 --decode 1"."""
+    head, sep, serve_args = text.partition("=")
+    label, at, scale = head.partition("@")
+    try:
+        value = float(scale)
+    except ValueError:
+        value = -1.0
+    if not (sep and at and label and serve_args.strip() and value > 0):
+        raise argparse.ArgumentTypeError(
+            f'a run is LABEL@RATE_SCALE=SERVE ARGS ("dpd@2=--prefill 1 --decode 1"), got {text!r}'
+        )
+    return Run(label, value, serve_args.strip())
+
+
+def measure(args: argparse.Namespace, run: Run, folder: Path) -> None:
+    """The run served and benched, with a speed check of the host on either side."""
+    from pdserve.measure.server import running
+
+    folder.mkdir(parents=True, exist_ok=True)
+    check = [sys.executable, "-m", "pdserve.cli", "profile", "--model", args.model, "--speed-check"]
+    subprocess.run([*check, "--out", str(folder / "check-before.json")], check=True)
+    flags = [*shlex.split(run.serve_args), "--step-trace", str(folder / "steps.jsonl")]
+    with running(args.model, flags) as server:
+        bench = [sys.executable, "-m", "pdserve.cli", "bench", "--url", server.url, "--model", args.model]
+        bench += [
+            "--workload",
+            args.workload,
+            "--rate-scale",
+            f"{run.scale:g}",
+            "--duration",
+            str(args.duration),
+        ]
+        bench += ["--slo", args.slo, "--seed", str(args.seed), "--out", str(folder / "bench")]
+        subprocess.run(bench, check=True, timeout=args.duration + args.drain_timeout + 120)
+    subprocess.run([*check, "--out", str(folder / "check-after.json")], check=True)
+
+
+def simulate(args: argparse.Namespace, run: Run, folder: Path, mode: str, draw: int) -> bool:
+    """`pdserve sim` of the run, its profile scaled as `mode` says, on the steps' deviations'
+    draw `draw`; False where the run lacks what the mode needs (no checks beside it)."""
+    command = [sys.executable, "-m", "pdserve.cli", "sim", "--profile", str(args.profile)]
+    command += [*shlex.split(run.serve_args), "--workload", args.workload, "--rate-scale", f"{run.scale:g}"]
+    command += ["--duration", str(args.duration), "--seed", str(args.seed), "--report-slo", args.slo]
+    command += ["--noise-seed", str(draw), "--out", str(folder / f"sim-{mode}" / f"draw-{draw}")]
+    command.append("--client-on-host")  # the bench ran on the servers' host
+    if mode == "checks":
+        checks = [folder / "check-before.json", folder / "check-after.json"]
+        if not all(path.exists() for path in checks):
+            return False
+        command += ["--speed-check", *map(str, checks)]
+    else:
+        command += ["--speed-trace", str(folder / "steps.jsonl")]
+    if mode == "replay":
+        command += ["--speed-window", str(args.window)]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    return True
+
+
+def cells(summary: dict[str, Any]) -> dict[str, float | None]:
+    """A summary's cells by name: overall and per class TTFT / ITL p50 and p90, the share of
+    requests within the SLO, and the mean of each part of a remotely prefilled TTFT."""
+    out: dict[str, float | None] = {}
+    sections = {"all": summary.get("overall", {})} | summary.get("classes", {})
+    for section, body in sections.items():
+        for metric, stat in CELLS:
+            v = body.get(metric, {}).get(stat)
+            out[f"{section} {metric[:-3]} {stat}"] = None if v is None else float(v)
+        requests = body.get("requests") or 0
+        good = body.get("good_requests")
+        out[f"{section} in SLO"] = None if good is None or not requests else good / requests
+    for part in PARTS:
+        mean = summary.get("ttft_parts", {}).get(part, {}).get("mean_ms")
+        out[f"part {part} mean"] = None if mean is None else float(mean)
+    return out
+
+
+def error(name: str, sim: float | None, measured: float | None) -> float | None:
+    """A latency's relative error; a share's difference in points (a share is a fraction already)."""
+    if sim is None or measured is None:
+        return None
+    if name.endswith("in SLO"):
+        return sim - measured
+    return (sim - measured) / measured if measured else None
+
+
+def compare(folder: Path) -> dict[str, Any]:
+    """One run's measured cells, and each mode's simulated cells' error: the median of its draws'
+    (a simulated run near a knee is one draw of the steps' deviations, as a served run is one run)."""
+    measured = cells(json.loads((folder / "bench" / "summary.json").read_text()))
+    draws = {
+        mode: [
+            cells(json.loads(path.read_text()))
+            for path in sorted((folder / f"sim-{mode}").glob("draw-*/summary.json"))
+        ]
+        for mode in MODES
+    }
+    rows: dict[str, Any] = {}
+    for name, value in measured.items():
+        row: dict[str, Any] = {"measured": value}
+        for mode in MODES:
+            values = [v for v in (d.get(name) for d in draws[mode]) if v is not None]
+            row[mode] = error(name, statistics.median(values), value) if values else None
+        rows[name] = row
+    return rows
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    for run, rows in results.items():
+        lines += [
+            f"### {run}",
+            "",
+            "| cell | measured | " + " | ".join(MODES) + " |",
+            "|---" * (2 + len(MODES)) + "|",
+        ]
+        for name, row in rows.items():
+            if row["measured"] is None:
+                continue
+            share = name.endswith("in SLO")
+            shown = f"{row['measured']:.0%}" if share else f"{row['measured']:.0f} ms"
+            errors = [
+                "-" if row[m] is None else (f"{100 * row[m]:+.0f} pt" if share else f"{row[m]:+.0%}")
+                for m in MODES
+            ]
+            lines.append(f"| {name} | {shown} | " + " | ".join(errors) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", type=Path, required=True, help="a profile fitted to served steps")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--workload", required=True)
+    p.add_argument("--run", type=parse_run, action="append", required=True, metavar="LABEL@SCALE=SERVE ARGS")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of load a run")
+    p.add_argument("--slo", default="ttft=3000,itl=200")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--window", type=float, default=5.0, help="the replay's windows, seconds")
+    p.add_argument(
+        "--draws", type=int, default=3, help="simulations a mode, each on its own draw of the steps"
+    )
+    p.add_argument("--drain-timeout", type=float, default=120.0)
+    p.add_argument("--measured", action="store_true", help="simulate the runs in --out again, no serving")
+    args = p.parse_args(argv)
+    if not args.window > 0:
+        p.error("--window must be > 0 seconds")
+    if args.draws < 1:
+        p.error("--draws must be >= 1")
+    if len({run.name for run in args.run}) != len(args.run):
+        p.error("two runs share a LABEL@SCALE: each is a folder of its own")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = {}
+    for run in args.run:
+        folder = args.out / run.name
+        if not args.measured:
+            measure(args, run, folder)
+        elif not (folder / "bench" / "summary.json").exists():
+            print(f"{folder}: no measured run there (drop --measured to serve it)", file=sys.stderr)
+            return 2
+        for mode in MODES:
+            for draw in range(args.draws):
+                simulate(args, run, folder, mode, draw)
+        results[run.name] = compare(folder)
+    text = table(results)
+    (args.out / "trace_fidelity.md").write_text(text)
+    (args.out / "trace_fidelity.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
