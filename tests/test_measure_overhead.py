@@ -11,7 +11,7 @@ from serving import children
 
 from pdserve.bench.summary import RequestRecord
 from pdserve.measure import overhead
-from pdserve.sim.profile import LinearStep
+from pdserve.sim.step_time import LinearStep
 
 
 def test_the_overhead_is_what_the_client_saw_beyond_the_steps() -> None:

@@ -25,7 +25,8 @@ from pdserve.sim.calibrate import (
     read_trace,
     spread_of,
 )
-from pdserve.sim.profile import LinearStep, LoopTime, Overhead, ProfileError, StreamPasses
+from pdserve.sim.profile import LoopTime, Overhead
+from pdserve.sim.step_time import LinearStep, ProfileError, StreamPasses
 
 WORKLOAD = "poisson(20) prompt=uniform(20,300) output=uniform(2,40)"
 

@@ -20,7 +20,8 @@ from pdserve.config import POOL_ROLES, EngineConfig, WorkerConfig
 from pdserve.costmodel import Step
 from pdserve.sim.cluster import SimCluster, drawn
 from pdserve.sim.host import HostLoad
-from pdserve.sim.profile import HostCpu, LinearStep, Spread
+from pdserve.sim.profile import HostCpu
+from pdserve.sim.step_time import LinearStep, Spread
 from pdserve.sim.worker import SimConnector
 
 

@@ -20,7 +20,8 @@ from test_sim_profile import fixed_profile
 from pdserve.bench.workload import parse_workload
 from pdserve.cli import main
 from pdserve.sim import run as runner
-from pdserve.sim.profile import HostCpu, LinearStep, Profile, ServedPull, TransferTime
+from pdserve.sim.profile import HostCpu, Profile, ServedPull, TransferTime
+from pdserve.sim.step_time import LinearStep
 
 
 def sim(tmp_path: Path, profile: Profile, *flags: str) -> dict:  # type: ignore[type-arg]

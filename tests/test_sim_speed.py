@@ -14,18 +14,9 @@ from test_sim_profile import fixed_profile
 from pdserve.cli import main
 from pdserve.costmodel import Step
 from pdserve.sim import speed
-from pdserve.sim.profile import (
-    HostCpu,
-    LinearStep,
-    LoopTime,
-    ProfileError,
-    RooflineStep,
-    ServedPull,
-    Spread,
-    StreamPasses,
-    TransferTime,
-)
+from pdserve.sim.profile import HostCpu, LoopTime, ServedPull, TransferTime
 from pdserve.sim.speed import SpeedCheck
+from pdserve.sim.step_time import LinearStep, ProfileError, RooflineStep, Spread, StreamPasses
 
 STEPS = tuple((Step(0, 0, streams, 40 * streams), 0.02 + 0.001 * streams) for streams in range(1, 11))
 

@@ -14,8 +14,8 @@ from test_sim_trace_speed import write_trace
 
 from pdserve.costmodel import Step
 from pdserve.errors import PdserveError
-from pdserve.sim.profile import ProfileError
 from pdserve.sim.speed_options import host_speed
+from pdserve.sim.step_time import ProfileError
 
 
 def options(**changes: object) -> argparse.Namespace:

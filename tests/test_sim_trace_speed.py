@@ -14,8 +14,8 @@ from test_sim_profile import fixed_profile
 from pdserve.cli import main
 from pdserve.costmodel import Step
 from pdserve.sim import speed
-from pdserve.sim.profile import LinearStep, ProfileError, Spread
 from pdserve.sim.speed import SpeedCheck
+from pdserve.sim.step_time import LinearStep, ProfileError, Spread
 from pdserve.sim.trace_speed import SpeedCourse, speed_course, trace_speed
 
 

@@ -30,7 +30,8 @@ from pdserve.bench.summary import RequestRecord
 from pdserve.costmodel import Step, chunk_attention
 from pdserve.errors import PdserveError
 from pdserve.measure.server import running
-from pdserve.sim.profile import HostCpu, Overhead, StepTime
+from pdserve.sim.profile import HostCpu, Overhead
+from pdserve.sim.step_time import StepTime
 
 logger = logging.getLogger("pdserve.measure")
 

@@ -32,7 +32,7 @@ from pdserve.errors import PdserveError
 from pdserve.measure import neighbour
 from pdserve.ops.cpu.linear import PackedLinear
 from pdserve.sampling_params import SamplingParams
-from pdserve.sim.profile import LinearStep, StreamPasses
+from pdserve.sim.step_time import LinearStep, StreamPasses
 
 logger = logging.getLogger("pdserve.measure")
 

@@ -33,17 +33,8 @@ import numpy as np
 from pdserve import slo
 from pdserve.costmodel import Step
 from pdserve.router.recorder import STEP_TRACE_KEYS
-from pdserve.sim.profile import (
-    LinearStep,
-    LoopTime,
-    Profile,
-    ProfileError,
-    ServedPull,
-    Spread,
-    StreamPasses,
-    TransferTime,
-    line_features,
-)
+from pdserve.sim.profile import LoopTime, Profile, ServedPull, TransferTime
+from pdserve.sim.step_time import LinearStep, ProfileError, Spread, StreamPasses, line_features
 
 OPTIONAL_KEYS = (
     "pull_wait_seconds",

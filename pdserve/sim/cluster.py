@@ -28,7 +28,8 @@ from pdserve.engine.core import step_features
 from pdserve.engine.sched_types import SchedulerOutput
 from pdserve.router.channel import ChannelEvents
 from pdserve.sim.host import HostLoad
-from pdserve.sim.profile import LinearStep, Profile, ProfileError
+from pdserve.sim.profile import Profile
+from pdserve.sim.step_time import LinearStep, ProfileError
 from pdserve.sim.trace_speed import SpeedCourse
 from pdserve.sim.worker import SimConnector, SimWorker, WorkerFactory
 

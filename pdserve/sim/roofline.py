@@ -19,7 +19,8 @@ from typing import Any
 
 from pdserve.errors import PdserveError
 from pdserve.modelfiles.config import ModelConfig
-from pdserve.sim.profile import Overhead, Profile, RooflineStep, TransferTime
+from pdserve.sim.profile import Overhead, Profile, TransferTime
+from pdserve.sim.step_time import RooflineStep
 
 
 @dataclass(frozen=True)

@@ -26,18 +26,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pdserve.costmodel import Step
-from pdserve.sim.profile import (
-    HostCpu,
-    LinearStep,
-    LoopTime,
-    Overhead,
-    Profile,
-    ProfileError,
-    ServedPull,
-    Spread,
-    StepTime,
-    TransferTime,
-)
+from pdserve.sim.profile import HostCpu, LoopTime, Overhead, Profile, ServedPull, TransferTime
+from pdserve.sim.step_time import LinearStep, ProfileError, Spread, StepTime
 
 _Timed = TypeVar("_Timed", Overhead, HostCpu)
 

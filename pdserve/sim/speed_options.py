@@ -12,7 +12,8 @@ from pathlib import Path
 
 from pdserve.errors import PdserveError
 from pdserve.sim import speed
-from pdserve.sim.profile import LinearStep, Profile
+from pdserve.sim.profile import Profile
+from pdserve.sim.step_time import LinearStep
 from pdserve.sim.trace_speed import SpeedCourse, speed_course, trace_speed
 
 

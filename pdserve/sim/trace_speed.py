@@ -25,8 +25,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.sim.profile import LinearStep, Profile, ProfileError, StepTime
+from pdserve.sim.profile import Profile
 from pdserve.sim.speed import MIN_PAIRS, MIN_PROMPT_STEPS
+from pdserve.sim.step_time import LinearStep, ProfileError, StepTime
 
 MIN_WINDOW_STEPS = 3  # a window's steps of one pool, at least, for a factor of its own (else x1)
 
