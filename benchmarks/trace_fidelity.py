@@ -6,8 +6,8 @@ speed check of this host right before and right after it; then `pdserve sim` of 
 deployment and workload, its profile scaled
 - `checks`: by the two checks (their geometric mean; the prompt work by the checks' prompt steps),
   what a plan can know of the host's speed around the run;
-- `trace`: by the run's own steps (`--speed-trace`: the median of its steps over the profile's
-  fit, its prompt work by its prompt-only steps');
+- `trace`: by the run's own steps (`--speed-trace`: the median of its decode steps over the
+  profile's fit, its prompt-only and its mixed steps each by their own);
 - `replay`: by those and by how the host's speed moved during the run (`--speed-window`).
 What `trace` still misses is the model's (or the host's moving within the run); what `replay`
 closes of it was the host's, a stall a run-wide factor cannot hold (pdserve/sim/trace_speed.py).
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -43,6 +44,8 @@ CELLS = (
     ("itl_ms", "p90"),
 )
 PARTS = ("prefill_queue", "prefill_compute", "kv_transfer", "first_decode")
+CHECK_TIMEOUT_S = 600.0  # a speed check is ~30 s of a fresh engine
+SIM_TIMEOUT_S = 1800.0  # a simulated run of minutes takes seconds; an hour of trace about a minute
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ def measure(args: argparse.Namespace, run: Run, folder: Path) -> None:
 
     folder.mkdir(parents=True, exist_ok=True)
     check = [sys.executable, "-m", "pdserve.cli", "profile", "--model", args.model, "--speed-check"]
-    subprocess.run([*check, "--out", str(folder / "check-before.json")], check=True)
+    subprocess.run([*check, "--out", str(folder / "check-before.json")], check=True, timeout=CHECK_TIMEOUT_S)
     flags = [*shlex.split(run.serve_args), "--step-trace", str(folder / "steps.jsonl")]
     with running(args.model, flags) as server:
         bench = [sys.executable, "-m", "pdserve.cli", "bench", "--url", server.url, "--model", args.model]
@@ -90,8 +93,10 @@ def measure(args: argparse.Namespace, run: Run, folder: Path) -> None:
             str(args.duration),
         ]
         bench += ["--slo", args.slo, "--seed", str(args.seed), "--out", str(folder / "bench")]
-        subprocess.run(bench, check=True, timeout=args.duration + args.drain_timeout + 120)
-    subprocess.run([*check, "--out", str(folder / "check-after.json")], check=True)
+        bench += ["--drain-timeout", str(args.drain_timeout)]
+        # The load, its drain, and the client's start and report.
+        subprocess.run(bench, check=True, timeout=args.duration + args.drain_timeout + 300)
+    subprocess.run([*check, "--out", str(folder / "check-after.json")], check=True, timeout=CHECK_TIMEOUT_S)
 
 
 def simulate(args: argparse.Namespace, run: Run, folder: Path, mode: str, draw: int) -> bool:
@@ -100,6 +105,7 @@ def simulate(args: argparse.Namespace, run: Run, folder: Path, mode: str, draw: 
     command = [sys.executable, "-m", "pdserve.cli", "sim", "--profile", str(args.profile)]
     command += [*shlex.split(run.serve_args), "--workload", args.workload, "--rate-scale", f"{run.scale:g}"]
     command += ["--duration", str(args.duration), "--seed", str(args.seed), "--report-slo", args.slo]
+    command += ["--finish-timeout", str(args.drain_timeout)]  # as the bench drained
     command += ["--noise-seed", str(draw), "--out", str(folder / f"sim-{mode}" / f"draw-{draw}")]
     command.append("--client-on-host")  # the bench ran on the servers' host
     if mode == "checks":
@@ -111,7 +117,7 @@ def simulate(args: argparse.Namespace, run: Run, folder: Path, mode: str, draw: 
         command += ["--speed-trace", str(folder / "steps.jsonl")]
     if mode == "replay":
         command += ["--speed-window", str(args.window)]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, timeout=SIM_TIMEOUT_S)
     return True
 
 
@@ -142,14 +148,15 @@ def error(name: str, sim: float | None, measured: float | None) -> float | None:
     return (sim - measured) / measured if measured else None
 
 
-def compare(folder: Path) -> dict[str, Any]:
+def compare(folder: Path, draws_a_mode: int) -> dict[str, Any]:
     """One run's measured cells, and each mode's simulated cells' error: the median of its draws'
     (a simulated run near a knee is one draw of the steps' deviations, as a served run is one run)."""
     measured = cells(json.loads((folder / "bench" / "summary.json").read_text()))
     draws = {
         mode: [
             cells(json.loads(path.read_text()))
-            for path in sorted((folder / f"sim-{mode}").glob("draw-*/summary.json"))
+            for path in (folder / f"sim-{mode}" / f"draw-{k}" / "summary.json" for k in range(draws_a_mode))
+            if path.exists()
         ]
         for mode in MODES
     }
@@ -203,8 +210,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=120.0)
     p.add_argument("--measured", action="store_true", help="simulate the runs in --out again, no serving")
     args = p.parse_args(argv)
-    if not args.window > 0:
-        p.error("--window must be > 0 seconds")
+    if not args.window >= 1:
+        p.error("--window must be at least 1 second (a window holds a few steps)")
+    if not (args.duration > 0 and args.drain_timeout > 0):
+        p.error("--duration and --drain-timeout must be > 0 seconds")
     if args.draws < 1:
         p.error("--draws must be >= 1")
     if len({run.name for run in args.run}) != len(args.run):
@@ -212,20 +221,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def unusable(args: argparse.Namespace) -> str | None:
+    """Why the runs cannot be simulated as asked, found before any serving (None: they can)."""
+    from pdserve.sim import profile as profiles
+    from pdserve.sim.step_time import ProfileError
+
+    try:
+        profile = profiles.load(args.profile)
+    except ProfileError as exc:
+        return str(exc)
+    if profile.steps_from != "serving":
+        return f"{args.profile}: a step trace scales only a profile fitted to served steps (pdserve profile --served)"
+    if args.measured:
+        for run in args.run:
+            folder = args.out / run.name
+            if not all((folder / name).exists() for name in ("bench/summary.json", "steps.jsonl")):
+                return f"{folder}: no measured run there (its bench/ and steps.jsonl; drop --measured to serve it)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    why = unusable(args)
+    if why is not None:
+        print(why, file=sys.stderr)
+        return 2
     results = {}
     for run in args.run:
         folder = args.out / run.name
         if not args.measured:
             measure(args, run, folder)
-        elif not (folder / "bench" / "summary.json").exists():
-            print(f"{folder}: no measured run there (drop --measured to serve it)", file=sys.stderr)
-            return 2
         for mode in MODES:
+            shutil.rmtree(folder / f"sim-{mode}", ignore_errors=True)  # no draw of an earlier reading
             for draw in range(args.draws):
                 simulate(args, run, folder, mode, draw)
-        results[run.name] = compare(folder)
+        results[run.name] = compare(folder, args.draws)
     text = table(results)
     (args.out / "trace_fidelity.md").write_text(text)
     (args.out / "trace_fidelity.json").write_text(json.dumps(results, indent=1) + "\n")

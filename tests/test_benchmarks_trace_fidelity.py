@@ -78,19 +78,28 @@ def test_a_run_simulated_by_its_own_trace_comes_out_again(
     for name in ("all ttft p50", "all ttft p90", "all itl p50", "all itl p90", "all in SLO"):
         assert rows[name]["checks"] is None
         assert rows[name]["trace"] == pytest.approx(0.0, abs=1e-6), name
+        assert rows[name]["replay"] == pytest.approx(0.0, abs=1e-6), name  # a steady host: x1 throughout
     table = (tmp_path / "out" / "trace_fidelity.md").read_text()
     assert "### dpd@1" in table and "| all ttft p50 |" in table and "+0%" in table
     # Nothing measured where --measured looks: said, and no table.
     argv[argv.index("dpd@1=--prefill 1 --decode 1")] = "other@1=--colocated 1"
     assert trace_fidelity.main(argv) == 2
     assert "no measured run there" in capsys.readouterr().err
+    # A sweep's profile (its steps not served ones) is refused before anything is served.
+    replace(served, steps_from="alone").save(tmp_path / "sweep.json")
+    argv[argv.index(str(tmp_path / "served.json"))] = str(tmp_path / "sweep.json")
+    assert trace_fidelity.main(argv) == 2
+    assert "only a profile fitted to served steps" in capsys.readouterr().err
 
 
 def test_the_options_are_checked_before_anything_runs(capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--profile", "p.json", "--out", "o", "--workload", WORKLOAD, "--run", "a@1=--colocated 1"]
     with pytest.raises(SystemExit):
-        trace_fidelity.parse_args([*base, "--window", "0"])
-    assert "--window must be > 0" in capsys.readouterr().err
+        trace_fidelity.parse_args([*base, "--window", "0.5"])
+    assert "--window must be at least 1 second" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        trace_fidelity.parse_args([*base, "--duration", "0"])
+    assert "--duration and --drain-timeout must be > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         trace_fidelity.parse_args([*base, "--run", "a@1=--colocated 2"])
     assert "two runs share a LABEL@SCALE" in capsys.readouterr().err

@@ -272,3 +272,18 @@ def test_another_noise_seed_draws_the_steps_anew_on_the_same_load(tmp_path: Path
 
     assert gaps(1) == gaps(1) and gaps(0) == gaps(0)
     assert gaps(1) != gaps(0)
+    # `pdserve sim --noise-seed` picks the draw: the CLI's run is the same as the function's.
+    profile.save(tmp_path / "noisy.json")
+    cli = ["sim", "--profile", str(tmp_path / "noisy.json"), "--colocated", "1", "--max-requests", "30"]
+    cli += ["--workload", "poisson(5) prompt=fixed(64) output=fixed(16)", "--seed", "0"]
+    for seed in (0, 1):
+        assert main([*cli, "--noise-seed", str(seed), "--out", str(tmp_path / f"draw-{seed}")]) == 0
+        records = [
+            json.loads(line)
+            for line in (tmp_path / f"draw-{seed}" / "records.jsonl").read_text().splitlines()
+        ]
+        chunks = [r["chunk_times_s"] for r in sorted(records, key=lambda r: r["index"])]
+        cli_gaps = [b - a for times in chunks for a, b in itertools.pairwise(times)]
+        assert cli_gaps == pytest.approx(gaps(seed), abs=1e-9)
+        summary = json.loads((tmp_path / f"draw-{seed}" / "summary.json").read_text())
+        assert summary["simulation"]["noise_seed"] == seed

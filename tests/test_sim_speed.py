@@ -160,6 +160,9 @@ def test_a_served_traces_mixed_steps_scale_as_a_whole() -> None:
         scaled.meta["speed_factor_mixed"] == 1.0
         and speed.scaled(profile, 1.2).meta["speed_factor_mixed"] is None
     )
+    # Mixed steps at the run's own factor are still set apart: their prompt is not the prompts' pace.
+    alike = speed.scaled(profile, 0.96, 0.80, 0.96).step_time("decode")
+    assert alike.seconds(mixed) == pytest.approx(0.96 * linear.seconds(mixed))
     # A headroom on top (another scaling) compounds, mixed steps included.
     again = speed.scaled(scaled, 1.1).step_time("decode")
     assert again.seconds(mixed) == pytest.approx(1.1 * linear.seconds(mixed))

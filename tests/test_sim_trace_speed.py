@@ -16,7 +16,7 @@ from pdserve.costmodel import Step
 from pdserve.sim import speed
 from pdserve.sim.speed import SpeedCheck
 from pdserve.sim.step_time import LinearStep, ProfileError, Spread
-from pdserve.sim.trace_speed import SpeedCourse, speed_course, trace_speed
+from pdserve.sim.trace_speed import MIN_KIND_STEPS, SpeedCourse, speed_course, trace_speed
 
 
 def served_profile(tmp_path: Path, **changes: float) -> Path:
@@ -49,7 +49,7 @@ def test_a_served_runs_step_trace_says_the_hosts_speed_while_it_served(
     assert traced.factor == pytest.approx(2.0)  # most steps are the decode worker's
     assert traced.prompt == pytest.approx(1.5)  # the prefill worker's, prompt-only
     assert traced.steps == len(trace.read_text().splitlines()) >= speed.MIN_PAIRS
-    assert traced.prompt_steps >= speed.MIN_PROMPT_STEPS
+    assert traced.prompt_steps >= MIN_KIND_STEPS
     out = tmp_path / "scaled"
     assert main([*run, "--profile", str(served_path), "--speed-trace", str(trace), "--out", str(out)]) == 0
     simulation = json.loads((out / "summary.json").read_text())["simulation"]
@@ -180,10 +180,33 @@ def test_a_stall_in_the_trace_is_a_slow_window(tmp_path: Path) -> None:
     # A window with fewer than three steps of the pool says nothing of its own.
     write_trace(trace, [1.0, 3.0], per_window=2)
     assert speed_course(profile, [trace], 10.0).factors == {"colocated": (1.0, 1.0)}
-    with pytest.raises(ProfileError, match="> 0 seconds"):
-        speed_course(profile, [trace], 0.0)
+    with pytest.raises(ProfileError, match="at least 1 s"):
+        speed_course(profile, [trace], 0.5)
     with pytest.raises(ProfileError, match="give one step trace"):
         speed_course(profile, [trace, trace], 10.0)
+
+
+def test_a_window_busy_with_prompts_reads_the_host_not_its_mix(tmp_path: Path) -> None:
+    # Mixed steps ran at 1.2 times their fit all run long, decode steps at 1: the host did not
+    # move. A window with more mixed steps than the run's share still reads x1 (the simulation runs
+    # mixed steps at their own pace already: counting the mix again would slow them twice).
+    profile = replace(fixed_profile(step=0.01, per_token=1e-4, per_stream=0.002), steps_from="serving")
+    rows = []
+    for window, mixed_share in enumerate((0.2, 0.8, 0.2)):
+        for k in range(10):
+            mixed = k < mixed_share * 10
+            step = {"prefill_tokens": 16 if mixed else 0, "prefill_attention": 136 if mixed else 0}
+            step |= {"decode_streams": 1, "decode_context": 100}
+            fitted = 0.01 + 0.002 + (16e-4 if mixed else 0.0)
+            rows.append(
+                {"t_s": window * 10.0 + k, "worker": "colocated-0", "pool": "colocated"}
+                | {"seconds": fitted * (1.2 if mixed else 1.0)}
+                | step
+                | {"loop_seconds": 0.0, "pull_wait_seconds": 0.0, "pull_blocks": 0, "pull_seconds": 0.0}
+            )
+    trace = tmp_path / "steps.jsonl"
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert speed_course(profile, [trace], 10.0).factors == {"colocated": pytest.approx((1.0, 1.0, 1.0))}
 
 
 def test_a_simulation_replays_the_hosts_speed_window_by_window(

@@ -103,7 +103,7 @@ class SimCluster:
         # tail adds up to more work than the fit's median), else lognormal with the fit's median
         # error (median-preserving). The router's cost model sees that spread in the simulation as
         # it does in serving (its stall margin and its fit). Seeded by the worker's id (and the
-        # run's noise seed, `plan --repeats`): a run is reproducible.
+        # run's noise seed: `sim --noise-seed`, `plan --repeats`): a run is reproducible.
         spread_at = (
             step_time.spread_at
             if isinstance(step_time, LinearStep) and (step_time.spread or step_time.mixed_spread)

@@ -94,16 +94,17 @@ def add_simulation_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="instead of --speed-check: a served run's step trace (`pdserve serve --step-trace`) on this "
-        "host; the profile (fitted to served steps) is scaled by the median of the trace's steps over "
-        "its fit, and the prompt work by its prompt-only steps': the host's speed while it served, from "
-        "every step rather than a check's seconds",
+        "host; the profile (fitted to served steps) is scaled by the median of the trace's decode "
+        "steps over its fit, its prompt-only steps and its mixed steps (prompts beside streams) each "
+        "by their own: the host's speed while it served, from every step rather than a check's seconds",
     )
     p.add_argument(
         "--headroom",
         type=float,
         default=0.0,
         metavar="FRACTION",
-        help="simulate a host this much slower than the profile (after --speed-check) says: 0.1 scales "
+        help="simulate a host this much slower than the profile (after --speed-check or --speed-trace) "
+        "says: 0.1 scales "
         "every time by 1.1. A deployment near its knee moves by more than the host's speed does (a "
         "2-vCPU host ~10%% slower for half an hour quadrupled a DPD server's TTFT p90 at its knee), "
         "and a check reads the speed to within 5-15%%: plan with the margin you cannot measure",

@@ -231,7 +231,8 @@ def _step(step: StepTime, factor: float, prompt: float, mixed: float | None = No
         # The check timed whole prompt-only steps (on a CPU with the stream GEMV, short prompts run
         # on its passes, not on the line's per-token term): their time against the rest's.
         prompt_scale=step.prompt_scale * prompt / factor,
-        mixed_scale=step.mixed_scale * (1.0 if mixed is None else mixed / factor),
+        # Set by a trace's mixed steps (against this factor), kept through a scaling on top.
+        mixed_scale=step.mixed_scale if mixed is None else (step.mixed_scale or 1.0) * mixed / factor,
     )
 
 

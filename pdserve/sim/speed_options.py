@@ -28,13 +28,6 @@ def host_speed(args: argparse.Namespace, profile: Profile) -> tuple[Profile, Spe
     window = getattr(args, "speed_window", None)
     if window is not None and args.speed_trace is None:
         raise PdserveError("--speed-window replays a served run's speed: give its --speed-trace")
-    course = None if window is None else speed_course(profile, list(args.speed_trace), window)
-    if course is not None:
-        print(
-            f"--speed-window {window:g}: each pool's steps, window by window, as much slower than the "
-            f"run's pace as the trace's: {course.describe()}",
-            file=sys.stderr,
-        )
     # The steps' factor, the prompt work's own where a check says it, a trace's mixed steps' own
     factor, prompt, mixed = 1.0, None, None
     if args.speed_check is not None:
@@ -44,10 +37,17 @@ def host_speed(args: argparse.Namespace, profile: Profile) -> tuple[Profile, Spe
         factor, prompt, mixed = traced.factor, traced.prompt, traced.mixed
         print(
             f"step trace {', '.join(map(str, args.speed_trace))}: its {traced.steps} steps took "
-            f"x{factor:.3f} the profile's fit (the median)"
+            f"x{factor:.3f} the profile's fit (the decode steps' median)"
             + ("" if prompt is None else f", its {traced.prompt_steps} prompt-only steps x{prompt:.3f}")
             + ("" if mixed is None else f", its {traced.mixed_steps} mixed steps x{mixed:.3f}")
             + "; the profile's times scaled by it, each kind of step by its own",
+            file=sys.stderr,
+        )
+    course = None if window is None else speed_course(profile, list(args.speed_trace), window)
+    if course is not None:
+        print(
+            f"--speed-window {window:g}: each pool's steps, window by window, as much slower than the "
+            f"run's pace as the trace's: {course.describe()}",
             file=sys.stderr,
         )
     if headroom > 0:

@@ -142,14 +142,14 @@ class LinearStep:
     prompt_scale: float = 1.0
     # What a step with prompt tokens beside decode streams takes against the fit, as a whole (a
     # served run's mixed steps against its steps as a whole, pdserve/sim/trace_speed.py): a decode
-    # worker's short local chunks do not run at the pace of a prefill worker's prompts. 1: such a
-    # step's prompt part runs at prompt_scale instead.
-    mixed_scale: float = 1.0
+    # worker's short local chunks do not run at the pace of a prefill worker's prompts. None: such
+    # a step's prompt part runs at prompt_scale instead.
+    mixed_scale: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("prompt_scale", "mixed_scale"):
             value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
+            if value is not None and not (math.isfinite(value) and value > 0):
                 raise ProfileError(f"a step time's {name} must be a finite number > 0, got {value}")
         if len(self.pass_coefficients) != 3 or not all(
             math.isfinite(c) and c >= 0 for c in self.pass_coefficients
@@ -183,7 +183,7 @@ class LinearStep:
 
     def seconds(self, step: Step) -> float:
         fitted = self._fitted(step)
-        if self.mixed_scale != 1.0 and step.prefill_tokens > 0 and step.decode_streams > 0:
+        if self.mixed_scale is not None and step.prefill_tokens > 0 and step.decode_streams > 0:
             return fitted * self.mixed_scale
         if self.prompt_scale == 1.0 or step.prefill_tokens == 0:
             return fitted
@@ -220,9 +220,10 @@ class LinearStep:
                 del body[key]  # profiles without one read as before
         if self.passes is None:
             del body["passes"], body["pass_coefficients"]
-        for key in ("prompt_scale", "mixed_scale"):
-            if body[key] == 1.0:
-                del body[key]  # as fitted: profiles read as before
+        if self.prompt_scale == 1.0:
+            del body["prompt_scale"]  # as fitted: profiles read as before
+        if self.mixed_scale is None:
+            del body["mixed_scale"]
         return body
 
 

@@ -4,7 +4,8 @@ the whole run, the prompt work's factor, and how the host's speed moved over the
 `pdserve sim --speed-trace FILE` scales a profile fitted to served steps by what the trace's steps
 took against that fit: the run's median (`TraceSpeed.factor`), and, as a speed check does
 (`speed.prompt_factor`), its prompt-only steps' median for the prompt work (`TraceSpeed.prompt`),
-and its mixed steps' (prompt tokens beside decode streams) for those (`TraceSpeed.mixed`).
+and its mixed steps' (prompt tokens beside decode streams) for those (`TraceSpeed.mixed`); the
+run's factor is then its decode-only steps' median.
 A DPD run at its knee on the AVX512 EPYC read x0.982 over all its steps but x0.895 over its
 prefill worker's: scaled by the one factor the simulated prefill worker ran ~9% slow, near
 saturation, and its documents' TTFT p50 came +29% (p90 +50%); scaled by both, -3% (+22%).
@@ -13,9 +14,10 @@ saturation, and its documents' TTFT p50 came +29% (p90 +50%); scaled by both, -3
 for tens of seconds (the same run's steps 1.2-1.5x their fit for 30 s, after 40 s at 0.92-1.02),
 a backlog forms at the knee and lasts past the stall, and no one factor reproduces that. Each
 window of S seconds of the trace, per pool, takes its steps' time against their fit relative to
-the whole run's; the simulation's steps (and the worker loop's time) run that much longer in the
-same window of the workload (both clocks from the workload's start: the trace's from its first
-step, which comes a prompt's time after the first request). A diagnosis, not a prediction: it
+the whole run's (each kind of step against its kind's); the simulation's steps (and the worker
+loop's time) run that much longer in the same window of the workload (both clocks from the
+workload's start: the trace's from its first step, which comes a prompt's time after the first
+request). A diagnosis, not a prediction: it
 says whether a miss was the model's or the host's, and needs the measured run's own trace.
 """
 
@@ -26,10 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.sim.profile import Profile
-from pdserve.sim.speed import MIN_PAIRS, MIN_PROMPT_STEPS
+from pdserve.sim.speed import MIN_PAIRS
 from pdserve.sim.step_time import LinearStep, ProfileError, StepTime
 
+MIN_KIND_STEPS = 20  # a trace's prompt-only (or mixed) steps, at least, for that kind's own factor
 MIN_WINDOW_STEPS = 3  # a window's steps of one pool, at least, for a factor of its own (else x1)
+MIN_WINDOW_S = 1.0  # a window holds a few steps (the trace's clock is its load reports')
 
 
 @dataclass(frozen=True)
@@ -51,8 +55,8 @@ class TracedStep:
 class TraceSpeed:
     """What a served run's steps took against the profile's fit."""
 
-    factor: float  # the median of measured / fitted over every step
-    prompt: float | None  # the same over its prompt-only steps (None: fewer than MIN_PROMPT_STEPS)
+    factor: float  # the median of measured / fitted over its decode-only steps (all: too few of them)
+    prompt: float | None  # the same over its prompt-only steps (None: fewer than MIN_KIND_STEPS)
     mixed: float | None  # ... over its steps of prompt tokens beside decode streams
     steps: int
     prompt_steps: int
@@ -117,24 +121,28 @@ def traced_steps(profile: Profile, traces: list[Path]) -> list[TracedStep]:
 
 
 def trace_speed(profile: Profile, traces: list[Path]) -> TraceSpeed:
-    """How much longer than `profile`'s served fit the steps of a served run took: the whole
-    run's median, its prompt-only steps' and its mixed steps' (`traced_steps`). The served steps'
-    speed while they ran, from thousands of steps rather than a check's seconds; the steps only
-    (the loop, the router's CPU and the pulls may have moved otherwise). By kind because the host
-    moves them apart: in one hour a DPD run's decode-only steps ran at 0.958 of the fit, its decode
-    worker's mixed steps at 0.997 and its prompts at 0.874-0.905; scaled by the run's median
-    (0.963) and the prompts', the mixed steps, 40% of the tokens, came 6% fast and ITL p50 -10%."""
+    """How much longer than `profile`'s served fit the steps of a served run took: the median of
+    its decode-only steps (of every step where fewer than MIN_PAIRS are: the factor that scales
+    the rest of the profile too), of its prompt-only steps and of its mixed steps (`traced_steps`;
+    a kind with fewer than MIN_KIND_STEPS steps runs at the first). The served steps' speed while
+    they ran, from thousands of steps rather than a check's seconds; the steps only (the loop, the
+    router's CPU and the pulls may have moved otherwise). By kind because the host moves them
+    apart: in one hour a DPD run's decode-only steps ran at 0.958 of the fit, its decode worker's
+    mixed steps at 0.997 and its prompts at 0.874-0.905; scaled by the run's median (0.963) and
+    the prompts', the mixed steps, 40% of the tokens, came 6% fast and ITL p50 -10%."""
     steps = traced_steps(profile, traces)
     if len(steps) < MIN_PAIRS:
         raise ProfileError(
             f"the step trace has {len(steps)} steps of the profile's roles (at least {MIN_PAIRS}): no factor"
         )
-    by_kind = {kind: [step.ratio for step in steps if step.kind == kind] for kind in ("prompt", "mixed")}
+    by_kind = {kind: [s.ratio for s in steps if s.kind == kind] for kind in ("decode", "prompt", "mixed")}
     prompt, mixed = (
-        statistics.median(ratios) if len(ratios) >= MIN_PROMPT_STEPS else None for ratios in by_kind.values()
+        statistics.median(by_kind[kind]) if len(by_kind[kind]) >= MIN_KIND_STEPS else None
+        for kind in ("prompt", "mixed")
     )
+    decode = by_kind["decode"] if len(by_kind["decode"]) >= MIN_PAIRS else [s.ratio for s in steps]
     return TraceSpeed(
-        statistics.median(step.ratio for step in steps),
+        statistics.median(decode),
         prompt,
         mixed,
         len(steps),
@@ -145,22 +153,27 @@ def trace_speed(profile: Profile, traces: list[Path]) -> TraceSpeed:
 
 def speed_course(profile: Profile, traces: list[Path], window_s: float) -> SpeedCourse:
     """The host's speed over the run, window by window (SpeedCourse). One run's trace: another
-    run's clock is not this one's."""
-    if not window_s > 0:
-        raise ProfileError(f"a speed window must be > 0 seconds (got {window_s})")
+    run's clock is not this one's. Each step against its kind's pace over the whole run (the
+    simulation runs each kind at its own: `trace_speed`), so that a window busy with prompts reads
+    the host, not its mix."""
+    if not window_s >= MIN_WINDOW_S:
+        raise ProfileError(f"a speed window must be at least {MIN_WINDOW_S:g} s (got {window_s})")
     if len(traces) != 1:
         raise ProfileError("the speed over time replays one run: give one step trace with a window")
     steps = traced_steps(profile, traces)
     factors: dict[str, tuple[float, ...]] = {}
     for pool in sorted({step.pool for step in steps}):
         mine = [step for step in steps if step.pool == pool]
-        whole = sum(s.seconds for s in mine) / sum(s.expected for s in mine)
+        pace = {}  # each kind's measured over fitted over the whole run
+        for kind in {s.kind for s in mine}:
+            of_kind = [s for s in mine if s.kind == kind]
+            pace[kind] = sum(s.seconds for s in of_kind) / sum(s.expected for s in of_kind)
         count = int(max(s.t_s for s in mine) // window_s) + 1
         windows: list[list[TracedStep]] = [[] for _ in range(count)]
         for step in mine:
             windows[int(step.t_s // window_s)].append(step)
         factors[pool] = tuple(
-            sum(s.seconds for s in w) / sum(s.expected for s in w) / whole
+            sum(s.seconds for s in w) / sum(s.expected * pace[s.kind] for s in w)
             if len(w) >= MIN_WINDOW_STEPS
             else 1.0
             for w in windows

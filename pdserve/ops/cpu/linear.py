@@ -76,7 +76,7 @@ def stream_linear_f32_available() -> bool:
 STREAM_COLS, STREAM_PAIR = 48, 2  # cpu_gemv.cpp's kCols and kPair
 STREAM_F32_COLS = 16  # cpu_gemv_f32.cpp's kCols
 # Input rows per pass over a tile of the weights (the kernels' kMaxRows): a step's time on the
-# stream climbs by one pass's arithmetic every this many rows (pdserve/sim/profile.py models it).
+# stream climbs by one pass's arithmetic every this many rows (pdserve/sim/step_time.py models it).
 STREAM_ROWS_PER_PASS, STREAM_F32_ROWS_PER_PASS = 8, 4
 
 
