@@ -186,6 +186,24 @@ def test_a_stall_in_the_trace_is_a_slow_window(tmp_path: Path) -> None:
         speed_course(profile, [trace, trace], 10.0)
 
 
+def test_a_trace_of_prompts_alone_takes_its_factor_from_every_step(tmp_path: Path) -> None:
+    # A prefill worker's trace has no decode step: the run's factor is then all its steps' median.
+    profile = replace(fixed_profile(step=0.01, per_token=1e-4), steps_from="serving")
+    rows = [
+        {"t_s": float(k), "worker": "prefill-0", "pool": "prefill", "seconds": (0.01 + 1e-4 * 64) * 1.5}
+        | {"prefill_tokens": 64, "prefill_attention": 2080, "decode_streams": 0, "decode_context": 0}
+        | {"loop_seconds": 0.0, "pull_wait_seconds": 0.0, "pull_blocks": 0, "pull_seconds": 0.0}
+        for k in range(MIN_KIND_STEPS)
+    ]
+    trace = tmp_path / "steps.jsonl"
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    traced = trace_speed(profile, [trace])
+    assert (traced.factor, traced.prompt, traced.mixed) == (pytest.approx(1.5), pytest.approx(1.5), None)
+    # Fewer prompt steps than a kind's own factor needs: they run at the run's.
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows[: MIN_KIND_STEPS - 1]))
+    assert trace_speed(profile, [trace]).prompt is None
+
+
 def test_a_window_busy_with_prompts_reads_the_host_not_its_mix(tmp_path: Path) -> None:
     # Mixed steps ran at 1.2 times their fit all run long, decode steps at 1: the host did not
     # move. A window with more mixed steps than the run's share still reads x1 (the simulation runs
