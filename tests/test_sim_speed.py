@@ -172,6 +172,41 @@ def test_a_served_traces_mixed_steps_scale_as_a_whole() -> None:
         LinearStep((0.01, 0, 0, 0, 0), mixed_scale=0.0)
 
 
+def test_a_served_traces_prompts_on_the_gemm_scale_apart_from_the_stream_gemvs() -> None:
+    """A served trace times prompt-only steps on the GEMM (rows past the stream GEMV) apart from
+    those on its passes: such a step's prompt work runs at the GEMM's factor, a short prompt at the
+    prompt factor, a mixed step as before; a check on top moves both prompt kinds alike; the scale
+    survives the profile's JSON; without the stream GEMV known, there is no GEMM to tell apart."""
+    linear = LinearStep((0.01, 1e-4, 1e-9, 2e-3, 1e-6))
+    gemv = replace(linear, passes=StreamPasses(8, 128, 32), pass_coefficients=(0.004, 0.01, 0.002))
+    profile = replace(fixed_profile(), steps={"prefill": gemv, "decode": linear}, steps_busy={})
+    long, short, decode = Step(1024, 524800, 0, 0), Step(64, 2080, 0, 0), Step(0, 0, 8, 2000)
+    mixed = Step(200, 20100, 4, 1000)  # on the GEMM, beside streams
+    scaled = speed.scaled(profile, 0.96, 0.88, None, 0.93)
+    step = scaled.step_time("prefill")
+    assert step.seconds(long) == pytest.approx(0.93 * gemv.seconds(long))
+    assert step.seconds(short) == pytest.approx(0.88 * gemv.seconds(short))
+    assert step.seconds(decode) == pytest.approx(0.96 * gemv.seconds(decode))
+    rest = gemv.seconds(Step(0, 0, 4, 1000))
+    assert step.seconds(mixed) == pytest.approx(0.96 * rest + 0.93 * (gemv.seconds(mixed) - rest))
+    assert (
+        scaled.meta["speed_factor_gemm"] == 0.93
+        and speed.scaled(profile, 1.2).meta["speed_factor_gemm"] is None
+    )
+    # Without passes the profile cannot tell a GEMM's step: every prompt at the prompt factor.
+    assert scaled.step_time("decode").seconds(long) == pytest.approx(0.88 * linear.seconds(long))
+    # A check's prompt factor on top moves the GEMM's prompts with the rest of the prompt work.
+    again = speed.scaled(scaled, 1.1, 1.2).step_time("prefill")
+    assert again.seconds(long) == pytest.approx(1.2 * 0.93 * gemv.seconds(long))
+    assert again.seconds(short) == pytest.approx(1.2 * 0.88 * gemv.seconds(short))
+    assert isinstance(step, LinearStep) and step.to_json()["gemm_prompt_scale"] == pytest.approx(0.93 / 0.96)
+    assert "gemm_prompt_scale" not in gemv.to_json()  # as fitted: read as before
+    with pytest.raises(ProfileError, match="gemm_prompt_scale must be a finite number > 0"):
+        LinearStep((0.01, 0, 0, 0, 0), gemm_prompt_scale=-1.0)
+    with pytest.raises(ProfileError, match="must be > 0"):
+        speed.scaled(profile, 1.0, gemm=0.0)
+
+
 def test_a_simulation_scales_its_prompts_by_the_checks_prompt_steps(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

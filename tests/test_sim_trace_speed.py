@@ -15,7 +15,7 @@ from pdserve.cli import main
 from pdserve.costmodel import Step
 from pdserve.sim import speed
 from pdserve.sim.speed import SpeedCheck
-from pdserve.sim.step_time import LinearStep, ProfileError, Spread
+from pdserve.sim.step_time import LinearStep, ProfileError, Spread, StreamPasses
 from pdserve.sim.trace_speed import MIN_KIND_STEPS, SpeedCourse, speed_course, trace_speed
 
 
@@ -95,6 +95,57 @@ def test_a_served_runs_step_trace_says_the_hosts_speed_while_it_served(
     both = ["--speed-trace", str(trace), "--speed-check", str(tmp_path / "now.json")]
     assert main([*run, "--profile", str(served_path), *both]) == 2
     assert "give one" in capsys.readouterr().err
+
+
+def test_a_trace_reads_prompts_on_the_gemm_apart_from_those_on_the_stream_gemv(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The two kernels move apart with the host: a prefill worker's short prompts (the stream
+    # GEMV's passes) at 0.86-0.90 of the fit, its long ones' chunks (a GEMM) at 0.90-0.98, at a
+    # DPD knee on the AVX512 EPYC; by the short ones' factor the documents' prefill came 16% short.
+    # A host where the short prompts took x1.5 and the long x1.8 reads so, and its run comes out
+    # again from the trace.
+    gemv = LinearStep(
+        (0.010, 1e-4, 0.0, 2e-3, 0.0), passes=StreamPasses(8, 128, 32), pass_coefficients=(0.004, 0.01, 0.0)
+    )
+    served = replace(fixed_profile(), steps={"prefill": gemv, "decode": gemv}, steps_from="serving")
+    served.save(tmp_path / "served.json")
+    speed.scaled(served, 2.0, prompt=1.5, gemm=1.8).save(tmp_path / "slow.json")
+    run = ["sim", "--prefill", "1", "--decode", "1", "--seed", "3", "--max-requests", "80"]
+    run += ["--workload", "poisson(4) prompt=uniform(20,300) output=uniform(2,20)"]
+    trace = tmp_path / "steps.jsonl"
+    slow = tmp_path / "slow-run"
+    assert (
+        main([*run, "--profile", str(tmp_path / "slow.json"), "--step-trace", str(trace), "--out", str(slow)])
+        == 0
+    )
+    traced = trace_speed(served, [trace])
+    assert (traced.factor, traced.prompt, traced.gemm) == pytest.approx((2.0, 1.5, 1.8))
+    assert traced.gemm_steps >= MIN_KIND_STEPS and traced.prompt_steps >= MIN_KIND_STEPS
+    out = tmp_path / "scaled"
+    assert (
+        main(
+            [*run, "--profile", str(tmp_path / "served.json"), "--speed-trace", str(trace), "--out", str(out)]
+        )
+        == 0
+    )
+    assert "on the GEMM x1.800" in capsys.readouterr().err
+    summaries = [json.loads((path / "summary.json").read_text()) for path in (slow, out)]
+    assert summaries[1]["simulation"]["speed_factor_gemm"] == pytest.approx(1.8)
+    assert summaries[1]["overall"]["ttft_ms"] == pytest.approx(summaries[0]["overall"]["ttft_ms"], rel=1e-6)
+    # Too few prompts on the GEMM for a factor of their own: they count with the others.
+    few = tmp_path / "few.jsonl"
+    rows = trace.read_text().splitlines()
+    gemm_rows = [
+        r for r in rows if json.loads(r)["prefill_tokens"] > 128 and not json.loads(r)["decode_streams"]
+    ]
+    few.write_text(
+        "\n".join([r for r in rows if r not in gemm_rows] + gemm_rows[: MIN_KIND_STEPS - 1]) + "\n"
+    )
+    folded = trace_speed(served, [few])
+    assert folded.gemm is None and folded.gemm_steps == 0
+    assert folded.prompt_steps == traced.prompt_steps + MIN_KIND_STEPS - 1
+    assert folded.prompt == pytest.approx(1.5)  # their median: most of them are the GEMV's
 
 
 def test_a_trace_of_the_profiles_own_spread_reads_x1(tmp_path: Path) -> None:

@@ -409,6 +409,7 @@ def run(args: argparse.Namespace) -> int:
         "speed_factor": profile.meta.get("speed_factor"),
         "speed_factor_prompt": profile.meta.get("speed_factor_prompt"),
         "speed_factor_mixed": profile.meta.get("speed_factor_mixed"),
+        "speed_factor_gemm": profile.meta.get("speed_factor_gemm"),
         "speed_window_s": None if course is None else course.window_s,
         "noise_seed": args.noise_seed,
         "workers_started": result.workers_started,

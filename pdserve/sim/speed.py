@@ -172,19 +172,26 @@ def combined_factor(factors: list[float]) -> float:
 
 
 def scaled(
-    profile: Profile, factor: float, prompt: float | None = None, mixed: float | None = None
+    profile: Profile,
+    factor: float,
+    prompt: float | None = None,
+    mixed: float | None = None,
+    gemm: float | None = None,
 ) -> Profile:
     """Every time `profile` measured, times `factor` (a slower host: > 1); with `prompt`
     (prompt_factor), the time a step's prompt work takes times that instead (a prompt-only step's
     whole time; in a step beside decode streams, what its prompt adds to theirs); with `mixed` (a
     served trace's, pdserve/sim/trace_speed.py), a step of prompt tokens beside decode streams
-    times that as a whole. Ratios (how steps spread around their fit) and counts stay; a
-    roofline's steps are not a host's and are refused."""
-    if not factor > 0 or not all(f is None or f > 0 for f in (prompt, mixed)):
-        raise ProfileError(f"a speed factor must be > 0 (got {factor}, prompt {prompt}, mixed {mixed})")
+    times that as a whole; with `gemm` (a served trace's too), the prompt work of a step whose rows
+    run on the GEMM, past the stream GEMV, times that instead of `prompt`. Ratios (how steps
+    spread around their fit) and counts stay; a roofline's steps are not a host's and are refused."""
+    if not factor > 0 or not all(f is None or f > 0 for f in (prompt, mixed, gemm)):
+        raise ProfileError(
+            f"a speed factor must be > 0 (got {factor}, prompt {prompt}, mixed {mixed}, gemm {gemm})"
+        )
     host = profile.host
     measured, prompt = prompt, factor if prompt is None else prompt
-    kinds = (factor, prompt, mixed)
+    kinds = (factor, prompt, mixed, gemm)
     return replace(
         profile,
         steps={role: _step(step, *kinds) for role, step in profile.steps.items()},
@@ -204,6 +211,7 @@ def scaled(
             "speed_factor": round(factor, 4),
             "speed_factor_prompt": None if measured is None else round(measured, 4),
             "speed_factor_mixed": None if mixed is None else round(mixed, 4),
+            "speed_factor_gemm": None if gemm is None else round(gemm, 4),
         },
     )
 
@@ -215,7 +223,9 @@ def _times(item: _Timed, factor: float, keep: tuple[str, ...] = ()) -> _Timed:
     )
 
 
-def _step(step: StepTime, factor: float, prompt: float, mixed: float | None = None) -> LinearStep:
+def _step(
+    step: StepTime, factor: float, prompt: float, mixed: float | None = None, gemm: float | None = None
+) -> LinearStep:
     if not isinstance(step, LinearStep):
         raise ProfileError(
             "a roofline's step times are not measured on a host: a speed check cannot scale them"
@@ -233,6 +243,15 @@ def _step(step: StepTime, factor: float, prompt: float, mixed: float | None = No
         prompt_scale=step.prompt_scale * prompt / factor,
         # Set by a trace's mixed steps (against this factor), kept through a scaling on top.
         mixed_scale=step.mixed_scale if mixed is None else (step.mixed_scale or 1.0) * mixed / factor,
+        # Set by a trace's prompt steps on the GEMM; a check on top moves them with the rest of
+        # the prompt work.
+        gemm_prompt_scale=(
+            (step.gemm_prompt_scale or step.prompt_scale) * gemm / factor
+            if gemm is not None
+            else None
+            if step.gemm_prompt_scale is None
+            else step.gemm_prompt_scale * prompt / factor
+        ),
     )
 
 

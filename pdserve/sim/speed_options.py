@@ -29,16 +29,17 @@ def host_speed(args: argparse.Namespace, profile: Profile) -> tuple[Profile, Spe
     if window is not None and args.speed_trace is None:
         raise PdserveError("--speed-window replays a served run's speed: give its --speed-trace")
     # The steps' factor, the prompt work's own where a check says it, a trace's mixed steps' own
-    factor, prompt, mixed = 1.0, None, None
+    factor, prompt, mixed, gemm = 1.0, None, None, None
     if args.speed_check is not None:
         factor, prompt = checked_factors(profile, args.speed_check, str(args.profile))
     if args.speed_trace is not None:
         traced = trace_speed(profile, list(args.speed_trace))
-        factor, prompt, mixed = traced.factor, traced.prompt, traced.mixed
+        factor, prompt, mixed, gemm = traced.factor, traced.prompt, traced.mixed, traced.gemm
         print(
             f"step trace {', '.join(map(str, args.speed_trace))}: its {traced.steps} steps took "
             f"x{factor:.3f} the profile's fit (the decode steps' median)"
             + ("" if prompt is None else f", its {traced.prompt_steps} prompt-only steps x{prompt:.3f}")
+            + ("" if gemm is None else f", its {traced.gemm_steps} prompt-only steps on the GEMM x{gemm:.3f}")
             + ("" if mixed is None else f", its {traced.mixed_steps} mixed steps x{mixed:.3f}")
             + "; the profile's times scaled by it, each kind of step by its own",
             file=sys.stderr,
@@ -59,11 +60,12 @@ def host_speed(args: argparse.Namespace, profile: Profile) -> tuple[Profile, Spe
         factor *= 1 + headroom
         prompt = None if prompt is None else prompt * (1 + headroom)
         mixed = None if mixed is None else mixed * (1 + headroom)
+        gemm = None if gemm is None else gemm * (1 + headroom)
         print(
             f"--headroom {headroom:g}: the profile's times scaled by x{1 + headroom:g} more", file=sys.stderr
         )
     if args.speed_check is not None or args.speed_trace is not None or headroom > 0:
-        profile = speed.scaled(profile, factor, prompt, mixed)
+        profile = speed.scaled(profile, factor, prompt, mixed, gemm)
     return profile, course
 
 

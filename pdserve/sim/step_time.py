@@ -145,9 +145,14 @@ class LinearStep:
     # worker's short local chunks do not run at the pace of a prefill worker's prompts. None: such
     # a step's prompt part runs at prompt_scale instead.
     mixed_scale: float | None = None
+    # The same as prompt_scale for a step whose rows run on the GEMM, past the stream GEMV (a served
+    # run's prompt-only steps there against its steps as a whole, pdserve/sim/trace_speed.py): the
+    # two kernels do not move alike with the host (a prefill worker's prompts at a DPD knee on the
+    # AVX512 EPYC: on the GEMV 0.86-0.90 of the fit, on the GEMM 0.90-0.98). None: prompt_scale.
+    gemm_prompt_scale: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("prompt_scale", "mixed_scale"):
+        for name in ("prompt_scale", "mixed_scale", "gemm_prompt_scale"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ProfileError(f"a step time's {name} must be a finite number > 0, got {value}")
@@ -185,13 +190,19 @@ class LinearStep:
         fitted = self._fitted(step)
         if self.mixed_scale is not None and step.prefill_tokens > 0 and step.decode_streams > 0:
             return fitted * self.mixed_scale
-        if self.prompt_scale == 1.0 or step.prefill_tokens == 0:
+        scale = self.prompt_scale
+        on_gemm = (
+            self.passes is not None and step.prefill_tokens + step.decode_streams > self.passes.stream_rows
+        )
+        if self.gemm_prompt_scale is not None and on_gemm:
+            scale = self.gemm_prompt_scale
+        if scale == 1.0 or step.prefill_tokens == 0:
             return fitted
         # The step's decode part as fitted, the time its prompt adds scaled.
         rest = (
             self._fitted(Step(0, 0, step.decode_streams, step.decode_context)) if step.decode_streams else 0.0
         )
-        return rest + max(0.0, fitted - rest) * self.prompt_scale
+        return rest + max(0.0, fitted - rest) * scale
 
     def _fitted(self, step: Step) -> float:
         line = sum(c * x for c, x in zip(self.coefficients, line_features(step, self.passes), strict=True))
@@ -222,8 +233,9 @@ class LinearStep:
             del body["passes"], body["pass_coefficients"]
         if self.prompt_scale == 1.0:
             del body["prompt_scale"]  # as fitted: profiles read as before
-        if self.mixed_scale is None:
-            del body["mixed_scale"]
+        for key in ("mixed_scale", "gemm_prompt_scale"):
+            if body[key] is None:
+                del body[key]
         return body
 
 

@@ -44,7 +44,9 @@ class TracedStep:
     t_s: float  # when its load report came, seconds since the trace's first step
     seconds: float  # measured
     expected: float  # the fit's, beside its neighbours as busy as they were, at the fit's median
-    kind: str  # "prompt" (prompt tokens only), "mixed" (beside decode streams) or "decode"
+    # "prompt" (prompt tokens only), "gemm" (those, past the stream GEMV where the fit knows it),
+    # "mixed" (prompt tokens beside decode streams) or "decode"
+    kind: str
 
     @property
     def ratio(self) -> float:
@@ -58,9 +60,11 @@ class TraceSpeed:
     factor: float  # the median of measured / fitted over its decode-only steps (all: too few of them)
     prompt: float | None  # the same over its prompt-only steps (None: fewer than MIN_KIND_STEPS)
     mixed: float | None  # ... over its steps of prompt tokens beside decode streams
+    gemm: float | None  # ... over its prompt-only steps on the GEMM (those then not in `prompt`)
     steps: int
     prompt_steps: int
     mixed_steps: int
+    gemm_steps: int
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,8 @@ def traced_steps(profile: Profile, traces: list[Path]) -> list[TracedStep]:
             # error, and its steps' median ratio is 0.96-1.02 by band, not 1. The profile's own
             # traces read x1.000 so.
             kind = "decode" if step.prefill_tokens == 0 else "mixed" if step.decode_streams else "prompt"
+            if kind == "prompt" and isinstance(alone, LinearStep) and alone.passes is not None:
+                kind = "prompt" if alone.passes.on_stream(step) else "gemm"
             expected = fitted * _spread_median(alone, fitted, kind == "mixed")
             traced.append(TracedStep(pool, float(row["t_s"]) - first, seconds, expected, kind))
     return traced
@@ -135,19 +141,26 @@ def trace_speed(profile: Profile, traces: list[Path]) -> TraceSpeed:
         raise ProfileError(
             f"the step trace has {len(steps)} steps of the profile's roles (at least {MIN_PAIRS}): no factor"
         )
-    by_kind = {kind: [s.ratio for s in steps if s.kind == kind] for kind in ("decode", "prompt", "mixed")}
-    prompt, mixed = (
+    by_kind = {
+        kind: [s.ratio for s in steps if s.kind == kind] for kind in ("decode", "prompt", "mixed", "gemm")
+    }
+    if len(by_kind["gemm"]) < MIN_KIND_STEPS:  # too few for their own: with the other prompts
+        by_kind["prompt"] += by_kind.pop("gemm")
+        by_kind["gemm"] = []
+    prompt, mixed, gemm = (
         statistics.median(by_kind[kind]) if len(by_kind[kind]) >= MIN_KIND_STEPS else None
-        for kind in ("prompt", "mixed")
+        for kind in ("prompt", "mixed", "gemm")
     )
     decode = by_kind["decode"] if len(by_kind["decode"]) >= MIN_PAIRS else [s.ratio for s in steps]
     return TraceSpeed(
         statistics.median(decode),
         prompt,
         mixed,
+        gemm,
         len(steps),
         len(by_kind["prompt"]),
         len(by_kind["mixed"]),
+        len(by_kind["gemm"]),
     )
 
 
