@@ -497,3 +497,31 @@ def test_the_spread_of_few_steps_of_like_steps_and_of_tiny_ratios() -> None:
     # A step far faster than its fit still makes a profile that loads (no ratio rounded to 0).
     tiny = spread_of([(1.0, 1e-5)] * 40)
     assert LinearStep((0.01, 0.0, 0.0, 0.0, 0.0), spread=tiny).spread_at(1.0)[0] > 0
+
+
+def test_a_colocated_pool_takes_the_decode_pools_cost_per_token_of_context(tmp_path: Path) -> None:
+    # A colocated worker's long contexts come with many streams, and its served steps cannot tell
+    # a token of context from a stream (on three hosts its free fit came 0.24x, 1.3x and 1.7x the
+    # sweep's, the decode pool's within 10% of it): traced with a decode pool, it takes that
+    # pool's. Here the colocated truth is set apart (9e-6 s a token against 5e-6) to show whose.
+    decode = LinearStep((0.01, 1e-4, 0.0, 2e-3, 5e-6))
+    colocated_line = replace(decode, coefficients=(0.01, 1e-4, 0.0, 2e-3, 9e-6))
+    truth = replace(fixed_profile(), steps={"prefill": decode, "decode": decode, "colocated": colocated_line})
+    (tmp_path / "dpd").mkdir()
+    (tmp_path / "colocated").mkdir()
+    dpd = traced_run(tmp_path / "dpd", truth, "--prefill", "1", "--decode", "1")
+    colocated = traced_run(tmp_path / "colocated", truth, "--colocated", "2")
+    fitted = calibrated(truth, [dpd, colocated])
+    alone, busy = fitted.steps["colocated"], fitted.steps_busy["colocated"]
+    assert isinstance(alone, LinearStep) and isinstance(busy, LinearStep)
+    assert fitted.steps["decode"].coefficients[4] == pytest.approx(5e-6, rel=1e-3)  # type: ignore[union-attr]
+    assert alone.coefficients[4] == fitted.steps["decode"].coefficients[4]  # type: ignore[union-attr]
+    assert busy.coefficients[4] == fitted.steps_busy["decode"].coefficients[4]  # type: ignore[union-attr]
+    assert alone.coefficients[0] == pytest.approx(0.01, rel=0.05)  # the rest fitted around it
+    assert any(
+        "colocated steps: the decode pool's cost per token of a stream's context" in a
+        for a in fitted.assumptions
+    )
+    # Traced alone, a colocated pool keeps its own (nothing to take it from).
+    own = calibrated(truth, [colocated]).steps["colocated"]
+    assert isinstance(own, LinearStep) and own.coefficients[4] == pytest.approx(9e-6, rel=1e-3)

@@ -151,6 +151,7 @@ def fit_alone_and_busy(
     prompt_from: tuple[LinearStep, LinearStep] | None = None,
     passes: StreamPasses | None = None,
     attention_per_token: float | None = None,
+    context_from: tuple[LinearStep, LinearStep] | None = None,
 ) -> tuple[LinearStep, LinearStep]:
     """(alone, busy): seconds = alone(x) x (1 - b) + busy(x) x b, b how busy the other CPUs were,
     fitted on the relative error with every coefficient of alone and of busy >= 0 (the form
@@ -165,7 +166,9 @@ def fit_alone_and_busy(
     whatever else ran), and a free fit set the colocated role's cost per token attended to 0, its
     long prompts' later chunks as cheap as their first. `passes`: the engine's stream GEMV, whose
     terms (`StreamPasses.features`) are fitted too, alike alone and beside busy neighbours, each
-    where MIN_STEPS steps or more show it (with fewer steps on the GEMV, the line alone)."""
+    where MIN_STEPS steps or more show it (with fewer steps on the GEMV, the line alone).
+    `context_from`: another role's (alone, busy) fit whose cost per token of a decode stream's
+    context (c4) is taken as it is (`calibrated` says when)."""
     given = [1, 2] if prompt_from is not None else []
     shaped = attention_per_token is not None and prompt_from is None
     ratio = attention_per_token if shaped and attention_per_token is not None else 0.0
@@ -177,6 +180,9 @@ def fit_alone_and_busy(
         alone_c, busy_c = prompt_from[0].coefficients, prompt_from[1].coefficients
         for i in given:
             known[i], known[i + 5] = alone_c[i], busy_c[i]
+    given_context = context_from is not None
+    if context_from is not None:
+        known[4], known[9] = context_from[0].coefficients[4], context_from[1].coefficients[4]
     rows = []
     for index, (step, seconds, b) in enumerate(samples):
         x = np.array(line_features(step, passes), dtype=float) / seconds
@@ -189,7 +195,11 @@ def fit_alone_and_busy(
     scale = np.abs(a).max(axis=0)  # columns of like size, for the solver; a column of zeros stays 0
     scale[scale == 0] = 1.0
     a = a / scale
-    active = [i for i in range(10) if i % 5 not in given and not (shaped and i % 5 == 2)]
+    active = [
+        i
+        for i in range(10)
+        if i % 5 not in given and not (shaped and i % 5 == 2) and not (given_context and i % 5 == 4)
+    ]
     if passes is not None:  # the GEMMs' steps where the steps reach them
         active.append(10)
         active += [11] if sum(1 for _, layers, _ in kernels if layers) >= MIN_STEPS else []
@@ -367,6 +377,7 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
     steps: dict[str, LinearStep] = {}
     steps_busy: dict[str, LinearStep] = {}
     notes = []
+    shapes: dict[str, tuple[str | None, float | None]] = {}  # each role's prompt donor and shape
     passes = stream_passes(base)
     timed_by_role = {
         role: [(read_step(r), float(r["seconds"]), float(r["busy"])) for r in rows if float(r["seconds"]) > 0]
@@ -403,6 +414,7 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
         steps[role], steps_busy[role] = fit_alone_and_busy(
             timed, (steps[donor], steps_busy[donor]) if donor is not None else None, passes, ratio
         )
+        shapes[role] = (donor, ratio)
         if passes is not None and steps[role].passes is None:
             notes.append(
                 f"{role} steps: one line (fewer than {MIN_STEPS} of them within the stream GEMV's "
@@ -411,6 +423,26 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
     if not steps:
         raise ProfileError(
             f"no pool ran {MIN_STEPS} steps or more in {', '.join(map(str, traces))}: nothing to fit"
+        )
+    if "colocated" in steps and "decode" in steps:
+        # A decode worker's streams read their contexts as a colocated worker's do (one kernel),
+        # and its steps tell the context from the streams apart (a document's 1024 tokens beside
+        # a few chats); a colocated worker's long contexts came with many streams (5 at 800-1200
+        # tokens, 36 past 3200 on the AVX512 EPYC), and a free fit there put a token of context
+        # at 1.9x the decode pool's: its documents' ITL then came +20-30% at light loads. The
+        # fit's own error did not move (median 8.86% either way): the trace could not say.
+        free, (lender, ratio) = steps["colocated"].coefficients[4], shapes["colocated"]
+        steps["colocated"], steps_busy["colocated"] = fit_alone_and_busy(
+            timed_by_role["colocated"],
+            (steps[lender], steps_busy[lender]) if lender is not None else None,
+            passes,
+            ratio,
+            context_from=(steps["decode"], steps_busy["decode"]),
+        )
+        notes.append(
+            f"colocated steps: the decode pool's cost per token of a stream's context "
+            f"({steps['decode'].coefficients[4]:.3g} s; fitted on their own, {free:.3g} s: its long "
+            "contexts came with many streams, the decode pool's apart from them)"
         )
     loops = {}
     for role in steps:
