@@ -58,3 +58,37 @@ def test_a_knee_at_or_below_the_lowest_rate_has_no_error_to_compare() -> None:
     clamped = error({1.0: 0.85, 2.0: 0.5}, {0.5: 0.95, 1.0: 0.85})
     assert clamped["measured"] == 1.0 and clamped["sim"] == pytest.approx(0.75) and clamped["error"] is None
     assert error({1.0: 0.95}, {1.0: 0.99})["error"] is None  # neither fell: no knee in range
+
+
+def summary(classes: dict[str, tuple[float, float, float, float]]) -> dict[str, Any]:
+    return {
+        "classes": {
+            name: {"ttft_ms": {"p50": t50, "p90": t90}, "itl_ms": {"p50": i50, "p90": i90}}
+            for name, (t50, t90, i50, i90) in classes.items()
+        }
+    }
+
+
+def test_each_class_of_a_mixed_workload_has_cells_of_its_own() -> None:
+    # Chat and documents: the all-requests p90 falls between chat's tail and the documents'
+    # head; each class's own cells are what its users saw. Measured: the runs' median.
+    scoring_ = scoring()
+    real = [summary({"chat": (150, 280, 14, 20), "docs": (1400, 2300, 18, 26)})] * 2
+    real.append(summary({"chat": (170, 300, 14, 20), "docs": (1500, 2500, 18, 26)}))
+    simulated = [summary({"chat": (160, 250, 15, 20), "docs": (1450, 2400, 22, 30)})]
+    classes = scoring_.by_class(real, simulated)
+    assert set(classes) == {"chat", "docs"}
+    assert classes["chat"]["ttft_p50"] == {"measured": 150, "sim": 160, "error": pytest.approx(1 / 15)}
+    assert classes["docs"]["itl_p50"]["error"] == pytest.approx(4 / 18)
+    # One class: its cells are the all-requests ones already.
+    assert scoring_.by_class([summary({"chat": (1, 2, 3, 4)})], [summary({"chat": (1, 2, 3, 4)})]) == {}
+    # Counted at or below the measured knee, as the all-requests cells are.
+    cases = {1.0: {"classes": classes}, 2.0: {"classes": {"chat": {"ttft_p50": {"error": 0.5}}}}}
+    assert scoring_.class_score(cases, [1.0, 2.0], 1.0) == {"cells": 8, "within": 5}
+    assert scoring_.class_score(cases, [1.0, 2.0], None) == {"cells": 9, "within": 5}
+    table = scoring_.class_table(
+        {"dpd@1": cases[1.0], "dpd:knee": {"measured": 1.0}}, {"dpd": {"classes": {"cells": 8, "within": 5}}}
+    )
+    assert "| dpd@1 | docs | 1400.0 / 1450.0 (+4%) | 2300.0 / 2400.0 (+4%) | 18.0 / 22.0 (+22%) |" in table
+    assert "dpd 5 of 8" in table
+    assert scoring_.class_table({"dpd@1": {}}, {}) == ""
