@@ -148,6 +148,58 @@ def test_a_trace_reads_prompts_on_the_gemm_apart_from_those_on_the_stream_gemv(
     assert folded.prompt == pytest.approx(1.5)  # their median: most of them are the GEMV's
 
 
+def test_each_pool_of_a_trace_reads_its_own_prompts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A decode worker's local prompts and a prefill worker's do not run alike against the fit (one
+    # DPD run: 1.22 and 0.87); by their one median the prefill worker's chats came 35% slow. A host
+    # where the decode pool's prompts took x2.5 and the prefill pool's x1.5 reads so, pool by
+    # pool, and its run comes out again from the trace.
+    served = replace(fixed_profile(step=0.010, per_token=1e-4, per_stream=2e-3), steps_from="serving")
+    served.save(tmp_path / "served.json")
+    slow = speed.scaled(served, 2.0, prompt=1.5, by_role={"decode": (2.0, 2.5, None, None)})
+    assert slow.meta["speed_factors_by_role"] == {"decode": [2.0, 2.5, None, None]}
+    slow.save(tmp_path / "slow.json")
+    run = ["sim", "--prefill", "1", "--decode", "1", "--seed", "3", "--max-requests", "120"]
+    run += ["--workload", "poisson(3) prompt=uniform(20,200) output=uniform(2,6)"]
+    run += ["--path-choice", "threshold", "--local-prefill-threshold", "110"]  # the short ones local
+    trace, measured = tmp_path / "steps.jsonl", tmp_path / "slow-run"
+    assert (
+        main(
+            [
+                *run,
+                "--profile",
+                str(tmp_path / "slow.json"),
+                "--step-trace",
+                str(trace),
+                "--out",
+                str(measured),
+            ]
+        )
+        == 0
+    )
+    traced = trace_speed(served, [trace])
+    assert set(traced.pools) == {"prefill", "decode"}
+    assert traced.pools["prefill"].kinds() == pytest.approx(
+        (2.0, 1.5, None, None)
+    )  # no decode steps: the run's
+    assert traced.pools["decode"].kinds() == pytest.approx((2.0, 2.5, None, None))
+    assert 1.5 <= traced.prompt <= 2.5  # the run's, both pools' together
+    out = tmp_path / "scaled"
+    assert (
+        main(
+            [*run, "--profile", str(tmp_path / "served.json"), "--speed-trace", str(trace), "--out", str(out)]
+        )
+        == 0
+    )
+    assert "its decode pool's" in capsys.readouterr().err
+    ttfts = [
+        [json.loads(line)["chunk_times_s"][0] for line in (path / "records.jsonl").read_text().splitlines()]
+        for path in (measured, out)
+    ]
+    assert ttfts[0] == pytest.approx(ttfts[1], rel=1e-6)
+
+
 def test_a_trace_of_the_profiles_own_spread_reads_x1(tmp_path: Path) -> None:
     # Served steps spread around their fit with a right tail, their median under it (the fit is of
     # the relative error): a run that steps as the profile draws them reads x1, not that median.

@@ -171,31 +171,47 @@ def combined_factor(factors: list[float]) -> float:
     return math.exp(statistics.median(math.log(f) for f in factors))
 
 
+# A pool role's own (factor, prompt, mixed, gemm), as `scaled` takes them
+RoleKinds = tuple[float, float | None, float | None, float | None]
+
+
 def scaled(
     profile: Profile,
     factor: float,
     prompt: float | None = None,
     mixed: float | None = None,
     gemm: float | None = None,
+    by_role: dict[str, RoleKinds] | None = None,
 ) -> Profile:
     """Every time `profile` measured, times `factor` (a slower host: > 1); with `prompt`
     (prompt_factor), the time a step's prompt work takes times that instead (a prompt-only step's
     whole time; in a step beside decode streams, what its prompt adds to theirs); with `mixed` (a
     served trace's, pdserve/sim/trace_speed.py), a step of prompt tokens beside decode streams
     times that as a whole; with `gemm` (a served trace's too), the prompt work of a step whose rows
-    run on the GEMM, past the stream GEMV, times that instead of `prompt`. Ratios (how steps
-    spread around their fit) and counts stay; a roofline's steps are not a host's and are refused."""
-    if not factor > 0 or not all(f is None or f > 0 for f in (prompt, mixed, gemm)):
-        raise ProfileError(
-            f"a speed factor must be > 0 (got {factor}, prompt {prompt}, mixed {mixed}, gemm {gemm})"
-        )
+    run on the GEMM, past the stream GEMV, times that instead of `prompt`. `by_role`: a pool role's
+    step times by kinds of its own instead (a served trace's pools, each read apart), the rest of
+    the profile by the others. Ratios (how steps spread around their fit) and counts stay; a
+    roofline's steps are not a host's and are refused."""
+    own = by_role or {}
+    for f, *others in [(factor, prompt, mixed, gemm), *own.values()]:
+        if not f > 0 or not all(o is None or o > 0 for o in others):
+            raise ProfileError(f"a speed factor must be > 0 (got {f}; prompt, mixed, gemm {others})")
     host = profile.host
     measured, prompt = prompt, factor if prompt is None else prompt
     kinds = (factor, prompt, mixed, gemm)
+    steps: dict[str, StepTime] = {role: _step(step, *kinds) for role, step in profile.steps.items()}
+    steps_busy: dict[str, StepTime] = {role: _step(step, *kinds) for role, step in profile.steps_busy.items()}
+    for role, (f, p, m, g) in own.items():
+        # A colocated pool without a fit of its own steps by the decode pool's (Profile.step_time):
+        # with kinds of its own, it gets a copy.
+        steps[role] = _step(profile.step_time(role), f, f if p is None else p, m, g)
+        busy = profile.busy_step_time(role)
+        if busy is not None:
+            steps_busy[role] = _step(busy, f, f if p is None else p, m, g)
     return replace(
         profile,
-        steps={role: _step(step, *kinds) for role, step in profile.steps.items()},
-        steps_busy={role: _step(step, *kinds) for role, step in profile.steps_busy.items()},
+        steps=steps,
+        steps_busy=steps_busy,
         transfers={name: _transfer(t, factor) for name, t in profile.transfers.items()},
         overhead=_times(profile.overhead, factor),
         start_s=profile.start_s * factor,
@@ -212,7 +228,16 @@ def scaled(
             "speed_factor_prompt": None if measured is None else round(measured, 4),
             "speed_factor_mixed": None if mixed is None else round(mixed, 4),
             "speed_factor_gemm": None if gemm is None else round(gemm, 4),
-        },
+        }
+        | (
+            {
+                "speed_factors_by_role": {
+                    role: [None if k is None else round(k, 4) for k in ks] for role, ks in own.items()
+                }
+            }
+            if own
+            else {}
+        ),
     )
 
 

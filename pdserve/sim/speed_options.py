@@ -30,6 +30,7 @@ def host_speed(args: argparse.Namespace, profile: Profile) -> tuple[Profile, Spe
         raise PdserveError("--speed-window replays a served run's speed: give its --speed-trace")
     # The steps' factor, the prompt work's own where a check says it, a trace's mixed steps' own
     factor, prompt, mixed, gemm = 1.0, None, None, None
+    by_role: dict[str, speed.RoleKinds] = {}
     if args.speed_check is not None:
         factor, prompt = checked_factors(profile, args.speed_check, str(args.profile))
     if args.speed_trace is not None:
@@ -44,6 +45,22 @@ def host_speed(args: argparse.Namespace, profile: Profile) -> tuple[Profile, Spe
             + "; the profile's times scaled by it, each kind of step by its own",
             file=sys.stderr,
         )
+        by_role = {pool: own.kinds() for pool, own in traced.pools.items()}
+        for pool, own in traced.pools.items():
+            print(
+                f"  its {pool} pool's {own.steps} steps, each kind by the pool's own where it has "
+                f"enough of them: x{own.factor:.3f}"
+                + "".join(
+                    f", {name} x{value:.3f}"
+                    for name, value in (
+                        ("prompts", own.prompt),
+                        ("on the GEMM", own.gemm),
+                        ("mixed", own.mixed),
+                    )
+                    if value is not None
+                ),
+                file=sys.stderr,
+            )
     course = None if window is None else speed_course(profile, list(args.speed_trace), window)
     if course is not None:
         print(
@@ -57,16 +74,22 @@ def host_speed(args: argparse.Namespace, profile: Profile) -> tuple[Profile, Spe
                 "--headroom scales measured step times, and a roofline's are derived from the hardware's "
                 "data sheet: it cannot scale them"
             )
-        factor *= 1 + headroom
-        prompt = None if prompt is None else prompt * (1 + headroom)
-        mixed = None if mixed is None else mixed * (1 + headroom)
-        gemm = None if gemm is None else gemm * (1 + headroom)
+        factor, prompt, mixed, gemm = _more((factor, prompt, mixed, gemm), 1 + headroom)
+        by_role = {role: _more(kinds, 1 + headroom) for role, kinds in by_role.items()}
         print(
             f"--headroom {headroom:g}: the profile's times scaled by x{1 + headroom:g} more", file=sys.stderr
         )
     if args.speed_check is not None or args.speed_trace is not None or headroom > 0:
-        profile = speed.scaled(profile, factor, prompt, mixed, gemm)
+        profile = speed.scaled(profile, factor, prompt, mixed, gemm, by_role)
     return profile, course
+
+
+def _more(kinds: speed.RoleKinds, times: float) -> speed.RoleKinds:
+    def more(kind: float | None) -> float | None:
+        return None if kind is None else kind * times
+
+    factor, prompt, mixed, gemm = kinds
+    return factor * times, more(prompt), more(mixed), more(gemm)
 
 
 def checked_factors(profile: Profile, paths: list[Path], where: str) -> tuple[float, float | None]:

@@ -54,6 +54,21 @@ class TracedStep:
 
 
 @dataclass(frozen=True)
+class PoolSpeed:
+    """One pool's steps against the fit, each kind where the pool has enough of its own (decode
+    steps MIN_PAIRS, the others MIN_KIND_STEPS), else at the run's."""
+
+    factor: float
+    prompt: float | None
+    mixed: float | None
+    gemm: float | None
+    steps: int
+
+    def kinds(self) -> tuple[float, float | None, float | None, float | None]:
+        return self.factor, self.prompt, self.mixed, self.gemm
+
+
+@dataclass(frozen=True)
 class TraceSpeed:
     """What a served run's steps took against the profile's fit."""
 
@@ -65,6 +80,10 @@ class TraceSpeed:
     prompt_steps: int
     mixed_steps: int
     gemm_steps: int
+    # Each pool's own: a decode worker's local prompts ran at 1.22 of the fit where the prefill
+    # worker's ran at 0.87 in one DPD run (the decode pool's fit for prompt-only steps is the
+    # least measured), and by their one median the prefill worker's chats came 35% slow.
+    pools: dict[str, PoolSpeed]
 
 
 @dataclass(frozen=True)
@@ -141,27 +160,39 @@ def trace_speed(profile: Profile, traces: list[Path]) -> TraceSpeed:
         raise ProfileError(
             f"the step trace has {len(steps)} steps of the profile's roles (at least {MIN_PAIRS}): no factor"
         )
+    run, counts = _speed_of(steps, None)
+    pools = {
+        pool: _speed_of([s for s in steps if s.pool == pool], run)[0]
+        for pool in sorted({s.pool for s in steps})
+    }
+    return TraceSpeed(run.factor, run.prompt, run.mixed, run.gemm, len(steps), *counts, pools)
+
+
+def _speed_of(steps: list[TracedStep], run: PoolSpeed | None) -> tuple[PoolSpeed, tuple[int, int, int]]:
+    """The steps' speed by kind (the run's where `run` is None; else one pool's, a kind with too
+    few of its steps at the run's), and (prompt, mixed, gemm) steps counted."""
     by_kind = {
         kind: [s.ratio for s in steps if s.kind == kind] for kind in ("decode", "prompt", "mixed", "gemm")
     }
     if len(by_kind["gemm"]) < MIN_KIND_STEPS:  # too few for their own: with the other prompts
         by_kind["prompt"] += by_kind.pop("gemm")
         by_kind["gemm"] = []
-    prompt, mixed, gemm = (
-        statistics.median(by_kind[kind]) if len(by_kind[kind]) >= MIN_KIND_STEPS else None
-        for kind in ("prompt", "mixed", "gemm")
-    )
-    decode = by_kind["decode"] if len(by_kind["decode"]) >= MIN_PAIRS else [s.ratio for s in steps]
-    return TraceSpeed(
-        statistics.median(decode),
-        prompt,
-        mixed,
-        gemm,
+
+    def median(kind: str, fallback: float | None) -> float | None:
+        return statistics.median(by_kind[kind]) if len(by_kind[kind]) >= MIN_KIND_STEPS else fallback
+
+    if len(by_kind["decode"]) >= MIN_PAIRS:
+        factor = statistics.median(by_kind["decode"])
+    else:
+        factor = statistics.median(s.ratio for s in steps) if run is None else run.factor
+    speed = PoolSpeed(
+        factor,
+        median("prompt", None if run is None else run.prompt),
+        median("mixed", None if run is None else run.mixed),
+        median("gemm", None),  # too few: with its prompts, at their factor
         len(steps),
-        len(by_kind["prompt"]),
-        len(by_kind["mixed"]),
-        len(by_kind["gemm"]),
     )
+    return speed, (len(by_kind["prompt"]), len(by_kind["mixed"]), len(by_kind["gemm"]))
 
 
 def speed_course(profile: Profile, traces: list[Path], window_s: float) -> SpeedCourse:
