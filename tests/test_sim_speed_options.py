@@ -50,6 +50,11 @@ def test_a_trace_scales_the_profile_and_a_window_replays_it(
     # --headroom on top: everything x1.1 more; the course is the run's, unchanged.
     slower, again = host_speed(options(speed_trace=[trace], speed_window=10.0, headroom=0.1), SERVED)
     assert slower.meta["speed_factor"] == pytest.approx(2.2) and again == course
+    # ... each pool's own kinds too (the trace's one pool, colocated: its steps x2.2 as well).
+    assert slower.meta["speed_factors_by_role"]["colocated"][0] == pytest.approx(2.2)
+    assert slower.step_time("colocated").seconds(DECODE) == pytest.approx(
+        2.2 * SERVED.step_time("colocated").seconds(DECODE)
+    )
     # No option given but --headroom: the profile as measured, x1.1.
     assert host_speed(options(headroom=0.1), SERVED)[0].meta["speed_factor"] == pytest.approx(1.1)
 
