@@ -193,6 +193,8 @@ def test_each_pool_of_a_trace_reads_its_own_prompts(
         == 0
     )
     assert "its decode pool's" in capsys.readouterr().err
+    simulation = json.loads((out / "summary.json").read_text())["simulation"]
+    assert simulation["speed_factors_by_role"]["decode"] == pytest.approx([2.0, 2.5, None, None])
     ttfts = [
         [json.loads(line)["chunk_times_s"][0] for line in (path / "records.jsonl").read_text().splitlines()]
         for path in (measured, out)

@@ -95,8 +95,9 @@ def add_simulation_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="instead of --speed-check: a served run's step trace (`pdserve serve --step-trace`) on this "
         "host; the profile (fitted to served steps) is scaled by the median of the trace's decode "
-        "steps over its fit, its prompt-only steps and its mixed steps (prompts beside streams) each "
-        "by their own: the host's speed while it served, from every step rather than a check's seconds",
+        "steps over its fit, its prompt-only steps (those on the GEMM apart) and its mixed steps "
+        "(prompts beside streams) each by their own, pool by pool where a pool has enough of a kind: "
+        "the host's speed while it served, from every step rather than a check's seconds",
     )
     p.add_argument(
         "--headroom",
@@ -410,6 +411,7 @@ def run(args: argparse.Namespace) -> int:
         "speed_factor_prompt": profile.meta.get("speed_factor_prompt"),
         "speed_factor_mixed": profile.meta.get("speed_factor_mixed"),
         "speed_factor_gemm": profile.meta.get("speed_factor_gemm"),
+        "speed_factors_by_role": profile.meta.get("speed_factors_by_role"),
         "speed_window_s": None if course is None else course.window_s,
         "noise_seed": args.noise_seed,
         "workers_started": result.workers_started,

@@ -5,7 +5,10 @@ the whole run, the prompt work's factor, and how the host's speed moved over the
 took against that fit: the run's median (`TraceSpeed.factor`), and, as a speed check does
 (`speed.prompt_factor`), its prompt-only steps' median for the prompt work (`TraceSpeed.prompt`),
 and its mixed steps' (prompt tokens beside decode streams) for those (`TraceSpeed.mixed`); the
-run's factor is then its decode-only steps' median.
+run's factor is then its decode-only steps' median. Where the fit knows the stream GEMV, the
+prompt-only steps on the GEMM (more rows than it takes) are a kind of their own
+(`TraceSpeed.gemm`), and each pool reads every kind from its own steps where it has enough of
+them (`TraceSpeed.pools`): the kernels and the pools' fits do not move alike.
 A DPD run at its knee on the AVX512 EPYC read x0.982 over all its steps but x0.895 over its
 prefill worker's: scaled by the one factor the simulated prefill worker ran ~9% slow, near
 saturation, and its documents' TTFT p50 came +29% (p90 +50%); scaled by both, -3% (+22%).
