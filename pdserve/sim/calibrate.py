@@ -427,10 +427,11 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
     if "colocated" in steps and "decode" in steps:
         # A decode worker's streams read their contexts as a colocated worker's do (one kernel),
         # and its steps tell the context from the streams apart (a document's 1024 tokens beside
-        # a few chats); a colocated worker's long contexts came with many streams (5 at 800-1200
-        # tokens, 36 past 3200 on the AVX512 EPYC), and a free fit there put a token of context
-        # at 1.9x the decode pool's: its documents' ITL then came +20-30% at light loads. The
-        # fit's own error did not move (median 8.86% either way): the trace could not say.
+        # a few chats); a colocated worker's long contexts came with many streams (a mean of 5
+        # at 800-1200 tokens, 36 past 3200 on the AVX512 EPYC), and a free fit there put a token
+        # of context at 1.9x the decode pool's: its documents' ITL then came +20-30% at light
+        # loads. The fit's own error did not move (median 8.86% either way): the trace could not
+        # say. On all three hosts profiled the decode pool's came within 10% of the sweep's.
         free, (lender, ratio) = steps["colocated"].coefficients[4], shapes["colocated"]
         steps["colocated"], steps_busy["colocated"] = fit_alone_and_busy(
             timed_by_role["colocated"],
