@@ -47,18 +47,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its scoring, beside it (also when loaded by path)
-from fidelity_score import (
-    METRICS,
-    by_class,
-    class_score,
-    class_table,
-    crossing_error,
-    crossing_text,
-    knee,
-    score,
-    share,
-    spread,
-)
+import fidelity_score as scoring
+from fidelity_score import METRICS, crossing_error, crossing_text, knee, score, share, spread
 from fidelity_speed import check_factors, check_names, prompt_ratio, rate_factors
 
 PARTS = ("prefill_queue", "prefill_compute", "kv_transfer", "first_decode")
@@ -431,7 +421,9 @@ def main() -> int:
                     parts_rows.append(
                         f"| {label} | x{scale:g} | {path} prefills (count) | {m:g} | {s_:g} | |"
                     )
-            case["classes"] = by_class(real, simulated)  # a bimodal workload's all-requests p90 is no user's
+            case["classes"] = scoring.by_class(
+                real, simulated
+            )  # a bimodal workload's all-requests p90 is no user's
             result["cases"][name] = case
             cells = [f"{label}", f"x{scale:g}"]
             for key in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "goodput"):
@@ -459,7 +451,7 @@ def main() -> int:
             "knee_crossing_error": crossing["error"],
         }
         if any(case.get("classes") for case in by_scale.values()):
-            scores[label]["classes"] = class_score(by_scale, scales, knees["measured"])
+            scores[label]["classes"] = scoring.class_score(by_scale, scales, knees["measured"])
         rows.append(
             f"| {label} | knee | measured x{knees['measured']} / simulated x{knees['sim']} | | | | | | |"
         )
@@ -493,7 +485,7 @@ def main() -> int:
     if curves:
         table += "\nSimulated share of the requests in the SLO by rate (with --knee-scales):\n\n"
         table += "\n".join(f"- {curve}" for curve in curves) + "\n"
-    table += class_table(result["cases"], scores)
+    table += scoring.class_table(result["cases"], scores)
     if parts_rows:
         table += "\nTTFT by part (remotely prefilled requests; mean ms, the router's own breakdown) and prompts by path:\n\n"
         table += (

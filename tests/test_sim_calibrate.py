@@ -518,6 +518,8 @@ def test_a_colocated_pool_takes_the_decode_pools_cost_per_token_of_context(tmp_p
     assert alone.coefficients[4] == fitted.steps["decode"].coefficients[4]  # type: ignore[union-attr]
     assert busy.coefficients[4] == fitted.steps_busy["decode"].coefficients[4]  # type: ignore[union-attr]
     assert alone.coefficients[0] == pytest.approx(0.01, rel=0.05)  # the rest fitted around it
+    # Its prompt cost stays as first fitted: the decode pool's, taken from it, is still its own.
+    assert alone.coefficients[1:3] == fitted.steps["decode"].coefficients[1:3]  # type: ignore[union-attr]
     assert any(
         "colocated steps: the decode pool's cost per token of a stream's context" in a
         for a in fitted.assumptions

@@ -175,7 +175,8 @@ def test_a_served_traces_mixed_steps_scale_as_a_whole() -> None:
 def test_a_served_traces_prompts_on_the_gemm_scale_apart_from_the_stream_gemvs() -> None:
     """A served trace times prompt-only steps on the GEMM (rows past the stream GEMV) apart from
     those on its passes: such a step's prompt work runs at the GEMM's factor, a short prompt at the
-    prompt factor, a mixed step as before; a check on top moves both prompt kinds alike; the scale
+    prompt factor, a mixed step on the GEMM (no mixed factor set) its prompt part at the GEMM's
+    and its streams at the steps'; a check on top moves both prompt kinds alike; the scale
     survives the profile's JSON; without the stream GEMV known, there is no GEMM to tell apart."""
     linear = LinearStep((0.01, 1e-4, 1e-9, 2e-3, 1e-6))
     gemv = replace(linear, passes=StreamPasses(8, 128, 32), pass_coefficients=(0.004, 0.01, 0.002))

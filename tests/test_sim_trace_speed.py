@@ -202,6 +202,61 @@ def test_each_pool_of_a_trace_reads_its_own_prompts(
     assert ttfts[0] == pytest.approx(ttfts[1], rel=1e-6)
 
 
+GEMV_LINE = LinearStep(
+    (0.010, 1e-4, 0.0, 2e-3, 0.0), passes=StreamPasses(8, 128, 32), pass_coefficients=(0.004, 0.01, 0.0)
+)
+SHORT, LONG, ONE_STREAM = Step(64, 2080, 0, 0), Step(300, 45150, 0, 0), Step(0, 0, 1, 100)
+
+
+def hand_trace(path: Path, pools: dict[str, list[tuple[Step, float, float]]]) -> None:
+    """Each pool's steps (step, its time over GEMV_LINE's, when) as a served trace writes them."""
+    rows = []
+    for pool, steps in pools.items():
+        for step, ratio, t in steps:
+            fields = {
+                "prefill_tokens": step.prefill_tokens,
+                "prefill_attention": step.prefill_attention,
+                "decode_streams": step.decode_streams,
+                "decode_context": step.decode_context,
+            }
+            rows.append(
+                {"t_s": t, "worker": f"{pool}-0", "pool": pool, "seconds": ratio * GEMV_LINE.seconds(step)}
+                | fields
+                | {"loop_seconds": 0.0, "pull_wait_seconds": 0.0, "pull_blocks": 0, "pull_seconds": 0.0}
+            )
+    path.write_text("".join(json.dumps(row) + "\n" for row in sorted(rows, key=lambda r: r["t_s"])))
+
+
+def test_a_pool_with_few_prompts_of_a_kind_takes_the_runs(tmp_path: Path) -> None:
+    # The prefill pool's prompts read x1.5 on the GEMV and x1.8 on the GEMM; the decode pool has
+    # 5 and 10 of its own (at x3), too few for either: both at the run's, the GEMM's included.
+    served = replace(fixed_profile(), steps={"prefill": GEMV_LINE, "decode": GEMV_LINE}, steps_from="serving")
+    times = iter(range(10_000))
+    trace = tmp_path / "steps.jsonl"
+    prefill = [(SHORT, 1.5, next(times)) for _ in range(30)] + [(LONG, 1.8, next(times)) for _ in range(30)]
+    decode = [(ONE_STREAM, 2.0, next(times)) for _ in range(40)]
+    few = [(SHORT, 3.0, next(times)) for _ in range(5)] + [(LONG, 3.0, next(times)) for _ in range(10)]
+    hand_trace(trace, {"prefill": prefill, "decode": decode + few})
+    traced = trace_speed(served, [trace])
+    assert (traced.factor, traced.prompt, traced.gemm) == pytest.approx((2.0, 1.5, 1.8))
+    assert traced.pools["decode"].kinds() == pytest.approx((2.0, 1.5, None, 1.8))
+    assert traced.pools["prefill"].kinds() == pytest.approx((2.0, 1.5, None, 1.8))
+    # Enough of both together (15 + 10): the pool's own prompts, its GEMM steps among them.
+    more = [(SHORT, 3.0, next(times)) for _ in range(15)] + [(LONG, 3.0, next(times)) for _ in range(10)]
+    hand_trace(trace, {"prefill": prefill, "decode": decode + more})
+    assert trace_speed(served, [trace]).pools["decode"].kinds() == pytest.approx((2.0, 3.0, None, None))
+
+
+def test_a_window_reads_a_pools_few_gemm_steps_with_its_prompts(tmp_path: Path) -> None:
+    # Three GEMM prompts, all in a stall (x2), among 30 prompts on the GEMV at the fit: as a kind
+    # of their own they would be their own pace (x1); with the prompts, the window reads the stall.
+    served = replace(fixed_profile(), steps={"prefill": GEMV_LINE}, steps_from="serving")
+    steps = [(SHORT, 1.0, 0.5 + k / 3) for k in range(30)] + [(LONG, 2.0, 10.5 + k / 3) for k in range(3)]
+    hand_trace(tmp_path / "steps.jsonl", {"prefill": steps})
+    course = speed_course(served, [tmp_path / "steps.jsonl"], 5.0)
+    assert course.factors["prefill"][-1] > 1.5
+
+
 def test_a_trace_of_the_profiles_own_spread_reads_x1(tmp_path: Path) -> None:
     # Served steps spread around their fit with a right tail, their median under it (the fit is of
     # the relative error): a run that steps as the profile draws them reads x1, not that median.

@@ -377,7 +377,6 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
     steps: dict[str, LinearStep] = {}
     steps_busy: dict[str, LinearStep] = {}
     notes = []
-    shapes: dict[str, tuple[str | None, float | None]] = {}  # each role's prompt donor and shape
     passes = stream_passes(base)
     timed_by_role = {
         role: [(read_step(r), float(r["seconds"]), float(r["busy"])) for r in rows if float(r["seconds"]) > 0]
@@ -414,7 +413,6 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
         steps[role], steps_busy[role] = fit_alone_and_busy(
             timed, (steps[donor], steps_busy[donor]) if donor is not None else None, passes, ratio
         )
-        shapes[role] = (donor, ratio)
         if passes is not None and steps[role].passes is None:
             notes.append(
                 f"{role} steps: one line (fewer than {MIN_STEPS} of them within the stream GEMV's "
@@ -424,7 +422,8 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
         raise ProfileError(
             f"no pool ran {MIN_STEPS} steps or more in {', '.join(map(str, traces))}: nothing to fit"
         )
-    if "colocated" in steps and "decode" in steps:
+    context = [step.coefficients[4] for step in (steps.get("decode"), steps_busy.get("decode")) if step]
+    if "colocated" in steps and len(context) == 2 and min(context) > 0:
         # A decode worker's streams read their contexts as a colocated worker's do (one kernel),
         # and its steps tell the context from the streams apart (a document's 1024 tokens beside
         # a few chats); a colocated worker's long contexts came with many streams (a mean of 5
@@ -432,12 +431,12 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
         # of context at 1.9x the decode pool's: its documents' ITL then came +20-30% at light
         # loads. The fit's own error did not move (median 8.86% either way): the trace could not
         # say. On all three hosts profiled the decode pool's came within 10% of the sweep's.
-        free, (lender, ratio) = steps["colocated"].coefficients[4], shapes["colocated"]
+        # Its prompt cost as first fitted (the decode pool's was taken from it), the rest again.
+        free = steps["colocated"].coefficients[4]
         steps["colocated"], steps_busy["colocated"] = fit_alone_and_busy(
             timed_by_role["colocated"],
-            (steps[lender], steps_busy[lender]) if lender is not None else None,
+            (steps["colocated"], steps_busy["colocated"]),
             passes,
-            ratio,
             context_from=(steps["decode"], steps_busy["decode"]),
         )
         notes.append(

@@ -229,15 +229,13 @@ def scaled(
             "speed_factor_mixed": None if mixed is None else round(mixed, 4),
             "speed_factor_gemm": None if gemm is None else round(gemm, 4),
         }
-        | (
-            {
-                "speed_factors_by_role": {
-                    role: [None if k is None else round(k, 4) for k in ks] for role, ks in own.items()
-                }
+        | {
+            # None without: a profile scaled again, or saved and loaded, keeps no stale entry
+            "speed_factors_by_role": {
+                role: [None if k is None else round(k, 4) for k in ks] for role, ks in own.items()
             }
-            if own
-            else {}
-        ),
+            or None
+        },
     )
 
 

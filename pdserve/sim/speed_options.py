@@ -28,7 +28,8 @@ def host_speed(args: argparse.Namespace, profile: Profile) -> tuple[Profile, Spe
     window = getattr(args, "speed_window", None)
     if window is not None and args.speed_trace is None:
         raise PdserveError("--speed-window replays a served run's speed: give its --speed-trace")
-    # The steps' factor, the prompt work's own where a check says it, a trace's mixed steps' own
+    # The steps' factor, the prompt work's own where a check says it, a trace's mixed steps' and
+    # GEMM prompts' own, and a trace's each pool's own kinds (by_role)
     factor, prompt, mixed, gemm = 1.0, None, None, None
     by_role: dict[str, speed.RoleKinds] = {}
     if args.speed_check is not None:
@@ -42,7 +43,7 @@ def host_speed(args: argparse.Namespace, profile: Profile) -> tuple[Profile, Spe
             + ("" if prompt is None else f", its {traced.prompt_steps} prompt-only steps x{prompt:.3f}")
             + ("" if gemm is None else f", its {traced.gemm_steps} prompt-only steps on the GEMM x{gemm:.3f}")
             + ("" if mixed is None else f", its {traced.mixed_steps} mixed steps x{mixed:.3f}")
-            + "; the profile's times scaled by it, each kind of step by its own",
+            + "; the profile's times scaled by it, each kind of step by its own, pool by pool:",
             file=sys.stderr,
         )
         by_role = {pool: own.kinds() for pool, own in traced.pools.items()}

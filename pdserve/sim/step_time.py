@@ -148,7 +148,9 @@ class LinearStep:
     # The same as prompt_scale for a step whose rows run on the GEMM, past the stream GEMV (a served
     # run's prompt-only steps there against its steps as a whole, pdserve/sim/trace_speed.py): the
     # two kernels do not move alike with the host (a prefill worker's prompts at a DPD knee on the
-    # AVX512 EPYC: on the GEMV 0.86-0.90 of the fit, on the GEMM 0.90-0.98). None: prompt_scale.
+    # AVX512 EPYC: on the GEMV 0.86-0.90 of the fit, on the GEMM 0.90-0.98). A step of prompt
+    # tokens beside streams on the GEMM takes it for its prompt part too, where mixed_scale is
+    # None. None: prompt_scale.
     gemm_prompt_scale: float | None = None
 
     def __post_init__(self) -> None:

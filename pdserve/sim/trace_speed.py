@@ -27,7 +27,7 @@ says whether a miss was the model's or the host's, and needs the measured run's 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pdserve.sim.profile import Profile
@@ -152,7 +152,9 @@ def trace_speed(profile: Profile, traces: list[Path]) -> TraceSpeed:
     """How much longer than `profile`'s served fit the steps of a served run took: the median of
     its decode-only steps (of every step where fewer than MIN_PAIRS are: the factor that scales
     the rest of the profile too), of its prompt-only steps and of its mixed steps (`traced_steps`;
-    a kind with fewer than MIN_KIND_STEPS steps runs at the first). The served steps' speed while
+    a kind with fewer than MIN_KIND_STEPS steps runs at the first), of its prompt-only steps on the
+    GEMM (`gemm`), and the same for each pool from its own steps (`pools`: a kind a pool has too
+    few of at the run's, `_speed_of`). The served steps' speed while
     they ran, from thousands of steps rather than a check's seconds; the steps only (the loop, the
     router's CPU and the pulls may have moved otherwise). By kind because the host moves them
     apart: in one hour a DPD run's decode-only steps ran at 0.958 of the fit, its decode worker's
@@ -173,13 +175,19 @@ def trace_speed(profile: Profile, traces: list[Path]) -> TraceSpeed:
 
 def _speed_of(steps: list[TracedStep], run: PoolSpeed | None) -> tuple[PoolSpeed, tuple[int, int, int]]:
     """The steps' speed by kind (the run's where `run` is None; else one pool's, a kind with too
-    few of its steps at the run's), and (prompt, mixed, gemm) steps counted."""
+    few of its steps at the run's), and (prompt, mixed, gemm) steps counted. Too few GEMM steps for
+    a factor of their own count with the other prompts where those then have their own; where the
+    prompts too are the run's, the GEMM's is the run's as well."""
     by_kind = {
         kind: [s.ratio for s in steps if s.kind == kind] for kind in ("decode", "prompt", "mixed", "gemm")
     }
-    if len(by_kind["gemm"]) < MIN_KIND_STEPS:  # too few for their own: with the other prompts
-        by_kind["prompt"] += by_kind.pop("gemm")
-        by_kind["gemm"] = []
+    gemm_fallback = None
+    if len(by_kind["gemm"]) < MIN_KIND_STEPS:
+        if run is None or len(by_kind["prompt"]) + len(by_kind["gemm"]) >= MIN_KIND_STEPS:
+            by_kind["prompt"] += by_kind.pop("gemm")  # with the other prompts, at their factor
+            by_kind["gemm"] = []
+        else:
+            gemm_fallback = run.gemm
 
     def median(kind: str, fallback: float | None) -> float | None:
         return statistics.median(by_kind[kind]) if len(by_kind[kind]) >= MIN_KIND_STEPS else fallback
@@ -192,7 +200,7 @@ def _speed_of(steps: list[TracedStep], run: PoolSpeed | None) -> tuple[PoolSpeed
         factor,
         median("prompt", None if run is None else run.prompt),
         median("mixed", None if run is None else run.mixed),
-        median("gemm", None),  # too few: with its prompts, at their factor
+        median("gemm", gemm_fallback),
         len(steps),
     )
     return speed, (len(by_kind["prompt"]), len(by_kind["mixed"]), len(by_kind["gemm"]))
@@ -211,6 +219,8 @@ def speed_course(profile: Profile, traces: list[Path], window_s: float) -> Speed
     factors: dict[str, tuple[float, ...]] = {}
     for pool in sorted({step.pool for step in steps}):
         mine = [step for step in steps if step.pool == pool]
+        if sum(step.kind == "gemm" for step in mine) < MIN_KIND_STEPS:  # as trace_speed reads them
+            mine = [replace(step, kind="prompt") if step.kind == "gemm" else step for step in mine]
         pace = {}  # each kind's measured over fitted over the whole run
         for kind in {s.kind for s in mine}:
             of_kind = [s for s in mine if s.kind == kind]
