@@ -152,7 +152,7 @@ def test_each_pool_of_a_trace_reads_its_own_prompts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # A decode worker's local prompts and a prefill worker's do not run alike against the fit (one
-    # DPD run: 1.22 and 0.87); by their one median the prefill worker's chats came 35% slow. A host
+    # DPD run: 1.22 and 0.87); by their one median the prefill worker's prompt steps ran 35% slow. A host
     # where the decode pool's prompts took x2.5 and the prefill pool's x1.5 reads so, pool by
     # pool, and its run comes out again from the trace.
     served = replace(fixed_profile(step=0.010, per_token=1e-4, per_stream=2e-3), steps_from="serving")

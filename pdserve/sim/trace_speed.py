@@ -85,7 +85,7 @@ class TraceSpeed:
     gemm_steps: int
     # Each pool's own: a decode worker's local prompts ran at 1.22 of the fit where the prefill
     # worker's ran at 0.87 in one DPD run (the decode pool's fit for prompt-only steps is the
-    # least measured), and by their one median the prefill worker's chats came 35% slow.
+    # least measured), and by their one median the prefill worker's prompt steps ran 35% slow.
     pools: dict[str, PoolSpeed]
 
 
