@@ -25,6 +25,12 @@ def served_profile(tmp_path: Path, **changes: float) -> Path:
     return tmp_path / "served.json"
 
 
+def by_trace(run: list[str], profile: Path, trace: Path, out: Path) -> Path:
+    """`pdserve sim` of `run` with `profile` scaled by `trace`, into `out`."""
+    assert main([*run, "--profile", str(profile), "--speed-trace", str(trace), "--out", str(out)]) == 0
+    return out
+
+
 def test_a_served_runs_step_trace_says_the_hosts_speed_while_it_served(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -50,8 +56,7 @@ def test_a_served_runs_step_trace_says_the_hosts_speed_while_it_served(
     assert traced.prompt == pytest.approx(1.5)  # the prefill worker's, prompt-only
     assert traced.steps == len(trace.read_text().splitlines()) >= speed.MIN_PAIRS
     assert traced.prompt_steps >= MIN_KIND_STEPS
-    out = tmp_path / "scaled"
-    assert main([*run, "--profile", str(served_path), "--speed-trace", str(trace), "--out", str(out)]) == 0
+    out = by_trace(run, served_path, trace, tmp_path / "scaled")
     simulation = json.loads((out / "summary.json").read_text())["simulation"]
     assert simulation["speed_factor"] == pytest.approx(2.0)
     assert simulation["speed_factor_prompt"] == pytest.approx(1.5)
@@ -122,13 +127,7 @@ def test_a_trace_reads_prompts_on_the_gemm_apart_from_those_on_the_stream_gemv(
     traced = trace_speed(served, [trace])
     assert (traced.factor, traced.prompt, traced.gemm) == pytest.approx((2.0, 1.5, 1.8))
     assert traced.gemm_steps >= MIN_KIND_STEPS and traced.prompt_steps >= MIN_KIND_STEPS
-    out = tmp_path / "scaled"
-    assert (
-        main(
-            [*run, "--profile", str(tmp_path / "served.json"), "--speed-trace", str(trace), "--out", str(out)]
-        )
-        == 0
-    )
+    out = by_trace(run, tmp_path / "served.json", trace, tmp_path / "scaled")
     assert "on the GEMM x1.800" in capsys.readouterr().err
     summaries = [json.loads((path / "summary.json").read_text()) for path in (slow, out)]
     assert summaries[1]["simulation"]["speed_factor_gemm"] == pytest.approx(1.8)
@@ -180,18 +179,11 @@ def test_each_pool_of_a_trace_reads_its_own_prompts(
     )
     traced = trace_speed(served, [trace])
     assert set(traced.pools) == {"prefill", "decode"}
-    assert traced.pools["prefill"].kinds() == pytest.approx(
-        (2.0, 1.5, None, None)
-    )  # no decode steps: the run's
+    # The prefill pool has no decode steps: their factor is the run's.
+    assert traced.pools["prefill"].kinds() == pytest.approx((2.0, 1.5, None, None))
     assert traced.pools["decode"].kinds() == pytest.approx((2.0, 2.5, None, None))
     assert 1.5 <= traced.prompt <= 2.5  # the run's, both pools' together
-    out = tmp_path / "scaled"
-    assert (
-        main(
-            [*run, "--profile", str(tmp_path / "served.json"), "--speed-trace", str(trace), "--out", str(out)]
-        )
-        == 0
-    )
+    out = by_trace(run, tmp_path / "served.json", trace, tmp_path / "scaled")
     assert "its decode pool's" in capsys.readouterr().err
     simulation = json.loads((out / "summary.json").read_text())["simulation"]
     assert simulation["speed_factors_by_role"]["decode"] == pytest.approx([2.0, 2.5, None, None])
