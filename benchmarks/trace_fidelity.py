@@ -21,6 +21,13 @@ closes of it was the host's, a stall a run-wide factor cannot hold (pdserve/sim/
 (LABEL@SCALE/: the checks, steps.jsonl, bench/, and sim-checks/, sim-trace/, sim-replay/, each
 with a folder a draw) and `trace_fidelity.md` / `.json` (the table: each simulated cell the median of
 its draws'; `--draws N` simulations a mode, each on its own draw of the steps' deviations). Run on a quiet machine: server and client share its cores.
+
+Repeats: runs of the same flags at the same rate (under labels of their own, e.g. "dpd@2=..." and
+"dpd-b@2=...") serve the same workload (the same --seed) again. Each then also reads `repeat`: its
+cells as the median of its repeats' would have predicted them, the served system's own
+repeatability on this host, below which no simulation of one run can be held; and the table adds,
+for each group, how many latency cells each column has within 10%, and the runs' range of each
+cell beside the range of each mode's simulated draws.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("checks", "trace", "replay")
+REPEAT = "repeat"  # the column of a run predicted by its repeats
+TOLERANCE = 0.10  # the issue's target: within 10%
 CELLS = (
     ("ttft_ms", "p50"),
     ("ttft_ms", "p90"),
@@ -162,22 +171,105 @@ def compare(folder: Path, draws_a_mode: int) -> dict[str, Any]:
     }
     rows: dict[str, Any] = {}
     for name, value in measured.items():
-        row: dict[str, Any] = {"measured": value}
+        row: dict[str, Any] = {"measured": value, "draws": {}}
         for mode in MODES:
             values = [v for v in (d.get(name) for d in draws[mode]) if v is not None]
             row[mode] = error(name, statistics.median(values), value) if values else None
+            if values:
+                row["draws"][mode] = [min(values), max(values)]
         rows[name] = row
     return rows
 
 
+def repeat_groups(runs: list[Run]) -> list[list[Run]]:
+    """The runs that repeat one another: the same serve flags at the same rate (labels differ)."""
+    groups: dict[tuple[tuple[str, ...], float], list[Run]] = {}
+    for run in runs:
+        groups.setdefault((tuple(shlex.split(run.serve_args)), run.scale), []).append(run)
+    return [group for group in groups.values() if len(group) > 1]
+
+
+def add_repeats(results: dict[str, dict[str, Any]], groups: list[list[Run]]) -> None:
+    """Each repeated run's `repeat` error: its cells against the median of its repeats' (the
+    prediction one more serving of the same run would have made)."""
+    for group in groups:
+        for run in group:
+            others = [results[other.name] for other in group if other is not run]
+            for name, row in results[run.name].items():
+                values = [o[name]["measured"] for o in others if o.get(name, {}).get("measured") is not None]
+                row[REPEAT] = error(name, statistics.median(values), row["measured"]) if values else None
+
+
+def latency(name: str) -> bool:
+    return name.endswith((" p50", " p90"))
+
+
+def within(rows: list[dict[str, Any]], column: str) -> tuple[int, int]:
+    """(latency cells within TOLERANCE in `column`, latency cells `column` has) over the rows."""
+    errors = [row[column] for row in rows if row.get(column) is not None]
+    return sum(abs(e) <= TOLERANCE for e in errors), len(errors)
+
+
+def repeat_summary(results: dict[str, dict[str, Any]], group: list[Run]) -> dict[str, Any]:
+    """A group's cells within 10% by each column, and each latency cell's range over the runs
+    beside its range over each mode's simulated draws (all the draws of the group's runs that have
+    the mode: `checks` needs the checks beside a run)."""
+    names = [run.name for run in group]
+    cells_of = [(name, row) for run in names for name, row in results[run].items() if latency(name)]
+    counts = {column: within([row for _, row in cells_of], column) for column in (REPEAT, *MODES)}
+    ranges: dict[str, dict[str, list[float]]] = {}
+    for name in dict.fromkeys(name for name, _ in cells_of):
+        rows = [results[run][name] for run in names if results[run].get(name, {}).get("measured") is not None]
+        if len(rows) < len(names):
+            continue  # a class one of the runs did not serve
+        runs_range = [min(r["measured"] for r in rows), max(r["measured"] for r in rows)]
+        ranges[name] = {"runs": runs_range}
+        for mode in MODES:
+            spans = [
+                r["draws"][mode] for r in rows if mode in r.get("draws", {})
+            ]  # runs without checks: none
+            if spans:
+                ranges[name][mode] = [min(s[0] for s in spans), max(s[1] for s in spans)]
+    return {"runs": names, "within": counts, "ranges": ranges}
+
+
+def _spread(span: list[float] | None) -> str:
+    if not span:
+        return "-"
+    low, high = span
+    return f"{low:.0f}..{high:.0f} ({high / low - 1:.0%})" if low > 0 else f"{low:.0f}..{high:.0f}"
+
+
+def repeat_table(summaries: list[dict[str, Any]]) -> str:
+    lines = []
+    for summary in summaries:
+        counts = ", ".join(f"{column} {n} of {total}" for column, (n, total) in summary["within"].items())
+        lines += [
+            f"### repeats: {', '.join(summary['runs'])}",
+            "",
+            f"Latency cells within {TOLERANCE:.0%} of the run: {counts}.",
+            "",
+            "| cell | the runs' range (spread) | " + " | ".join(f"{m} draws" for m in MODES) + " |",
+            "|---" * (2 + len(MODES)) + "|",
+        ]
+        for name, spans in summary["ranges"].items():
+            shown = [_spread(spans.get(mode)) for mode in MODES]
+            lines.append(f"| {name} | {_spread(spans['runs'])} | " + " | ".join(shown) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def table(results: dict[str, dict[str, Any]]) -> str:
+    columns = MODES + (
+        (REPEAT,) if any(REPEAT in row for rows in results.values() for row in rows.values()) else ()
+    )
     lines = []
     for run, rows in results.items():
         lines += [
             f"### {run}",
             "",
-            "| cell | measured | " + " | ".join(MODES) + " |",
-            "|---" * (2 + len(MODES)) + "|",
+            "| cell | measured | " + " | ".join(columns) + " |",
+            "|---" * (2 + len(columns)) + "|",
         ]
         for name, row in rows.items():
             if row["measured"] is None:
@@ -185,8 +277,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             share = name.endswith("in SLO")
             shown = f"{row['measured']:.0%}" if share else f"{row['measured']:.0f} ms"
             errors = [
-                "-" if row[m] is None else (f"{100 * row[m]:+.0f} pt" if share else f"{row[m]:+.0%}")
-                for m in MODES
+                "-" if row.get(m) is None else (f"{100 * row[m]:+.0f} pt" if share else f"{row[m]:+.0%}")
+                for m in columns
             ]
             lines.append(f"| {name} | {shown} | " + " | ".join(errors) + " |")
         lines.append("")
@@ -256,9 +348,14 @@ def main(argv: list[str] | None = None) -> int:
             for draw in range(args.draws):
                 simulate(args, run, folder, mode, draw)
         results[run.name] = compare(folder, args.draws)
-    text = table(results)
+    groups = repeat_groups(args.run)
+    add_repeats(results, groups)
+    summaries = [repeat_summary(results, group) for group in groups]
+    text = table(results) + ("\n" + repeat_table(summaries) if summaries else "")
     (args.out / "trace_fidelity.md").write_text(text)
     (args.out / "trace_fidelity.json").write_text(json.dumps(results, indent=1) + "\n")
+    if summaries:
+        (args.out / "repeats.json").write_text(json.dumps(summaries, indent=1) + "\n")
     print(text)
     return 0
 

@@ -7,6 +7,7 @@ import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from benchmark_scripts import benchmark
@@ -81,6 +82,7 @@ def test_a_run_simulated_by_its_own_trace_comes_out_again(
         assert rows[name]["replay"] == pytest.approx(0.0, abs=1e-6), name  # a steady host: x1 throughout
     table = (tmp_path / "out" / "trace_fidelity.md").read_text()
     assert "### dpd@1" in table and "| all ttft p50 |" in table and "+0%" in table
+    assert "repeat" not in table and not (tmp_path / "out" / "repeats.json").exists()  # a run of its own
     # Nothing measured where --measured looks: said, and no table.
     argv[argv.index("dpd@1=--prefill 1 --decode 1")] = "other@1=--colocated 1"
     assert trace_fidelity.main(argv) == 2
@@ -103,3 +105,69 @@ def test_the_options_are_checked_before_anything_runs(capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit):
         trace_fidelity.parse_args([*base, "--run", "a@1=--colocated 2"])
     assert "two runs share a LABEL@SCALE" in capsys.readouterr().err
+
+
+def _rows(measured: dict[str, float], checks: float | None, draws: tuple[float, float]) -> dict[str, Any]:
+    """A run's compared rows by hand: each cell measured, the checks' error, the draws' range."""
+    return {
+        name: {
+            "measured": value,
+            "checks": checks,
+            "trace": 0.0,
+            "replay": None,
+            "draws": {"trace": list(draws)} | ({} if checks is None else {"checks": list(draws)}),
+        }
+        for name, value in measured.items()
+    }
+
+
+def test_repeats_of_a_run_predict_one_another_and_are_scored_beside_the_simulation() -> None:
+    # Three servings of one DPD at x2 (labels differ, flags and rate do not; one of them lacks the
+    # checks beside it), one at another rate and a colocated one at the same rate: one group.
+    runs = [
+        trace_fidelity.parse_run(text)
+        for text in (
+            "dpd@2=--prefill 1 --decode 1",
+            "dpd-b@2=--prefill 1  --decode 1",
+            "dpd-c@2=--prefill 1 --decode 1",
+            "dpd@3=--prefill 1 --decode 1",
+            "colocated@2=--colocated 2",
+        )
+    ]
+    groups = trace_fidelity.repeat_groups(runs)
+    assert [[run.name for run in group] for group in groups] == [["dpd@2", "dpd-b@2", "dpd-c@2"]]
+    results = {
+        "dpd@2": _rows({"all ttft p50": 100.0, "all itl p90": 20.0, "all in SLO": 0.9}, 0.05, (90, 110)),
+        "dpd-b@2": _rows({"all ttft p50": 150.0, "all itl p90": 21.0, "all in SLO": 0.7}, None, (140, 160)),
+        "dpd-c@2": _rows({"all ttft p50": 104.0, "all itl p90": 22.0, "all in SLO": 0.8}, -0.2, (100, 120)),
+        "dpd@3": _rows({"all ttft p50": 500.0}, 0.0, (400, 600)),
+        "colocated@2": _rows({"all ttft p50": 90.0}, 0.0, (80, 100)),
+    }
+    trace_fidelity.add_repeats(results, groups)
+    # Each run against the median of the other two: a latency by its fraction, a share by points.
+    assert results["dpd@2"]["all ttft p50"]["repeat"] == pytest.approx(127.0 / 100.0 - 1)
+    assert results["dpd-b@2"]["all ttft p50"]["repeat"] == pytest.approx(102.0 / 150.0 - 1)
+    assert results["dpd-c@2"]["all itl p90"]["repeat"] == pytest.approx(20.5 / 22.0 - 1)
+    assert results["dpd-b@2"]["all in SLO"]["repeat"] == pytest.approx(0.85 - 0.7)
+    assert "repeat" not in results["dpd@3"]["all ttft p50"]
+    summary = trace_fidelity.repeat_summary(results, groups[0])
+    assert summary["runs"] == ["dpd@2", "dpd-b@2", "dpd-c@2"]
+    # Latency cells only (the share is not one): repeat within 10% for the three ITL p90s (+2.5%,
+    # 0%, -7%) and none of the TTFTs (+27%, -32%, +21%); checks where the run had them.
+    assert summary["within"]["repeat"] == (3, 6)
+    assert summary["within"]["checks"] == (2, 4)
+    assert summary["within"]["trace"] == (6, 6)
+    assert summary["within"]["replay"] == (0, 0)
+    ttft = summary["ranges"]["all ttft p50"]
+    assert ttft["runs"] == [100.0, 150.0]
+    assert ttft["trace"] == [90, 160]
+    assert ttft["checks"] == [90, 120]  # dpd-b@2 had no checks
+    assert "replay" not in ttft and "all in SLO" not in summary["ranges"]
+    text = trace_fidelity.repeat_table([summary])
+    assert "### repeats: dpd@2, dpd-b@2, dpd-c@2" in text
+    assert "repeat 3 of 6, checks 2 of 4, trace 6 of 6, replay 0 of 0" in text
+    assert "| all ttft p50 | 100..150 (50%) | 90..120 (33%) | 90..160 (78%) | - |" in text
+    # The runs' table grows a repeat column, "-" for a run without repeats.
+    table = trace_fidelity.table(results)
+    assert "| cell | measured | checks | trace | replay | repeat |" in table
+    assert "| all ttft p50 | 500 ms | +0% | +0% | - | - |" in table
