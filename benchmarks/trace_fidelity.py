@@ -24,10 +24,10 @@ its draws'; `--draws N` simulations a mode, each on its own draw of the steps' d
 
 Repeats: runs of the same flags at the same rate (under labels of their own, e.g. "dpd@2=..." and
 "dpd-b@2=...") serve the same workload (the same --seed) again. Each then also reads `repeat`: its
-cells as the median of its repeats' would have predicted them, the served system's own
-repeatability on this host, below which no simulation of one run can be held; and the table adds,
+cells as the median of its repeats' would have predicted them: the served system's own
+repeatability on this host, the yardstick to read a simulation of one run by; and the table adds,
 for each group, how many latency cells each column has within 10%, and the runs' range of each
-cell beside the range of each mode's simulated draws.
+cell beside the range of each mode's simulated draws (also as `repeats.json`).
 """
 
 from __future__ import annotations
