@@ -146,15 +146,20 @@ def test_a_roofline_plan_for_an_8b_model_on_h200_says_its_assumptions(
     capsys.readouterr()
     code = main([
         "plan", "--profile", str(tmp_path / "h200.json"),
-        "--workload", "poisson(4) prompt=lognormal(2000,0.5,64,8000) output=uniform(64,256)",
+        "--workload", "poisson(2) prompt=lognormal(2000,0.5,64,8000) output=uniform(64,256)",
         "--duration", "20", "--slo", "ttft=500,itl=40", "--budget", "2", "--rate-scales", "1,4",
-        "--out", str(tmp_path / "plan"),
+        "--rate-scale", "2", "--out", str(tmp_path / "plan"),
     ])  # fmt: skip
     assert code == 0
     printed = capsys.readouterr().out
     assert "NVIDIA H200 SXM" in printed and "60% of peak" in printed  # the assumptions, with the plan
     assert "Choice:" in printed
     assert "the fewest workers that meet the SLO, by load" in printed
+    # Each load as the workload ran: --rate-scales on top of --rate-scale (4 and 16 requests a second).
+    assert "== load x2 of poisson(2)" in printed and "== load x8 of poisson(2)" in printed
+    assert "\n| x2 |" in printed and "\n| x8 |" in printed
+    report = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert report["rate_scale"] == 2 and set(report["scales"]) == {"1", "4"}
     assert (tmp_path / "plan" / "plan.png").exists()
 
 

@@ -329,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
         "speed_factors_by_role": profile.meta.get("speed_factors_by_role"),
         "workload": args.workload,
         "slo": slos,
+        "rate_scale": args.rate_scale,  # "scales" are keyed by --rate-scales, each on top of this
         "scales": {},
     }
     print(f"profile {args.profile}: {profile.model} ({profile.source}) {profile.meta.get('machine', '')}")
@@ -337,7 +338,10 @@ def run(args: argparse.Namespace) -> int:
     sweep_rows = []
     for scale in scales:
         outcomes = [evaluate(base, profile, args, c, scale, slos) for c in tried]
-        print(f"\n== load x{scale:g} of {args.workload}: {len(outcomes)} deployments simulated\n")
+        # The load as the workload runs: --rate-scales on top of --rate-scale.
+        print(
+            f"\n== load x{args.rate_scale * scale:g} of {args.workload}: {len(outcomes)} deployments simulated\n"
+        )
         print(table(outcomes, percentile))
         print("\n" + verdict(outcomes, args.budget, percentile))
         chosen = best(outcomes)
@@ -359,12 +363,14 @@ def run(args: argparse.Namespace) -> int:
                 f"{o.candidate} ({o.candidate.workers})" if o else f"more than {args.budget}"
                 for o in (dpd, coloc)
             ]
-            print(f"| x{scale:g} | {cells[0]} | {cells[1]} |")
+            print(f"| x{args.rate_scale * scale:g} | {cells[0]} | {cells[1]} |")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "plan.json").write_text(json.dumps(report, indent=2, default=str))
         if len(scales) > 1:
-            _plot(sweep_rows, args.budget, args.out / "plan.png")
+            _plot(
+                [(args.rate_scale * s, *rest) for s, *rest in sweep_rows], args.budget, args.out / "plan.png"
+            )
         print(f"wrote plan.json{', plan.png' if len(scales) > 1 else ''} in {args.out}", file=sys.stderr)
     return 0
 
