@@ -19,13 +19,12 @@ from pdserve.sim.calibrate import (
     attention_ratio,
     calibrated,
     fit_alone_and_busy,
-    fit_loop,
     fit_pull,
     others_busy,
     read_trace,
     spread_of,
 )
-from pdserve.sim.profile import LoopTime, Overhead
+from pdserve.sim.profile import Overhead
 from pdserve.sim.step_time import LinearStep, ProfileError, StreamPasses
 
 WORKLOAD = "poisson(20) prompt=uniform(20,300) output=uniform(2,40)"
@@ -80,7 +79,11 @@ def test_the_fit_to_a_simulated_runs_trace_gives_its_profile_back(tmp_path: Path
         assert step.median_error is not None and step.median_error < 1e-3
     # The decode worker samples one token a stream: its loop is 1 ms + 0.5 ms a stream. A prefill
     # step samples each prompt's first token: its loop is at least the 1 ms.
-    assert fitted.loops["decode"] == LoopTime(0.001, 0.0005)
+    loop = fitted.loops["decode"]
+    assert (loop.step_s, loop.stream_s) == pytest.approx((0.001, 0.0005))
+    assert loop.by_streams and all(
+        seconds == pytest.approx(0.001 + 0.0005 * n) for n, seconds in loop.by_streams
+    )
     assert fitted.loops["prefill"].step_s >= 0.0015 and fitted.loops["prefill"].stream_s == 0
     # Each pull took 1 ms whatever its blocks, the other worker's work or not: so did their waits.
     pull = fitted.served_pull("decode", "shm")
@@ -135,30 +138,6 @@ def test_profile_from_trace_writes_a_profile_that_simulates_without_host_content
     (record,) = [json.loads(line) for line in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
     gaps = [b - a for a, b in zip(record["chunk_times_s"], record["chunk_times_s"][1:], strict=False)]
     assert gaps == pytest.approx([0.01 + 2e-3] * 2, rel=1e-3)
-
-
-def test_the_loop_is_a_line_through_each_stream_counts_own_loop_time() -> None:
-    rows = [{"decode_streams": n, "loop_seconds": 0.002 + 0.001 * n} for n in (1, 2, 4) for _ in range(6)]
-    rows += [{"decode_streams": 2, "loop_seconds": 0.5}]  # a step that waited on a pull: a median ignores it
-    rows += [{"decode_streams": 0, "loop_seconds": 9.0} for _ in range(6)]  # prompt steps: not the loop's
-    rows += [{"decode_streams": 9, "loop_seconds": 1.0} for _ in range(4)]  # too few to have a median
-    assert fit_loop(rows) == pytest.approx((0.002, 0.001))
-    assert fit_loop([]) == (0.0, 0.0)
-    # Where the trace says how long the loop waited on pulls, that is left out, though every
-    # step waited (a median alone would take it in).
-    waited = [
-        {"decode_streams": n, "loop_seconds": 0.002 + 0.001 * n + 0.004 * n, "pull_wait_seconds": 0.004 * n}
-        for n in (1, 2, 4)
-        for _ in range(6)
-    ]
-    assert fit_loop(waited) == pytest.approx((0.002, 0.001))
-    # With the waits known, a count's few long loops count, as they cost the streams: its mean.
-    skewed = [
-        {"decode_streams": n, "loop_seconds": own, "pull_wait_seconds": 0.0}
-        for n in (1, 2, 4)
-        for own in [0.002 + 0.001 * n] * 5 + [0.008 + 0.001 * n]
-    ]
-    assert fit_loop(skewed) == pytest.approx((0.003, 0.001))
 
 
 def test_a_served_pulls_wait_is_a_line_in_its_blocks_slowed_by_busy_neighbours() -> None:

@@ -65,7 +65,7 @@ def test_a_profile_reads_back_as_written(tmp_path: Path) -> None:
         steps={**original.steps, "colocated": roofline, "decode": spread},
         steps_from="serving",
         start_busy_s=21.5,
-        loops={"decode": LoopTime(0.001, 2e-4), "prefill": LoopTime(0.0015)},
+        loops={"decode": LoopTime(0.001, 2e-4, ((1, 5e-4), (4, 9e-4))), "prefill": LoopTime(0.0015)},
         pulls={
             "decode": ServedPull(
                 "shm",
@@ -130,6 +130,14 @@ def test_a_role_without_its_own_step_time_and_a_missing_transport() -> None:
     served = replace(p, loops={"decode": LoopTime(0.002, 1e-4)})
     assert served.loop_time("colocated") == LoopTime(0.002, 1e-4)
     assert served.loop_time("prefill") == LoopTime(p.overhead.step_s, p.overhead.stream_s)
+    # A served loop with its traced counts: each count's own, between two the line between them,
+    # below the first the first's, past the last the line.
+    traced = LoopTime(0.002, 1e-4, ((1, 5e-4), (3, 9e-4), (4, 1.5e-3)))
+    assert [traced.seconds(n) for n in (0, 1, 2, 3, 4)] == pytest.approx([5e-4, 5e-4, 7e-4, 9e-4, 1.5e-3])
+    assert traced.seconds(10) == pytest.approx(0.002 + 10 * 1e-4)
+    for bad in (((2, 1e-3), (1, 1e-3)), ((0, 1e-3),), ((1, -1e-3),), ((1, 1e-3), (1, 2e-3))):
+        with pytest.raises(ProfileError, match="by_streams must be"):
+            LoopTime(0.002, 1e-4, bad)
     # A served pull wait: for its role (a mixed worker: the decode one's) and its transport only.
     pull = ServedPull("shm", TransferTime(0.002, 1e-4), TransferTime(0.004, 3e-4))
     assert p.served_pull("decode", "shm") is None

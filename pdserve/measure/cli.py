@@ -253,6 +253,13 @@ def describe(profile: Profile) -> list[str]:
     for role, loop in profile.loops.items():
         lines.append(
             f"  {role} worker loop: {loop.step_s * 1000:.3f} ms a step + {loop.stream_s * 1000:.3f} ms a stream"
+            + (
+                f"; as traced at {len(loop.by_streams)} stream counts up to {loop.by_streams[-1][0]}: "
+                + ", ".join(f"{n}: {s * 1000:.2f} ms" for n, s in loop.by_streams[:4])
+                + (" ..." if len(loop.by_streams) > 4 else "")
+                if loop.by_streams
+                else ""
+            )
         )
     for name, t in profile.transfers.items():
         lines.append(f"  {name} pull: {t.base_s * 1000:.3f} ms + {t.per_block_s * 1000:.4f} ms per block")

@@ -33,6 +33,7 @@ import numpy as np
 from pdserve import slo
 from pdserve.costmodel import Step
 from pdserve.router.recorder import STEP_TRACE_KEYS
+from pdserve.sim.loop_fit import fit_loop
 from pdserve.sim.profile import LoopTime, Profile, ServedPull, TransferTime
 from pdserve.sim.step_time import LinearStep, ProfileError, Spread, StreamPasses, line_features
 
@@ -42,7 +43,6 @@ OPTIONAL_KEYS = (
     "pull_seconds",
 )  # traces from before they were traced lack them
 MIN_STEPS = 30  # per pool role, to fit five coefficients with any confidence
-MIN_BUCKET = 5  # steps of one stream count for its median loop time to count
 MIN_PULL_STEPS = 20  # steps that waited on pulls, for a role's served pull wait to be fitted
 SERVED_TRANSPORT = "shm"  # what a step trace's pulls went over: `pdserve serve`'s default on one host
 PROMPT_CHUNK_TOKENS = 128  # a step with this many prompt tokens or more computes a prompt's chunk
@@ -84,38 +84,6 @@ def read_step(row: dict[str, Any]) -> Step:
         int(row["decode_streams"]),
         int(row["decode_context"]),
     )
-
-
-def fit_loop(rows: list[dict[str, Any]]) -> tuple[float, float]:
-    """(per step, per stream) seconds of the worker loop around a decode step: a line through the
-    median loop time at each stream count seen in MIN_BUCKET steps or more, each count one point
-    (a light load's many small batches would otherwise set the line, and the loop grows with the
-    load: more tokens to send, a busier router to send them to), both >= 0. The loop's own work:
-    the time it waited on KV pulls, which the simulation models apart, left out where the trace
-    says it (`pull_wait_seconds`), and then each count's mean, since the simulated loop takes the
-    same time every step and what the loop costs the streams over a run is its mean (at 15-20
-    streams the mean was twice the median: a few long loops). Older traces do not say it: medians
-    then, so that a step that waited on a pull does not move them."""
-    by_streams: dict[int, list[float]] = defaultdict(list)
-    waits_known = all("pull_wait_seconds" in row for row in rows)
-    for row in rows:
-        streams = int(row["decode_streams"])
-        if streams > 0:
-            own = float(row.get("loop_seconds", 0.0)) - float(row.get("pull_wait_seconds", 0.0))
-            by_streams[streams].append(max(0.0, own))
-    middle = statistics.fmean if waits_known else statistics.median
-    points = [(n, middle(v)) for n, v in by_streams.items() if len(v) >= MIN_BUCKET]
-    if not points:
-        return 0.0, 0.0
-    mean_n = statistics.fmean(n for n, _ in points)
-    mean_y = statistics.fmean(y for _, y in points)
-    spread = sum((n - mean_n) ** 2 for n, _ in points)
-    slope = sum((n - mean_n) * (y - mean_y) for n, y in points) / spread if spread > 0 else 0.0
-    slope = max(0.0, slope)
-    base = mean_y - slope * mean_n
-    if base < 0:  # through the origin instead
-        base, slope = 0.0, sum(n * y for n, y in points) / sum(n * n for n, _ in points)
-    return round(base, 6), round(max(0.0, slope), 7)
 
 
 def others_busy(rows: list[dict[str, Any]], cpus: int) -> list[float]:
@@ -451,7 +419,7 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
                 round(statistics.median(float(r.get("loop_seconds", 0.0)) for r in pools[role]), 6)
             )
         else:
-            loops[role] = LoopTime(*fit_loop(pools[role]))
+            loops[role] = fit_loop(pools[role])
     pulls = {}
     for role in steps:
         fitted = fit_pull(pools[role]) if role != "prefill" else None

@@ -89,7 +89,6 @@ class SimCluster:
         pool = config.pool
         step_time = self.profile.step_time(pool)
         loop_time = self.profile.loop_time(pool)
-        per_step, per_stream = loop_time.step_s, loop_time.stream_s
         transfer = self.profile.transfer(config.transport) if pool != "prefill" else None
         served_pull = self.profile.served_pull(pool, config.transport)
 
@@ -140,7 +139,7 @@ class SimCluster:
             return seconds
 
         def loop_seconds(out: SchedulerOutput) -> float:
-            loop = per_step + per_stream * sum(1 for c in out.chunks if c.sample)
+            loop = loop_time.seconds(sum(1 for c in out.chunks if c.sample))
             loop *= self._course(pool)
             if host is None:
                 return loop

@@ -21,6 +21,7 @@ prompt attention, decode streams, decode context), in one of two forms
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -67,10 +68,40 @@ class Overhead:
 
 @dataclass(frozen=True)
 class LoopTime:
-    """The worker loop's time after a step, before the next: step_s + stream_s x tokens sampled."""
+    """The worker loop's time after a step, before the next: step_s + stream_s x tokens sampled,
+    or where served steps were traced (pdserve/sim/loop_fit.py) the traces' own loop time at each
+    count of tokens sampled they ran often (`by_streams`: (count, seconds), ascending): between two
+    of those counts the line between them, below the first the first's, past the last the line."""
 
     step_s: float = 0.0
     stream_s: float = 0.0
+    by_streams: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        counts = [n for n, _ in self.by_streams]
+        if (
+            counts != sorted(set(counts))
+            or any(n < 1 for n in counts)
+            or not all(math.isfinite(s) and s >= 0 for _, s in self.by_streams)
+        ):
+            raise ProfileError(
+                "a loop's by_streams must be [count, seconds] pairs, counts ascending >= 1, seconds >= 0"
+            )
+
+    def seconds(self, sampled: int) -> float:
+        table = self.by_streams
+        if not table or sampled > table[-1][0]:
+            return self.step_s + self.stream_s * sampled
+        index = bisect.bisect_left(table, (sampled, -1.0))
+        if index == 0 or table[index][0] == sampled:
+            return table[index][1]
+        (n0, s0), (n1, s1) = table[index - 1], table[index]
+        return s0 + (s1 - s0) * (sampled - n0) / (n1 - n0)
+
+    def scaled(self, factor: float) -> LoopTime:
+        return LoopTime(
+            self.step_s * factor, self.stream_s * factor, tuple((n, s * factor) for n, s in self.by_streams)
+        )
 
 
 @dataclass(frozen=True)
@@ -270,6 +301,13 @@ def _mixed_spread(role: str, ratios: Any) -> tuple[float, ...]:
     return tuple(float(r) for r in ratios)
 
 
+def _loop(body: dict[str, Any]) -> LoopTime:
+    table = body.get("by_streams", ())
+    return LoopTime(
+        body.get("step_s", 0.0), body.get("stream_s", 0.0), tuple((int(n), float(s)) for n, s in table)
+    )
+
+
 def _step_from_json(role: str, body: Any) -> StepTime:
     if not isinstance(body, dict):
         raise ProfileError(f"steps.{role} must be an object")
@@ -330,7 +368,7 @@ def load(path: Path) -> Profile:
             host=HostCpu(**body["host"]) if body.get("host") else None,
             steps_busy={role: _step_from_json(role, s) for role, s in body.get("steps_busy", {}).items()},
             steps_from=str(body.get("steps_from", "alone")),
-            loops={str(role): LoopTime(**loop) for role, loop in body.get("loops", {}).items()},
+            loops={str(role): _loop(loop) for role, loop in body.get("loops", {}).items()},
             pulls={str(role): _served_pull(str(role), pull) for role, pull in body.get("pulls", {}).items()},
         )
         for name in ("start_s", "start_busy_s"):

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pdserve.costmodel import Step
-from pdserve.sim.profile import HostCpu, LoopTime, Overhead, Profile, ServedPull, TransferTime
+from pdserve.sim.profile import HostCpu, Overhead, Profile, ServedPull, TransferTime
 from pdserve.sim.step_time import LinearStep, ProfileError, Spread, StepTime
 
 _Timed = TypeVar("_Timed", Overhead, HostCpu)
@@ -217,10 +217,7 @@ def scaled(
         start_s=profile.start_s * factor,
         start_busy_s=profile.start_busy_s * factor,
         host=None if host is None else _times(host, factor, keep=("cpus",)),
-        loops={
-            role: LoopTime(loop.step_s * factor, loop.stream_s * factor)
-            for role, loop in profile.loops.items()
-        },
+        loops={role: loop.scaled(factor) for role, loop in profile.loops.items()},
         pulls={role: _pull(pull, factor) for role, pull in profile.pulls.items()},
         meta=profile.meta
         | {
