@@ -23,7 +23,8 @@ with a folder a draw) and `trace_fidelity.md` / `.json` (the table: each simulat
 its draws'; `--draws N` simulations a mode, each on its own draw of the steps' deviations). Run on a quiet machine: server and client share its cores.
 
 Repeats: runs of the same flags at the same rate (under labels of their own, e.g. "dpd@2=..." and
-"dpd-b@2=...") serve the same workload (the same --seed) again. Each then also reads `repeat`: its
+"dpd-b@2=...") serve the same workload (the same --seed) again; the flags are compared as words, so
+write them alike ("--prefill 1 --decode 1" and "--decode 1 --prefill 1" are two deployments here). Each then also reads `repeat`: its
 cells as the median of its repeats' would have predicted them: the served system's own
 repeatability on this host, the yardstick to read a simulation of one run by; and the table adds,
 for each group, how many latency cells each column has within 10%, and the runs' range of each
@@ -159,7 +160,8 @@ def error(name: str, sim: float | None, measured: float | None) -> float | None:
 
 def compare(folder: Path, draws_a_mode: int) -> dict[str, Any]:
     """One run's measured cells, and each mode's simulated cells' error: the median of its draws'
-    (a simulated run near a knee is one draw of the steps' deviations, as a served run is one run)."""
+    (a simulated run near a knee is one draw of the steps' deviations, as a served run is one run);
+    and each mode's draws' lowest and highest (`draws`)."""
     measured = cells(json.loads((folder / "bench" / "summary.json").read_text()))
     draws = {
         mode: [
@@ -230,7 +232,11 @@ def repeat_summary(results: dict[str, dict[str, Any]], group: list[Run]) -> dict
             ]  # runs without checks: none
             if spans:
                 ranges[name][mode] = [min(s[0] for s in spans), max(s[1] for s in spans)]
-    return {"runs": names, "within": counts, "ranges": ranges}
+    with_mode = {
+        mode: sum(any(mode in row.get("draws", {}) for row in results[run].values()) for run in names)
+        for mode in MODES
+    }
+    return {"runs": names, "within": counts, "ranges": ranges, "runs_simulated": with_mode}
 
 
 def _spread(span: list[float] | None) -> str:
@@ -238,6 +244,12 @@ def _spread(span: list[float] | None) -> str:
         return "-"
     low, high = span
     return f"{low:.0f}..{high:.0f} ({high / low - 1:.0%})" if low > 0 else f"{low:.0f}..{high:.0f}"
+
+
+def _of(summary: dict[str, Any], mode: str) -> str:
+    """ " (3 of 4 runs)" where some of the group's runs lack the mode (no checks beside them)."""
+    simulated, runs = summary["runs_simulated"][mode], len(summary["runs"])
+    return "" if simulated == runs else f" ({simulated} of {runs} runs)"
 
 
 def repeat_table(summaries: list[dict[str, Any]]) -> str:
@@ -249,7 +261,9 @@ def repeat_table(summaries: list[dict[str, Any]]) -> str:
             "",
             f"Latency cells within {TOLERANCE:.0%} of the run: {counts}.",
             "",
-            "| cell | the runs' range (spread) | " + " | ".join(f"{m} draws" for m in MODES) + " |",
+            "| cell | the runs' range (spread) | "
+            + " | ".join(f"{m} draws" + _of(summary, m) for m in MODES)
+            + " |",
             "|---" * (2 + len(MODES)) + "|",
         ]
         for name, spans in summary["ranges"].items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,18 @@ def test_a_run_simulated_by_its_own_trace_comes_out_again(
     table = (tmp_path / "out" / "trace_fidelity.md").read_text()
     assert "### dpd@1" in table and "| all ttft p50 |" in table and "+0%" in table
     assert "repeat" not in table and not (tmp_path / "out" / "repeats.json").exists()  # a run of its own
+    # The same run served again (here: its copy) under a label of its own: the two read against
+    # each other, every latency cell the same, in the table and in repeats.json.
+    shutil.copytree(folder, tmp_path / "out" / "dpd-b@1", ignore=shutil.ignore_patterns("sim-*"))
+    assert trace_fidelity.main([*argv, "--run", "dpd-b@1=--prefill 1  --decode 1"]) == 0
+    rows = json.loads((tmp_path / "out" / "trace_fidelity.json").read_text())["dpd-b@1"]
+    assert rows["all ttft p90"]["repeat"] == pytest.approx(0.0) and rows["all in SLO"]["repeat"] == 0.0
+    (group,) = json.loads((tmp_path / "out" / "repeats.json").read_text())
+    assert (
+        group["runs"] == ["dpd@1", "dpd-b@1"]
+        and group["within"]["repeat"][0] == group["within"]["repeat"][1] > 0
+    )
+    assert "### repeats: dpd@1, dpd-b@1" in (tmp_path / "out" / "trace_fidelity.md").read_text()
     # Nothing measured where --measured looks: said, and no table.
     argv[argv.index("dpd@1=--prefill 1 --decode 1")] = "other@1=--colocated 1"
     assert trace_fidelity.main(argv) == 2
@@ -167,6 +180,7 @@ def test_repeats_of_a_run_predict_one_another_and_are_scored_beside_the_simulati
     assert "### repeats: dpd@2, dpd-b@2, dpd-c@2" in text
     assert "repeat 3 of 6, checks 2 of 4, trace 6 of 6, replay 0 of 0" in text
     assert "| all ttft p50 | 100..150 (50%) | 90..120 (33%) | 90..160 (78%) | - |" in text
+    assert "| checks draws (2 of 3 runs) | trace draws | replay draws (0 of 3 runs) |" in text
     # The runs' table grows a repeat column, "-" for a run without repeats.
     table = trace_fidelity.table(results)
     assert "| cell | measured | checks | trace | replay | repeat |" in table

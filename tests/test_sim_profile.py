@@ -82,6 +82,14 @@ def test_a_profile_reads_back_as_written(tmp_path: Path) -> None:
     back = profiles.load(tmp_path / "p.json")
     assert back == original
     assert back.model_config().num_layers == 2
+    # A loop without traced counts writes none (older readers read it as before); a loop with a key
+    # it does not know is refused, by where it is.
+    body = json.loads((tmp_path / "p.json").read_text())
+    assert "by_streams" in body["loops"]["decode"] and "by_streams" not in body["loops"]["prefill"]
+    body["loops"]["decode"]["by_stream"] = body["loops"]["decode"].pop("by_streams")
+    (tmp_path / "p.json").write_text(json.dumps(body))
+    with pytest.raises(ProfileError, match=r"loops\.decode must be an object of"):
+        profiles.load(tmp_path / "p.json")
 
 
 def test_a_profile_with_the_stream_gemv_reads_back_and_bad_ones_are_refused(tmp_path: Path) -> None:
@@ -130,14 +138,24 @@ def test_a_role_without_its_own_step_time_and_a_missing_transport() -> None:
     served = replace(p, loops={"decode": LoopTime(0.002, 1e-4)})
     assert served.loop_time("colocated") == LoopTime(0.002, 1e-4)
     assert served.loop_time("prefill") == LoopTime(p.overhead.step_s, p.overhead.stream_s)
-    # A served loop with its traced counts: each count's own, between two the line between them,
-    # below the first the first's, past the last the line.
-    traced = LoopTime(0.002, 1e-4, ((1, 5e-4), (3, 9e-4), (4, 1.5e-3)))
-    assert [traced.seconds(n) for n in (0, 1, 2, 3, 4)] == pytest.approx([5e-4, 5e-4, 7e-4, 9e-4, 1.5e-3])
-    assert traced.seconds(10) == pytest.approx(0.002 + 10 * 1e-4)
-    for bad in (((2, 1e-3), (1, 1e-3)), ((0, 1e-3),), ((1, -1e-3),), ((1, 1e-3), (1, 2e-3))):
+    # A served loop with its traced counts: each count's own, between two close ones the line
+    # between them; below the first, past the last and across a wide gap, the loop's line.
+    traced_loop = LoopTime(0.002, 1e-4, ((1, 5e-4), (3, 9e-4), (4, 1.5e-3), (12, 3e-3)))
+    assert [traced_loop.seconds(n) for n in (1, 2, 3, 4)] == pytest.approx([5e-4, 7e-4, 9e-4, 1.5e-3])
+    for untraced in (0, 5, 11, 13):
+        assert traced_loop.seconds(untraced) == pytest.approx(0.002 + untraced * 1e-4)
+    assert traced_loop.seconds(12) == pytest.approx(3e-3)
+    assert LoopTime(0.002, 1e-4, [[1, 5e-4]]).by_streams == ((1, 5e-4),)  # as JSON reads it: tuples
+    for bad in (
+        ((2, 1e-3), (1, 1e-3)),
+        ((0, 1e-3),),
+        ((1, -1e-3),),
+        ((1, 1e-3), (1, 2e-3)),
+        ((1.5, 1e-3),),
+        ((1,),),
+    ):
         with pytest.raises(ProfileError, match="by_streams must be"):
-            LoopTime(0.002, 1e-4, bad)
+            LoopTime(0.002, 1e-4, bad)  # type: ignore[arg-type]
     # A served pull wait: for its role (a mixed worker: the decode one's) and its transport only.
     pull = ServedPull("shm", TransferTime(0.002, 1e-4), TransferTime(0.004, 3e-4))
     assert p.served_pull("decode", "shm") is None

@@ -7,7 +7,8 @@ sends tokens and handles messages. On a small shared host that moves a step's ti
 more than any fit's error, and by how much depends on the load. `pdserve serve --step-trace FILE`
 writes every worker's steps as its load reports bring them (router.recorder.STEP_TRACE_KEYS);
 this fits each pool role's step time to the steps that pool's workers ran, and each role's worker
-loop time around a step (per step and per stream, its waits on KV pulls left out) and, where
+loop time around a step (per step and per stream, and each stream count's own where the trace
+ran it often: loop_fit.py; its waits on KV pulls left out) and, where
 the trace says what they moved, its waits on KV pulls (per pull and per block, as the steps,
 alone and beside busy neighbours), into a copy of a base profile (its KV transfers, start time,
 blocks and overhead are kept). Each step is fitted as alone x (1 - b) + beside busy neighbours x b,
@@ -33,7 +34,7 @@ import numpy as np
 from pdserve import slo
 from pdserve.costmodel import Step
 from pdserve.router.recorder import STEP_TRACE_KEYS
-from pdserve.sim.loop_fit import fit_loop
+from pdserve.sim.loop_fit import fit_loop, loop_note
 from pdserve.sim.profile import LoopTime, Profile, ServedPull, TransferTime
 from pdserve.sim.step_time import LinearStep, ProfileError, Spread, StreamPasses, line_features
 
@@ -420,6 +421,8 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
             )
         else:
             loops[role] = fit_loop(pools[role])
+            if loops[role].by_streams:
+                notes.append(loop_note(role, loops[role]))
     pulls = {}
     for role in steps:
         fitted = fit_pull(pools[role]) if role != "prefill" else None

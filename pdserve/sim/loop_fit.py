@@ -1,13 +1,13 @@
 """The worker loop's time around a decode step, fitted to served steps (`pdserve profile
 --from-trace`, calibrate.py). No torch.
 
-Between two steps a worker's loop sends the step's tokens and handles its messages: 0.4-0.7 ms at
-a light load's 1-3 streams on a 2-vCPU host, 4-5 ms at 40 streams past the knee. It grows with the
-load (more tokens out, a busier router to take them), which a line in the stream count reads
-badly at small batches: fitted one point a count, its base was 1.9 ms where the traces' 1-3
-stream steps averaged 0.7-1.1 (AVX512 EPYC, colocated), and a colocated worker's ITL came 24% long
-at a light load by that alone and the step fit. So the loop keeps both: the line, and each count's
-own mean where the traces ran it in MIN_TABLE_STEPS steps or more (`LoopTime.by_streams`).
+Between two steps a worker's loop sends the step's tokens and handles its messages: 0.7-1.3 ms
+at 1-3 streams in the AVX512 EPYC profile's own traces (0.4-0.6 ms in a lone colocated worker's
+at a light load), 4-6 ms at 60 streams past the knee. It grows with the load (more tokens out, a
+busier router to take them), which a line in the stream count reads badly at small batches:
+fitted one point a count, its base was 1.9 ms, and a colocated worker's ITL came 10% long at a
+light load by it. So the loop keeps both: the line, and each count's own mean where the traces ran
+it in MIN_TABLE_STEPS steps or more (`LoopTime.by_streams`; the median in older traces).
 """
 
 from __future__ import annotations
@@ -47,7 +47,10 @@ def fit_line(rows: list[dict[str, Any]]) -> tuple[float, float]:
     same time every step and what the loop costs the streams over a run is its mean (at 15-20
     streams the mean was twice the median: a few long loops). Older traces do not say it: medians
     then, so that a step that waited on a pull does not move them."""
-    by_streams, middle = _loops_by_streams(rows)
+    return _line(*_loops_by_streams(rows))
+
+
+def _line(by_streams: dict[int, list[float]], middle: Callable[[list[float]], float]) -> tuple[float, float]:
     points = [(n, middle(v)) for n, v in by_streams.items() if len(v) >= MIN_BUCKET]
     if not points:
         return 0.0, 0.0
@@ -65,9 +68,20 @@ def fit_line(rows: list[dict[str, Any]]) -> tuple[float, float]:
 def fit_loop(rows: list[dict[str, Any]]) -> LoopTime:
     """The line (`fit_line`), and each stream count's own loop time (its mean, or its median in
     older traces, as the line's points) where the steps ran it MIN_TABLE_STEPS times or more."""
-    base, slope = fit_line(rows)
     by_streams, middle = _loops_by_streams(rows)
+    base, slope = _line(by_streams, middle)
     table = tuple(
         (n, round(middle(v), 7)) for n, v in sorted(by_streams.items()) if len(v) >= MIN_TABLE_STEPS
     )
     return LoopTime(base, slope, table)
+
+
+def loop_note(role: str, loop: LoopTime) -> str:
+    """The profile's assumption line for a loop with traced counts."""
+    counts = [n for n, _ in loop.by_streams]
+    return (
+        f"{role} worker loop: each stream count the trace ran {MIN_TABLE_STEPS} times or more its own "
+        f"({len(counts)} counts, {counts[0]} to {counts[-1]}; {loop.by_streams[0][1] * 1000:.2f} ms at "
+        f"{counts[0]}), the line ({loop.step_s * 1000:.2f} ms + {loop.stream_s * 1000:.3f} ms a stream) "
+        "past them and across gaps (pdserve/sim/loop_fit.py)"
+    )

@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rate-scales",
         default=None,
-        help="a sweep: the fewest workers of each kind at each multiple of the rate",
+        help="a sweep: the fewest workers of each kind at each multiple of the rate (on top of --rate-scale)",
     )
     p.add_argument(
         "--kinds",
@@ -368,9 +368,8 @@ def run(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "plan.json").write_text(json.dumps(report, indent=2, default=str))
         if len(scales) > 1:
-            _plot(
-                [(args.rate_scale * s, *rest) for s, *rest in sweep_rows], args.budget, args.out / "plan.png"
-            )
+            rows = [(args.rate_scale * scale, dpd, coloc) for scale, dpd, coloc in sweep_rows]
+            _plot(rows, args.budget, args.out / "plan.png")
         print(f"wrote plan.json{', plan.png' if len(scales) > 1 else ''} in {args.out}", file=sys.stderr)
     return 0
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import operator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,9 @@ from pdserve.sim.step_time import (
 FORMAT = "pdserve-profile/1"
 ROLES = ("prefill", "decode", "colocated")
 STEPS_FROM = ("alone", "serving")
+# A loop time between two traced stream counts further apart than this is the line's: the counts
+# in between ran too few steps to be kept, so nothing says the two ends' times hold across them.
+MAX_LOOP_GAP = 4
 
 
 @dataclass(frozen=True)
@@ -70,33 +74,53 @@ class Overhead:
 class LoopTime:
     """The worker loop's time after a step, before the next: step_s + stream_s x tokens sampled,
     or where served steps were traced (pdserve/sim/loop_fit.py) the traces' own loop time at each
-    count of tokens sampled they ran often (`by_streams`: (count, seconds), ascending): between two
-    of those counts the line between them, below the first the first's, past the last the line."""
+    stream count they ran often (`by_streams`: (count, seconds), ascending): at a count between two
+    of them at most MAX_LOOP_GAP apart, the line between those two; below the first count, past the
+    last and across a wider gap, the line. A trace counts a step's decode streams, the simulation
+    the tokens it samples (a prompt that finishes in the step samples one too): the same but for
+    those steps."""
 
     step_s: float = 0.0
     stream_s: float = 0.0
     by_streams: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        counts = [n for n, _ in self.by_streams]
+        try:
+            table = tuple((int(n), float(s)) for n, s in self.by_streams)
+            whole = all(int(n) == n for n, _ in self.by_streams)
+        except (TypeError, ValueError):
+            table, whole = (), False
+        counts = [n for n, _ in table]
         if (
-            counts != sorted(set(counts))
+            not whole
+            or counts != sorted(set(counts))
             or any(n < 1 for n in counts)
-            or not all(math.isfinite(s) and s >= 0 for _, s in self.by_streams)
+            or not all(math.isfinite(s) and s >= 0 for _, s in table)
         ):
             raise ProfileError(
-                "a loop's by_streams must be [count, seconds] pairs, counts ascending >= 1, seconds >= 0"
+                "a loop's by_streams must be [count, seconds] pairs, whole counts ascending >= 1, seconds >= 0"
             )
+        object.__setattr__(self, "by_streams", table)
 
     def seconds(self, sampled: int) -> float:
         table = self.by_streams
-        if not table or sampled > table[-1][0]:
-            return self.step_s + self.stream_s * sampled
-        index = bisect.bisect_left(table, (sampled, -1.0))
-        if index == 0 or table[index][0] == sampled:
+        line = self.step_s + self.stream_s * sampled
+        index = bisect.bisect_left(table, sampled, key=operator.itemgetter(0))
+        if index == len(table) or (index == 0 and table[0][0] != sampled):
+            return line  # past the last count or below the first: the line
+        if table[index][0] == sampled:
             return table[index][1]
         (n0, s0), (n1, s1) = table[index - 1], table[index]
+        if n1 - n0 > MAX_LOOP_GAP:
+            return line
         return s0 + (s1 - s0) * (sampled - n0) / (n1 - n0)
+
+    def to_json(self) -> dict[str, Any]:
+        """Without `by_streams` where there is none: older readers read it as before."""
+        body = asdict(self)
+        if not self.by_streams:
+            del body["by_streams"]
+        return body
 
     def scaled(self, factor: float) -> LoopTime:
         return LoopTime(
@@ -242,7 +266,7 @@ class Profile:
             "host": asdict(self.host) if self.host is not None else None,
             "steps_busy": {role: step.to_json() for role, step in self.steps_busy.items()},
             "steps_from": self.steps_from,
-            "loops": {role: asdict(loop) for role, loop in self.loops.items()},
+            "loops": {role: loop.to_json() for role, loop in self.loops.items()},
             "pulls": {role: asdict(pull) for role, pull in self.pulls.items()},
         }
 
@@ -301,10 +325,12 @@ def _mixed_spread(role: str, ratios: Any) -> tuple[float, ...]:
     return tuple(float(r) for r in ratios)
 
 
-def _loop(body: dict[str, Any]) -> LoopTime:
-    table = body.get("by_streams", ())
+def _loop(role: str, body: Any) -> LoopTime:
+    keys = {"step_s", "stream_s", "by_streams"}
+    if not isinstance(body, dict) or not set(body) <= keys:
+        raise ProfileError(f"loops.{role} must be an object of {sorted(keys)}, got {body!r}")
     return LoopTime(
-        body.get("step_s", 0.0), body.get("stream_s", 0.0), tuple((int(n), float(s)) for n, s in table)
+        float(body.get("step_s", 0.0)), float(body.get("stream_s", 0.0)), tuple(body.get("by_streams", ()))
     )
 
 
@@ -368,7 +394,7 @@ def load(path: Path) -> Profile:
             host=HostCpu(**body["host"]) if body.get("host") else None,
             steps_busy={role: _step_from_json(role, s) for role, s in body.get("steps_busy", {}).items()},
             steps_from=str(body.get("steps_from", "alone")),
-            loops={str(role): _loop(loop) for role, loop in body.get("loops", {}).items()},
+            loops={str(role): _loop(str(role), loop) for role, loop in body.get("loops", {}).items()},
             pulls={str(role): _served_pull(str(role), pull) for role, pull in body.get("pulls", {}).items()},
         )
         for name in ("start_s", "start_busy_s"):
