@@ -227,9 +227,8 @@ def repeat_summary(results: dict[str, dict[str, Any]], group: list[Run]) -> dict
         runs_range = [min(r["measured"] for r in rows), max(r["measured"] for r in rows)]
         ranges[name] = {"runs": runs_range}
         for mode in MODES:
-            spans = [
-                r["draws"][mode] for r in rows if mode in r.get("draws", {})
-            ]  # runs without checks: none
+            # A run without the checks beside it has no checks draws.
+            spans = [r["draws"][mode] for r in rows if mode in r.get("draws", {})]
             if spans:
                 ranges[name][mode] = [min(s[0] for s in spans), max(s[1] for s in spans)]
     with_mode = {
@@ -370,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "trace_fidelity.json").write_text(json.dumps(results, indent=1) + "\n")
     if summaries:
         (args.out / "repeats.json").write_text(json.dumps(summaries, indent=1) + "\n")
+    else:  # none of an earlier reading of other runs
+        (args.out / "repeats.json").unlink(missing_ok=True)
     print(text)
     return 0
 

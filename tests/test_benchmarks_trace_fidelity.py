@@ -96,6 +96,8 @@ def test_a_run_simulated_by_its_own_trace_comes_out_again(
         and group["within"]["repeat"][0] == group["within"]["repeat"][1] > 0
     )
     assert "### repeats: dpd@1, dpd-b@1" in (tmp_path / "out" / "trace_fidelity.md").read_text()
+    assert trace_fidelity.main(argv) == 0  # one of them read alone again: no repeats left behind
+    assert not (tmp_path / "out" / "repeats.json").exists()
     # Nothing measured where --measured looks: said, and no table.
     argv[argv.index("dpd@1=--prefill 1 --decode 1")] = "other@1=--colocated 1"
     assert trace_fidelity.main(argv) == 2
