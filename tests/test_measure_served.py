@@ -1,9 +1,10 @@
-"""`pdserve profile --served`: real DPD and colocated servers traced under the climbing load, and a
-profile refitted to what they ran."""
+"""`pdserve profile --served`: real DPD and colocated servers traced under the climbing load (and, on
+two CPUs, a lone colocated worker that leaves one free), and a profile refitted to what they ran."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,10 @@ from test_sim_profile import fixed_profile
 from pdserve.measure import served
 from pdserve.router.recorder import STEP_TRACE_KEYS
 from pdserve.sim.calibrate import calibrated
+from pdserve.sim.profile import HostCpu
 
 
-def test_both_deployments_are_traced_under_load_and_refit_the_profile(
+def test_the_deployments_are_traced_under_load_and_refit_the_profile(
     tmp_path: Path, tiny_llama: Path
 ) -> None:
     # The workload to plan for, climbing through its rate x0.5, x1, x2, x3.5 (a quarter each):
@@ -23,8 +25,11 @@ def test_both_deployments_are_traced_under_load_and_refit_the_profile(
         "chat: poisson(4) prompt=uniform(16,64) output=uniform(4,24) turns=fixed(2) followup=fixed(8) "
         "think=fixed(10); docs: poisson(0.5) prompt=fixed(200) output=fixed(4)"
     )
-    traces = served.trace(str(tiny_llama), tmp_path, threads=1, duration_s=6.0, workload=workload)
-    assert [t.name for t in traces] == ["steps-dpd.jsonl", "steps-colocated.jsonl"]
+    # On two CPUs, which the two-worker deployments fill, a colocated 1 too (at half the load).
+    traces = served.trace(str(tiny_llama), tmp_path, threads=1, duration_s=6.0, workload=workload, cpus=2)
+    assert [t.name for t in traces] == ["steps-dpd.jsonl", "steps-colocated.jsonl", "steps-colocated-1.jsonl"]
+    workers = [{json.loads(line)["worker"] for line in t.read_text().splitlines()} for t in traces]
+    assert [len(w) for w in workers] == [2, 2, 1]
     pools = []
     for trace in traces:
         rows = [json.loads(line) for line in trace.read_text().splitlines()]
@@ -32,7 +37,7 @@ def test_both_deployments_are_traced_under_load_and_refit_the_profile(
         # The time the loop waited on KV pulls is part of its time around the step.
         assert all(0 <= row["pull_wait_seconds"] <= row["loop_seconds"] for row in rows)
         pools.append({row["pool"] for row in rows})
-    assert pools == [{"prefill", "decode"}, {"colocated"}]
+    assert pools == [{"prefill", "decode"}, {"colocated"}, {"colocated"}]
     # The real decode worker says the blocks of the pulls it waited on; nothing else pulls. Each
     # prompt prefilled on the prefill worker is pulled, at least its last partial block (blocks of
     # 64: a document's 200 tokens end in one). Not all 4 of a document's: the prompts share their
@@ -48,12 +53,13 @@ def test_both_deployments_are_traced_under_load_and_refit_the_profile(
     assert all(
         row["pull_blocks"] == 0 for line in traces[1].read_text().splitlines() if (row := json.loads(line))
     )
-    base = fixed_profile()
+    base = replace(fixed_profile(), host=HostCpu(cpus=2))
     profile = calibrated(base, traces)
     assert profile.steps_from == "serving"
     assert any("served steps" in a for a in profile.assumptions)
     # Every pool with enough steps is fitted to them; one without keeps the base's, and says so.
-    counts = {pool: sum(1 for t in traces for line in t.read_text().splitlines() if f'"pool": "{pool}"' in line)
+    # (the runs that filled the two CPUs: the lone worker's steps only spread around their fit)
+    counts = {pool: sum(1 for t in traces[:2] for line in t.read_text().splitlines() if f'"pool": "{pool}"' in line)
               for pool in ("prefill", "decode", "colocated")}  # fmt: skip
     for pool, count in counts.items():
         if count >= 30:
@@ -62,6 +68,9 @@ def test_both_deployments_are_traced_under_load_and_refit_the_profile(
             assert profile.steps[pool] is base.steps[pool]
             assert any(f"the {pool} pool ran {count} steps" in a for a in profile.assumptions)
     assert counts["decode"] >= 30 and counts["colocated"] >= 30  # a load's worth of decode steps
+    lone = len(traces[2].read_text().splitlines())
+    assert lone >= 30 and profile.steps["colocated"].free_spread  # type: ignore[union-attr]
+    assert any(f"runs with a CPU free of workers ({lone})" in a for a in profile.assumptions)
 
 
 def test_the_load_climbs_the_staircase_or_the_workload_given() -> None:

@@ -22,7 +22,6 @@ from pdserve.sim.calibrate import (
     fit_pull,
     others_busy,
     read_trace,
-    spread_of,
 )
 from pdserve.sim.profile import Overhead
 from pdserve.sim.step_time import LinearStep, ProfileError, StreamPasses
@@ -465,19 +464,6 @@ def test_steps_with_a_prompt_beside_streams_keep_a_spread_of_their_own() -> None
     assert few.mixed_spread == () and few.spread
 
 
-def test_the_spread_of_few_steps_of_like_steps_and_of_tiny_ratios() -> None:
-    assert spread_of([]) == ()
-    # Fewer than a band's worth of steps: one band, a quantile a step, up to just past the longest.
-    (one,) = spread_of([(0.01 * k, 0.01 * k * (1 + k / 100)) for k in range(1, 11)])
-    assert len(one.quantiles) == 10 and one.below_s is not None and one.below_s > 0.1
-    # Steps all alike: no band ends inside them.
-    (alike,) = spread_of([(0.02, 0.02 * r) for r in (0.9, 1.0, 1.1) * 40])
-    assert alike.quantiles[0] == pytest.approx(0.9) and alike.quantiles[-1] == pytest.approx(1.1)
-    # A step far faster than its fit still makes a profile that loads (no ratio rounded to 0).
-    tiny = spread_of([(1.0, 1e-5)] * 40)
-    assert LinearStep((0.01, 0.0, 0.0, 0.0, 0.0), spread=tiny).spread_at(1.0)[0] > 0
-
-
 def test_a_colocated_pool_takes_the_decode_pools_cost_per_token_of_context(tmp_path: Path) -> None:
     # A colocated worker's long contexts come with many streams, and its served steps cannot tell
     # a token of context from a stream (on three hosts its free fit came 0.24x, 1.3x and 1.7x the
@@ -506,3 +492,55 @@ def test_a_colocated_pool_takes_the_decode_pools_cost_per_token_of_context(tmp_p
     # Traced alone, a colocated pool keeps its own (nothing to take it from).
     own = calibrated(truth, [colocated]).steps["colocated"]
     assert isinstance(own, LinearStep) and own.coefficients[4] == pytest.approx(9e-6, rel=1e-3)
+
+
+def written_trace(path: Path, workers: int, steps: list[tuple[Step, float]]) -> Path:
+    """`steps` as one run's step trace, taken in turn by `workers` colocated workers, one after
+    another in time (none beside another: b = 0)."""
+    rows, t = [], 0.0
+    for index, (step, seconds) in enumerate(steps):
+        t += seconds + 0.001
+        rows.append(
+            {"t_s": t, "worker": f"colocated-{index % workers}", "pool": "colocated", "seconds": seconds,
+             "prefill_tokens": step.prefill_tokens, "prefill_attention": step.prefill_attention,
+             "decode_streams": step.decode_streams, "decode_context": step.decode_context,
+             "loop_seconds": 0.001, "pull_wait_seconds": 0.0, "pull_blocks": 0, "pull_seconds": 0.0}
+        )  # fmt: skip
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_runs_that_left_a_cpu_free_spread_on_their_own_around_the_filled_runs_fit(tmp_path: Path) -> None:
+    # On two CPUs: colocated 2 fills them, its steps with a right tail (one in five 1.5x: the
+    # router's and the client's work between them); colocated 1 leaves one free, its steps tight
+    # and 5% under the line. The fit is the filled run's; the lone worker's steps keep their own
+    # spread, which the simulation draws a deployment that leaves a CPU free from.
+    truth = LinearStep((0.012, 1e-3, 0.0, 6e-4, 0.0))
+    steps = [
+        Step(prefill_tokens=(k * 37) % 300) if k % 4 == 0 else Step(decode_streams=1 + k % 9)
+        for k in range(240)
+    ]
+    filled = [(step, truth.seconds(step) * (1.5 if k % 5 == 4 else 1.0)) for k, step in enumerate(steps)]
+    free = [(step, truth.seconds(step) * 0.95) for step in steps]
+    traces = [written_trace(tmp_path / "c2.jsonl", 2, filled), written_trace(tmp_path / "c1.jsonl", 1, free)]
+    base = replace(fixed_profile(), host=profiles.HostCpu(cpus=2))
+    fitted = calibrated(base, traces)
+    alone = calibrated(base, traces[:1])
+    step = fitted.steps["colocated"]
+    assert isinstance(step, LinearStep) and step.coefficients == alone.steps["colocated"].coefficients
+    assert fitted.loops == alone.loops  # the loop too is the filled run's
+    assert step.spread == alone.steps["colocated"].spread
+    tail = step.spread[0].quantiles
+    assert tail[-1] / tail[len(tail) // 2] == pytest.approx(1.5, rel=0.05)
+    # Tight, and 5% under the filled run's steps that ran as the line (its median).
+    assert step.free_spread and all(b.quantiles[-1] / b.quantiles[0] < 1.01 for b in step.free_spread)
+    median = tail[len(tail) // 2]
+    assert all(
+        b.quantiles[len(b.quantiles) // 2] / median == pytest.approx(0.95, rel=0.01) for b in step.free_spread
+    )
+    assert any("runs with a CPU free of workers (240)" in a for a in fitted.assumptions)
+    assert not alone.steps["colocated"].free_spread  # type: ignore[union-attr]
+    # On four CPUs both runs left one free: one fit of them all, and no spread apart.
+    roomy = calibrated(replace(base, host=profiles.HostCpu(cpus=4)), traces)
+    assert not roomy.steps["colocated"].free_spread  # type: ignore[union-attr]
+    assert roomy.steps["colocated"].samples == 480  # type: ignore[union-attr]

@@ -171,3 +171,29 @@ def test_a_simulated_step_with_a_prompt_beside_streams_deviates_as_the_measured_
     assert len(ratios[True]) >= 5 and len(ratios[False]) >= 20
     assert ratios[True] == pytest.approx([3.0] * len(ratios[True]), rel=1e-3)
     assert ratios[False] == pytest.approx([1.0] * len(ratios[False]), rel=1e-3)
+
+
+@pytest.mark.parametrize(("workers", "ratio"), [(1, 1.0), (2, 2.0)])
+def test_a_worker_that_leaves_a_cpu_free_deviates_as_the_free_runs_steps(
+    tmp_path: Path, workers: int, ratio: float
+) -> None:
+    # On two CPUs the profile's served steps ran at twice their fit where every CPU had a worker,
+    # as fitted where one was free: colocated 1 steps as the latter, colocated 2 as the former.
+    base = replace(fixed_profile(step=0.01, per_token=1e-4, per_stream=1e-3), host=HostCpu(cpus=2))
+    step = replace(base.steps["decode"], spread=(Spread(None, (2.0,)),), free_spread=(Spread(None, (1.0,)),))
+    assert isinstance(step, LinearStep)
+    replace(base, steps={"prefill": step, "decode": step}, steps_from="serving").save(tmp_path / "p.json")
+    trace = tmp_path / "steps.jsonl"
+    code = main(
+        ["sim", "--profile", str(tmp_path / "p.json"), "--colocated", str(workers), "--workload",
+         "poisson(4) prompt=fixed(32) output=fixed(30)", "--max-requests", "20", "--step-trace", str(trace),
+         "--out", str(tmp_path / "run")]
+    )  # fmt: skip
+    assert code == 0
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len({row["worker"] for row in rows}) == workers and len(rows) >= 20
+    for row in rows:
+        features = Step(
+            row["prefill_tokens"], row["prefill_attention"], row["decode_streams"], row["decode_context"]
+        )
+        assert row["seconds"] / step.seconds(features) == pytest.approx(ratio, rel=1e-3)

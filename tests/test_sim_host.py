@@ -63,6 +63,21 @@ def test_workers_are_pinned_as_the_local_cluster_pins_them() -> None:
     assert clock.run_virtual(main) == [0, 1, 0, 1, None]
 
 
+def test_a_cpu_is_free_while_fewer_workers_than_cpus_are_placed() -> None:
+    async def main() -> list[bool]:
+        host = HostLoad(HostCpu(cpus=2), client_on_host=False)
+        free = [host.free_cpu()]
+        host.place("colocated-0")
+        free.append(host.free_cpu())
+        host.place("colocated-1")
+        free.append(host.free_cpu())
+        host.leave("colocated-0")  # stopped: its CPU is free again
+        free.append(host.free_cpu())
+        return free
+
+    assert clock.run_virtual(main) == [True, True, False, True]
+
+
 def test_a_step_slows_by_the_share_of_the_cpu_its_mates_take() -> None:
     async def main() -> dict[str, float]:
         host = HostLoad(HostCpu(cpus=2), client_on_host=False, window_s=2.0)

@@ -59,6 +59,8 @@ def test_a_profile_reads_back_as_written(tmp_path: Path) -> None:
         median_error=0.05,
         spread=bands,
         mixed_spread=(1.0, 1.1, 1.4),
+        free_spread=(Spread(None, (0.97, 1.0, 1.05)),),
+        free_mixed_spread=(0.9, 0.95, 1.0),
     )
     original = replace(
         original,
@@ -85,6 +87,18 @@ def test_a_profile_reads_back_as_written(tmp_path: Path) -> None:
     # A loop without traced counts writes none (older readers read it as before); a loop with a key
     # it does not know is refused, by where it is.
     body = json.loads((tmp_path / "p.json").read_text())
+    # A step without a free runs' spread writes none (older readers read it as before); a bad one
+    # is refused by where it is.
+    assert "free_spread" in body["steps"]["decode"] and "free_spread" not in body["steps"]["prefill"]
+    bad = json.loads(json.dumps(body))
+    bad["steps"]["decode"]["free_spread"] = [{"below_s": None}]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ProfileError, match=r"steps\.decode\.free_spread\[0\] must be"):
+        profiles.load(tmp_path / "bad.json")
+    bad["steps"]["decode"]["free_spread"], bad["steps"]["decode"]["free_mixed_spread"] = [], ["x"]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ProfileError, match=r"steps\.decode\.free_mixed_spread must be a list of ratios"):
+        profiles.load(tmp_path / "bad.json")
     assert "by_streams" in body["loops"]["decode"] and "by_streams" not in body["loops"]["prefill"]
     body["loops"]["decode"]["by_stream"] = body["loops"]["decode"].pop("by_streams")
     (tmp_path / "p.json").write_text(json.dumps(body))

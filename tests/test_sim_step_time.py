@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from pdserve.costmodel import Step
-from pdserve.sim.step_time import LinearStep, RooflineStep, Spread, StreamPasses
+from pdserve.sim.step_time import LinearStep, ProfileError, RooflineStep, Spread, StreamPasses
 
 
 def test_the_linear_and_roofline_step_times_are_their_formulas() -> None:
@@ -30,6 +30,16 @@ def test_the_linear_and_roofline_step_times_are_their_formulas() -> None:
     apart = replace(banded, mixed_spread=(1.05, 1.3))
     assert apart.spread_at(0.04, mixed=True) == (1.05, 1.3) and apart.spread_at(0.04) == (0.9, 3.0)
     assert banded.spread_at(0.04, mixed=True) == (0.9, 3.0)
+    # A worker on a host with a CPU free of workers, by the free runs' spread where it is known
+    # (its mixed steps by theirs), else as any other.
+    free = replace(apart, free_spread=(Spread(None, (0.98, 1.05)),), free_mixed_spread=(0.9, 1.0))
+    assert free.spread_at(0.04, free_cpu=True) == (0.98, 1.05) and free.spread_at(0.04) == (0.9, 3.0)
+    assert free.spread_at(0.04, mixed=True, free_cpu=True) == (0.9, 1.0)
+    assert apart.spread_at(0.04, free_cpu=True) == (0.9, 3.0)
+    with pytest.raises(ProfileError, match="spread bands must end"):
+        replace(banded, free_spread=(Spread(0.05, (1.0,)), Spread(0.04, (1.0,))))
+    with pytest.raises(ProfileError, match="ascending ratios"):
+        replace(banded, free_mixed_spread=(1.2, 1.0))
 
 
 def test_a_step_on_the_stream_gemv_costs_a_pass_every_rows_per_pass_rows() -> None:

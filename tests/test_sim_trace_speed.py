@@ -14,6 +14,7 @@ from test_sim_profile import fixed_profile
 from pdserve.cli import main
 from pdserve.costmodel import Step
 from pdserve.sim import speed
+from pdserve.sim.profile import HostCpu
 from pdserve.sim.speed import SpeedCheck
 from pdserve.sim.step_time import LinearStep, ProfileError, Spread, StreamPasses
 from pdserve.sim.trace_speed import MIN_KIND_STEPS, SpeedCourse, speed_course, trace_speed
@@ -418,3 +419,27 @@ def test_a_simulation_replays_the_hosts_speed_window_by_window(
     assert "give its --speed-trace" in capsys.readouterr().err
     assert main([*run, "--speed-trace", str(trace), str(trace), "--speed-window", "10"]) == 2
     assert "give one step trace" in capsys.readouterr().err
+
+
+def test_a_run_that_left_a_cpu_free_is_read_against_such_runs_spread(tmp_path: Path) -> None:
+    # The profile's steps ran at twice the fit where every CPU had a worker and as fitted where one
+    # was free (two CPUs). A lone worker's run and a pair's, both at the profile's pace, each read
+    # x1: each against the spread of its kind of run.
+    base = replace(fixed_profile(step=0.01, per_token=1e-4, per_stream=1e-3), host=HostCpu(cpus=2))
+    step = replace(base.steps["decode"], spread=(Spread(None, (2.0,)),), free_spread=(Spread(None, (1.0,)),))
+    profile = replace(base, steps={"prefill": step, "decode": step}, steps_from="serving")
+    profile.save(tmp_path / "p.json")
+    for workers in (1, 2):
+        trace = tmp_path / f"c{workers}.jsonl"
+        run = [
+            "sim",
+            "--colocated",
+            str(workers),
+            "--profile",
+            str(tmp_path / "p.json"),
+            "--step-trace",
+            str(trace),
+        ]
+        workload = ["--workload", "poisson(8) prompt=fixed(32) output=fixed(20)", "--max-requests", "30"]
+        assert main([*run, *workload, "--out", str(tmp_path / f"run{workers}")]) == 0
+        assert trace_speed(profile, [trace]).factor == pytest.approx(1.0), workers

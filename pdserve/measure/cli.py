@@ -38,6 +38,7 @@ from typing import Any
 from pdserve.errors import PdserveError
 from pdserve.sim.profile import Overhead, Profile
 from pdserve.sim.speed import SpeedCheck
+from pdserve.sim.step_time import Spread
 
 MEASURED_TRANSPORTS = ("shm", "tcp")  # nixl moves a GPU's or a remote node's KV: not measured here
 DEVICES = ("cpu", "cuda")
@@ -199,6 +200,7 @@ def served_profile(args: argparse.Namespace, profile: Profile) -> Profile:
         threads=args.threads,
         rate_scale=args.served_rate_scale,
         workload=args.served_workload,
+        cpus=profile.host.cpus if profile.host is not None else None,
     )
     from pdserve.measure.start import start_beside_busy
 
@@ -206,6 +208,33 @@ def served_profile(args: argparse.Namespace, profile: Profile) -> Profile:
         args.model, threads=args.threads, rate_scale=args.served_rate_scale, workload=args.served_workload
     )
     return replace(calibrated(profile, traces), start_busy_s=round(busy_start, 2))
+
+
+def spread_lines(bands: tuple[Spread, ...], mixed: tuple[float, ...], runs: str) -> list[str]:
+    """How a step time's steps spread around its fit, band by band (`runs`: of which runs)."""
+    lines, low = [], 0.0
+    for band in bands:
+        q = band.quantiles
+        span = (
+            f"{low * 1000:.0f}-{band.below_s * 1000:.0f} ms"
+            if band.below_s is not None
+            else f"{low * 1000:.0f} ms or more"
+        )
+        lines.append(
+            f"    steps {runs}fitted at {span}: measured / fitted {q[0]:.2f} to "
+            f"{q[-1]:.2f}, median {statistics.median(q):.2f}, mean {sum(q) / len(q):.3f}"
+        )
+        low = band.below_s or 0.0
+    if bands and bands[-1].below_s is not None:
+        lines.append(
+            f"    steps {runs}fitted at {low * 1000:.0f} ms or more (none traced): the last band's mean"
+        )
+    if mixed:
+        lines.append(
+            f"    steps {runs}with prompt tokens beside streams, apart: measured / fitted {mixed[0]:.2f} to "
+            f"{mixed[-1]:.2f}, median {statistics.median(mixed):.2f}, mean {sum(mixed) / len(mixed):.3f}"
+        )
+    return lines
 
 
 def describe(profile: Profile) -> list[str]:
@@ -216,7 +245,8 @@ def describe(profile: Profile) -> list[str]:
     for role, step in profile.steps.items():
         fit = getattr(step, "median_error", None)
         error = f" (fit error: median {fit:.1%}, p90 {step.p90_error:.1%})" if fit is not None else ""  # type: ignore[union-attr]
-        body = {k: v for k, v in step.to_json().items() if k not in ("spread", "mixed_spread")}
+        spreads = ("spread", "mixed_spread", "free_spread", "free_mixed_spread")
+        body = {k: v for k, v in step.to_json().items() if k not in spreads}
         lines.append(f"  {role} step: {body}{error}")
         if (passes := getattr(step, "passes", None)) is not None:
             per_pass, gemm, logits = step.pass_coefficients  # type: ignore[union-attr]
@@ -226,28 +256,9 @@ def describe(profile: Profile) -> list[str]:
                 f"the logits' past {passes.logits_rows} streams {logits * 1000:+.2f} ms; "
                 f"{step.coefficients[1] * 1000:.3f} ms a row on the GEMM (c1)"  # type: ignore[union-attr]
             )
-        low = 0.0
-        for band in getattr(step, "spread", ()):
-            q = band.quantiles
-            span = (
-                f"{low * 1000:.0f}-{band.below_s * 1000:.0f} ms"
-                if band.below_s is not None
-                else f"{low * 1000:.0f} ms or more"
-            )
-            lines.append(
-                f"    steps fitted at {span}: measured / fitted {q[0]:.2f} to "
-                f"{q[-1]:.2f}, median {statistics.median(q):.2f}, mean {sum(q) / len(q):.3f}"
-            )
-            low = band.below_s or 0.0
-        if getattr(step, "spread", ()) and step.spread[-1].below_s is not None:  # type: ignore[union-attr]
-            lines.append(
-                f"    steps fitted at {low * 1000:.0f} ms or more (none traced): the last band's mean"
-            )
-        if mixed := getattr(step, "mixed_spread", ()):
-            lines.append(
-                f"    steps with prompt tokens beside streams, apart: measured / fitted {mixed[0]:.2f} to "
-                f"{mixed[-1]:.2f}, median {statistics.median(mixed):.2f}, mean {sum(mixed) / len(mixed):.3f}"
-            )
+        lines += spread_lines(getattr(step, "spread", ()), getattr(step, "mixed_spread", ()), "")
+        if free := getattr(step, "free_spread", ()):
+            lines += spread_lines(free, step.free_mixed_spread, "with a CPU free of workers, ")  # type: ignore[union-attr]
     for role, step in profile.steps_busy.items():
         lines.append(f"  {role} step beside a busy neighbour: {step.to_json()}")
     for role, loop in profile.loops.items():

@@ -1,5 +1,6 @@
 """`pdserve profile --served`: a profile's steps as they run in serving (no torch here). A real
-`pdserve serve --prefill 1 --decode 1` and then `--colocated 2` on this machine, each traced
+`pdserve serve --prefill 1 --decode 1` and then `--colocated 2` on this machine (and, on two
+CPUs, which those fill, a `--colocated 1` that leaves one free, at half the load), each traced
 (`--step-trace`) under a load that climbs from light to past the knee (the bench's own client
 and workload: a built-in staircase of chat and documents, or `--served-workload`, the workload
 to plan for, at 0.5x, 1x, 2x and 3.5x its rate), and the sweep's profile refitted to their steps
@@ -46,7 +47,13 @@ def load(duration_s: float) -> str:
     return "; ".join(f"{spec} {steps}" for spec in CLASSES)
 
 
-DEPLOYMENTS = (("dpd", ["--prefill", "1", "--decode", "1"]), ("colocated", ["--colocated", "2"]))
+# (name, flags, share of the load): two workers each, under the whole load.
+DEPLOYMENTS = (("dpd", ["--prefill", "1", "--decode", "1"], 1.0), ("colocated", ["--colocated", "2"], 1.0))
+# Where those fill the host's CPUs (two): one worker that leaves a CPU free, under the same load a
+# worker. Its steps spread otherwise (the router and the client run on the free CPU, not between
+# its steps: pdserve/sim/calibrate.py `set_free_runs_apart`); the simulation draws a deployment
+# that leaves a CPU free from them.
+FREE_CPU_DEPLOYMENT = ("colocated-1", ["--colocated", "1"], 0.5)
 MAX_FAILED_SHARE = 0.05  # more failed requests than this, and the trace is not of serving
 
 
@@ -82,18 +89,23 @@ def trace(
     seed: int = 7,
     duration_s: float = DURATION_S,
     workload: str | None = None,
+    cpus: int | None = None,
 ) -> list[Path]:
     """One step trace per deployment, each under the same load: the staircase cut at `duration_s`,
     or `workload` climbing through STAIRCASE (so that the fit sees the mix of prompts and outputs
-    the plan is for, from light to past the knee)."""
-    loads = phases(workload, duration_s, rate_scale, seed)
-    # Each phase's prompts of their own: a server's prefix cache would find the last phase's again.
-    prepared = [prepare(w, model, "completions", "ids", prompt_seed(seed, i)) for i, w in enumerate(loads)]
-    # Conversations go on with their answers, which come back as text: re-encoded for the next turn.
-    encode = conversation_encoder(loads[0], model, "completions", "ids")
-    total = sum(len(p) for p in prepared)
+    the plan is for, from light to past the knee). `cpus`: the host's (the profile's); on two,
+    FREE_CPU_DEPLOYMENT is traced too."""
+    deployments = [*DEPLOYMENTS, *([FREE_CPU_DEPLOYMENT] if cpus == 2 else [])]
     traces = []
-    for name, flags in DEPLOYMENTS:
+    for name, flags, share in deployments:
+        loads = phases(workload, duration_s, rate_scale * share, seed)
+        # Each phase's prompts of their own: a server's prefix cache would find the last phase's.
+        prepared = [
+            prepare(w, model, "completions", "ids", prompt_seed(seed, i)) for i, w in enumerate(loads)
+        ]
+        # Conversations go on with their answers, which come back as text: re-encoded for the next turn.
+        encode = conversation_encoder(loads[0], model, "completions", "ids")
+        total = sum(len(p) for p in prepared)
         path = folder / f"steps-{name}.jsonl"
         logger.info("served steps: %s under %d requests in %g s", name, total, duration_s)
         records = []

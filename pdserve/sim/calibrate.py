@@ -13,7 +13,9 @@ the trace says what they moved, its waits on KV pulls (per pull and per block, a
 alone and beside busy neighbours), into a copy of a base profile (its KV transfers, start time,
 blocks and overhead are kept). Each step is fitted as alone x (1 - b) + beside busy neighbours x b,
 b how busy the other workers were while it ran (read from the trace as the simulation reckons
-it), so the fit keeps how the steps move as the load rises. The result says `steps_from: serving`: the simulation then adds the
+it), so the fit keeps how the steps move as the load rises; how they spread around it is kept too
+(spread_fit.py), apart for runs that left a CPU free of workers (`set_free_runs_apart`: the fit
+is of the runs that filled the host). The result says `steps_from: serving`: the simulation then adds the
 neighbours' term and no stretch for the router's and the client's CPU (that is in the fit, at the
 loads the trace covered: trace a load that climbs past the knee, as `pdserve profile --served` does).
 """
@@ -36,19 +38,17 @@ from pdserve.costmodel import Step
 from pdserve.router.recorder import STEP_TRACE_KEYS
 from pdserve.sim.loop_fit import fit_loop, loop_note
 from pdserve.sim.profile import LoopTime, Profile, ServedPull, TransferTime
-from pdserve.sim.step_time import LinearStep, ProfileError, Spread, StreamPasses, line_features
+from pdserve.sim.spread_fit import MIN_STEPS, spread_p90, spreads
+from pdserve.sim.step_time import LinearStep, ProfileError, StreamPasses, line_features
 
 OPTIONAL_KEYS = (
     "pull_wait_seconds",
     "pull_blocks",
     "pull_seconds",
 )  # traces from before they were traced lack them
-MIN_STEPS = 30  # per pool role, to fit five coefficients with any confidence
 MIN_PULL_STEPS = 20  # steps that waited on pulls, for a role's served pull wait to be fitted
 SERVED_TRANSPORT = "shm"  # what a step trace's pulls went over: `pdserve serve`'s default on one host
 PROMPT_CHUNK_TOKENS = 128  # a step with this many prompt tokens or more computes a prompt's chunk
-SPREAD_POINTS = 50  # quantiles of a role's measured / fitted step times kept in the profile, a band
-SPREAD_BANDS = 3  # bands of fitted step length, each with its own spread
 
 
 def read_trace(paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
@@ -182,25 +182,15 @@ def fit_alone_and_busy(
     pass_coefficients = (c[10], c[11], c[12]) if passes is not None else (0.0, 0.0, 0.0)
     alone = LinearStep((c[0], c[1], c[2], c[3], c[4]), passes=passes, pass_coefficients=pass_coefficients)
     busy = LinearStep((c[5], c[6], c[7], c[8], c[9]), passes=passes, pass_coefficients=pass_coefficients)
-    fitted_and_measured = [
-        (fitted, t, step.prefill_tokens > 0 and step.decode_streams > 0)
-        for step, t, b in samples
-        if (fitted := alone.seconds(step) + (busy.seconds(step) - alone.seconds(step)) * b) > 0
-    ]
-    errors = [abs(fitted / t - 1) for fitted, t, _ in fitted_and_measured]  # |fit - measured| / measured
-    # Mixed steps (prompt tokens beside streams) spread by their own where there are enough of
-    # them and of the others: on a decode worker they ran over the line the rest set.
-    mixed = [(fitted, t) for fitted, t, is_mixed in fitted_and_measured if is_mixed]
-    others = [(fitted, t) for fitted, t, is_mixed in fitted_and_measured if not is_mixed]
-    apart = len(mixed) >= MIN_STEPS and len(others) >= MIN_STEPS
+    spread, mixed_spread, errors = spreads(alone, busy, samples)
     return (
         replace(
             alone,
             samples=len(samples),
             median_error=round(slo.quantile(errors, 0.5) or 0.0, 4),
             p90_error=round(slo.quantile(errors, 0.9) or 0.0, 4),
-            spread=spread_of(others if apart else [(fitted, t) for fitted, t, _ in fitted_and_measured]),
-            mixed_spread=ratio_quantiles(mixed) if apart else (),
+            spread=spread,
+            mixed_spread=mixed_spread,
         ),
         replace(busy, samples=len(samples)),
     )
@@ -254,52 +244,6 @@ def fit_pull(
     return alone, busy, len(waits)
 
 
-def spread_of(fitted_and_measured: list[tuple[float, float]]) -> tuple[Spread, ...]:
-    """How the measured steps spread around their fit, in up to SPREAD_BANDS bands of fitted length
-    that each took a like share of the time (each of MIN_STEPS steps or more, but for one band when
-    there are fewer): measured / fitted at the quantiles (i + 0.5) / SPREAD_POINTS (fewer with fewer
-    steps) in each. The simulation draws each step's deviation from its band, so that its steps
-    spread, and add up, as the served ones did: their right tail puts their mean 2-11% above the
-    fit's median, and the tail is a short step's (a 40 ms step that waited on another process took
-    up to 3.5x; a 300 ms one 1.8x at most)."""
-    steps = sorted(fitted_and_measured)
-    if not steps:
-        return ()
-    total = sum(t for _, t in steps)
-    bands: list[list[tuple[float, float]]] = [[]]
-    done = 0.0
-    for fitted, t in steps:
-        share = len(bands) / SPREAD_BANDS  # the time the bands so far should hold between them
-        if (
-            done >= share * total
-            and len(bands[-1]) >= MIN_STEPS
-            and len(bands) < SPREAD_BANDS
-            and fitted > bands[-1][-1][0]  # not inside a run of like steps: a band ends between two
-        ):
-            bands.append([])
-        bands[-1].append((fitted, t))
-        done += t
-    if len(bands) > 1 and len(bands[-1]) < MIN_STEPS:  # too few to stand alone: the band before
-        bands[-2].extend(bands.pop())
-    spread = []
-    for index, band in enumerate(bands):
-        # A band ends where the next begins (halfway between their steps), the last just past its
-        # longest step: a longer one's deviation was not measured.
-        if index + 1 < len(bands):
-            below = float(f"{(band[-1][0] + bands[index + 1][0][0]) / 2:.6g}")
-        else:
-            below = float(f"{band[-1][0] * 1.001:.6g}")
-        spread.append(Spread(below, ratio_quantiles(band)))
-    return tuple(spread)
-
-
-def ratio_quantiles(fitted_and_measured: list[tuple[float, float]]) -> tuple[float, ...]:
-    """measured / fitted at the quantiles (i + 0.5) / SPREAD_POINTS (fewer with fewer steps)."""
-    ratios = np.array([t / fitted for fitted, t in fitted_and_measured])
-    n = min(SPREAD_POINTS, len(ratios))
-    return tuple(float(f"{q:.4g}") for q in np.quantile(ratios, (np.arange(n) + 0.5) / n))
-
-
 def stream_passes(profile: Profile) -> StreamPasses | None:
     """The engine's stream GEMV as the profile's measurement recorded it (meta `stream_passes`,
     `pdserve profile` on a CPU); None: not recorded (a GPU's, a roofline's, an older profile)."""
@@ -339,10 +283,39 @@ def read_busy_trace(traces: list[Path], cpus: int) -> dict[str, list[dict[str, A
     return pools
 
 
+def runs_with_a_free_cpu(pools: dict[str, list[dict[str, Any]]], cpus: int) -> set[int]:
+    """The traced runs (`read_trace`'s index) whose workers were fewer than the host's CPUs."""
+    workers: dict[int, set[str]] = defaultdict(set)
+    for rows in pools.values():
+        for row in rows:
+            workers[row["trace"]].add(str(row["worker"]))
+    return {run for run, names in workers.items() if len(names) < cpus}
+
+
+def set_free_runs_apart(pools: dict[str, list[dict[str, Any]]], cpus: int) -> dict[str, list[dict[str, Any]]]:
+    """Takes out of `pools` the steps of runs that left a CPU free of workers (fewer workers than
+    the host's CPUs: the router and the client ran there, not between the workers' steps), for
+    each role that keeps MIN_STEPS steps of runs that did not; returns them by role. A host's
+    steps spread otherwise with a CPU to spare (`LinearStep.free_spread`), and the fit is of the
+    runs that fill it: on two CPUs, 1P+1D and colocated 2 (`pdserve profile --served` traces a
+    colocated 1 beside them there)."""
+    free_runs = runs_with_a_free_cpu(pools, cpus)
+    apart = {}
+    for role, rows in pools.items():
+        filled = [row for row in rows if row["trace"] not in free_runs]
+        if len(filled) >= MIN_STEPS and len(filled) < len(rows):
+            apart[role] = [row for row in rows if row["trace"] in free_runs]
+            pools[role] = filled
+    return apart
+
+
 def calibrated(base: Profile, traces: list[Path]) -> Profile:
     """`base` with each traced pool role's step time (alone, and beside busy neighbours), and its
-    worker loop's time, fitted to the traces."""
-    pools = read_busy_trace(traces, base.host.cpus if base.host is not None else 1)
+    worker loop's time, fitted to the traces (the runs that filled the host's CPUs, where there
+    are such; the steps of runs that left one free spread around the fit on their own)."""
+    cpus = base.host.cpus if base.host is not None else 1
+    pools = read_busy_trace(traces, cpus)
+    free_rows = set_free_runs_apart(pools, cpus)
     steps: dict[str, LinearStep] = {}
     steps_busy: dict[str, LinearStep] = {}
     notes = []
@@ -412,6 +385,20 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
             f"colocated steps: the decode pool's cost per token of a stream's context "
             f"({steps['decode'].coefficients[4]:.3g} s; fitted on their own, {free:.3g} s: its long "
             "contexts came with many streams, the decode pool's apart from them)"
+        )
+    for role, rows in free_rows.items():
+        timed = [
+            (read_step(r), float(r["seconds"]), float(r["busy"])) for r in rows if float(r["seconds"]) > 0
+        ]
+        if role not in steps or len(timed) < MIN_STEPS:
+            continue
+        free_spread, free_mixed, _ = spreads(steps[role], steps_busy[role], timed)
+        steps[role] = replace(steps[role], free_spread=free_spread, free_mixed_spread=free_mixed)
+        notes.append(
+            f"{role} steps of runs with a CPU free of workers ({len(timed)}): their own spread around "
+            f"the fit (p90 {spread_p90(free_spread):.3g} of the median, against "
+            f"{spread_p90(steps[role].spread):.3g} with every CPU a worker's; the fit, the loop and the "
+            "pulls are of the latter)"
         )
     loops = {}
     for role in steps:

@@ -124,7 +124,8 @@ class SimCluster:
                 seconds += (busy_time.seconds(features) - seconds) * beside
             quantiles: tuple[float, ...] = ()
             if spread_at is not None:  # a mixed step (prompt beside streams) by its own where known
-                quantiles = spread_at(seconds, features.prefill_tokens > 0 and features.decode_streams > 0)
+                mixed = features.prefill_tokens > 0 and features.decode_streams > 0
+                quantiles = spread_at(seconds, mixed, host is not None and host.free_cpu())
             if quantiles:
                 seconds *= drawn(quantiles, spread.random())
             elif sigma > 0:

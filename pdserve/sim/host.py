@@ -133,6 +133,11 @@ class HostLoad:
         self._cpu[worker_id] = cpu
         return cpu
 
+    def free_cpu(self) -> bool:
+        """Whether the host has a CPU no worker is on (fewer workers placed than CPUs): the router
+        and a local client then run there, not between a worker's steps (`LinearStep.free_spread`)."""
+        return len(self._busy) < self.host.cpus
+
     def leave(self, worker_id: str) -> None:
         """The worker has stopped: its CPU is free of it."""
         self._cpu.pop(worker_id, None)

@@ -297,15 +297,19 @@ def _served_pull(role: str, body: dict[str, Any]) -> ServedPull:
     )
 
 
-def _listed(role: str, fields: dict[str, Any]) -> list[Any]:
-    spread = fields.pop("spread", [])
+def _listed(role: str, fields: dict[str, Any], key: str = "spread") -> list[Any]:
+    spread = fields.pop(key, [])
     if not isinstance(spread, list):
-        raise ProfileError(f"steps.{role}.spread must be a list of bands")
+        raise ProfileError(f"steps.{role}.{key} must be a list of bands")
     return spread
 
 
-def _spread_band(role: str, index: int, band: Any) -> Spread:
-    shape = f'steps.{role}.spread[{index}] must be {{"below_s": seconds or null, "quantiles": [ratios]}}'
+def _bands(role: str, fields: dict[str, Any], key: str) -> tuple[Spread, ...]:
+    return tuple(_spread_band(role, i, band, key) for i, band in enumerate(_listed(role, fields, key)))
+
+
+def _spread_band(role: str, index: int, band: Any, key: str = "spread") -> Spread:
+    shape = f'steps.{role}.{key}[{index}] must be {{"below_s": seconds or null, "quantiles": [ratios]}}'
     if not isinstance(band, dict) or set(band) != {"below_s", "quantiles"}:
         raise ProfileError(shape)
     end, quantiles = band["below_s"], band["quantiles"]
@@ -317,11 +321,11 @@ def _spread_band(role: str, index: int, band: Any) -> Spread:
         raise ProfileError(shape) from None
 
 
-def _mixed_spread(role: str, ratios: Any) -> tuple[float, ...]:
+def _mixed_spread(role: str, ratios: Any, key: str = "mixed_spread") -> tuple[float, ...]:
     if not isinstance(ratios, list) or not all(
         isinstance(r, int | float) and not isinstance(r, bool) for r in ratios
     ):
-        raise ProfileError(f"steps.{role}.mixed_spread must be a list of ratios (measured / fitted)")
+        raise ProfileError(f"steps.{role}.{key} must be a list of ratios (measured / fitted)")
     return tuple(float(r) for r in ratios)
 
 
@@ -345,8 +349,9 @@ def _step_from_json(role: str, body: Any) -> StepTime:
             if len(coefficients) != 5 or not all(math.isfinite(c) and c >= 0 for c in coefficients):
                 raise ProfileError(f"steps.{role}.coefficients must be 5 finite numbers >= 0")
             try:
-                spread = tuple(_spread_band(role, i, band) for i, band in enumerate(_listed(role, fields)))
+                spread, free = _bands(role, fields, "spread"), _bands(role, fields, "free_spread")
                 mixed = _mixed_spread(role, fields.pop("mixed_spread", []))
+                free_mixed = _mixed_spread(role, fields.pop("free_mixed_spread", []), "free_mixed_spread")
                 passes, kernel = fields.pop("passes", None), fields.pop("pass_coefficients", None)
                 if passes is not None:
                     if kernel is None:
@@ -355,7 +360,14 @@ def _step_from_json(role: str, body: Any) -> StepTime:
                     fields["pass_coefficients"] = tuple(float(c) for c in kernel)
                 elif kernel is not None:
                     raise ProfileError("pass_coefficients without passes")
-                return LinearStep(coefficients, spread=spread, mixed_spread=mixed, **fields)
+                return LinearStep(
+                    coefficients,
+                    spread=spread,
+                    mixed_spread=mixed,
+                    free_spread=free,
+                    free_mixed_spread=free_mixed,
+                    **fields,
+                )
             except ProfileError as exc:
                 raise ProfileError(f"steps.{role}: {exc}") from None
         if kind == "roofline":

@@ -243,6 +243,13 @@ def _times(item: _Timed, factor: float, keep: tuple[str, ...] = ()) -> _Timed:
     )
 
 
+def _scaled_bands(bands: tuple[Spread, ...], factor: float) -> tuple[Spread, ...]:
+    """Spread bands of steps `factor` times as long: their ends move, their ratios stay."""
+    return tuple(
+        Spread(None if band.below_s is None else band.below_s * factor, band.quantiles) for band in bands
+    )
+
+
 def _step(
     step: StepTime, factor: float, prompt: float, mixed: float | None = None, gemm: float | None = None
 ) -> LinearStep:
@@ -254,10 +261,8 @@ def _step(
         step,
         coefficients=tuple(c * factor for c in step.coefficients),  # type: ignore[arg-type]
         pass_coefficients=tuple(c * factor for c in step.pass_coefficients),  # type: ignore[arg-type]
-        spread=tuple(
-            Spread(None if band.below_s is None else band.below_s * factor, band.quantiles)
-            for band in step.spread
-        ),
+        spread=_scaled_bands(step.spread, factor),
+        free_spread=_scaled_bands(step.free_spread, factor),
         # The check timed whole prompt-only steps (on a CPU with the stream GEMV, short prompts run
         # on its passes, not on the line's per-token term): their time against the rest's.
         prompt_scale=step.prompt_scale * prompt / factor,

@@ -132,6 +132,14 @@ class LinearStep:
     # chunks): 1.09x at the median against 1.02x for its decode steps. Empty: they
     # spread as steps of their length.
     mixed_spread: tuple[float, ...] = ()
+    # The same two for a worker on a host with a CPU no worker is pinned to (`free_spread`,
+    # `free_mixed_spread`; empty: such a worker's steps spread as the others'): the router's and
+    # the client's CPU then runs there, and a lone worker's steps keep tight around the fit where
+    # a host every CPU of which has a worker gives them a right tail (colocated 1 on an AVX512
+    # EPYC's two CPUs: p90 1.03-1.2x the median at 1-6 streams; colocated 2 and 1P+1D at the same
+    # load 1.4x, even while the other worker idled).
+    free_spread: tuple[Spread, ...] = ()
+    free_mixed_spread: tuple[float, ...] = ()
     # The engine's stream GEMV, and seconds per pass over the weights, for the layers' GEMM past
     # it and for the logits' GEMM past theirs; None: the step time is the line alone.
     passes: StreamPasses | None = None
@@ -162,30 +170,37 @@ class LinearStep:
             math.isfinite(c) and c >= 0 for c in self.pass_coefficients
         ):
             raise ProfileError("a step time's pass_coefficients must be 3 finite numbers >= 0")
-        if self.mixed_spread:
-            Spread(None, self.mixed_spread)  # the same checks: ascending ratios > 0
-        ends = [band.below_s for band in self.spread]
-        if any(end is None for end in ends[:-1]):
-            raise ProfileError("only a step time's last spread band may have no end (below_s null)")
-        bounded = [end for end in ends if end is not None]
-        if any(not (math.isfinite(end) and end > 0) for end in bounded) or any(
-            b <= a for a, b in itertools.pairwise(bounded)
-        ):
-            raise ProfileError("a step time's spread bands must end (below_s) at ascending seconds > 0")
+        for ratios in (self.mixed_spread, self.free_mixed_spread):
+            if ratios:
+                Spread(None, ratios)  # the same checks: ascending ratios > 0
+        for bands in (self.spread, self.free_spread):
+            ends = [band.below_s for band in bands]
+            if any(end is None for end in ends[:-1]):
+                raise ProfileError("only a step time's last spread band may have no end (below_s null)")
+            bounded = [end for end in ends if end is not None]
+            if any(not (math.isfinite(end) and end > 0) for end in bounded) or any(
+                b <= a for a, b in itertools.pairwise(bounded)
+            ):
+                raise ProfileError("a step time's spread bands must end (below_s) at ascending seconds > 0")
 
-    def spread_at(self, seconds: float, mixed: bool = False) -> tuple[float, ...]:
+    def spread_at(self, seconds: float, mixed: bool = False, free_cpu: bool = False) -> tuple[float, ...]:
         """The measured / fitted quantiles of steps the fit puts at `seconds` (empty: none known);
-        `mixed`: of a step with prompt tokens beside decode streams (`mixed_spread` where known).
-        Past the longest band's end (the longest step measured) only its mean: how such a step
-        deviates was not seen, and the tail of shorter ones is not its own."""
-        if mixed and self.mixed_spread:
-            return self.mixed_spread
-        for band in self.spread:
+        `mixed`: of a step with prompt tokens beside decode streams (`mixed_spread` where known);
+        `free_cpu`: of a worker on a host with a CPU no worker is pinned to (`free_spread`, and
+        `free_mixed_spread`, where known). Past the longest band's end (the longest step measured)
+        only its mean: how such a step deviates was not seen, and the tail of shorter ones is not
+        its own."""
+        bands, mixed_ratios = self.spread, self.mixed_spread
+        if free_cpu and self.free_spread:
+            bands, mixed_ratios = self.free_spread, self.free_mixed_spread
+        if mixed and mixed_ratios:
+            return mixed_ratios
+        for band in bands:
             if band.below_s is None or seconds < band.below_s:
                 return band.quantiles
-        if not self.spread:
+        if not bands:
             return ()
-        last = self.spread[-1].quantiles
+        last = bands[-1].quantiles
         return (sum(last) / len(last),)
 
     def seconds(self, step: Step) -> float:
@@ -228,7 +243,7 @@ class LinearStep:
 
     def to_json(self) -> dict[str, Any]:
         body = {"kind": "linear"} | asdict(self)
-        for key in ("spread", "mixed_spread"):
+        for key in ("spread", "mixed_spread", "free_spread", "free_mixed_spread"):
             if not body[key]:
                 del body[key]  # profiles without one read as before
         if self.passes is None:

@@ -124,7 +124,9 @@ def traced_steps(profile: Profile, traces: list[Path]) -> list[TracedStep]:
             "a step trace can only scale a profile fitted to served steps (pdserve profile --served "
             "or --from-trace): this one's steps are a sweep's"
         )
-    pools = calibrate.read_busy_trace(traces, profile.host.cpus if profile.host is not None else 1)
+    cpus = profile.host.cpus if profile.host is not None else 1
+    pools = calibrate.read_busy_trace(traces, cpus)
+    free_runs = calibrate.runs_with_a_free_cpu(pools, cpus)
     rows = [row for rows in pools.values() for row in rows]
     first = min((float(row["t_s"]) for row in rows), default=0.0)
     traced = []
@@ -143,7 +145,8 @@ def traced_steps(profile: Profile, traces: list[Path]) -> list[TracedStep]:
             kind = "decode" if step.prefill_tokens == 0 else "mixed" if step.decode_streams else "prompt"
             if kind == "prompt" and isinstance(alone, LinearStep) and alone.passes is not None:
                 kind = "prompt" if alone.passes.on_stream(step) else "gemm"
-            expected = fitted * _spread_median(alone, fitted, kind == "mixed")
+            free_cpu = row["trace"] in free_runs  # its steps spread as such a run's (`free_spread`)
+            expected = fitted * _spread_median(alone, fitted, kind == "mixed", free_cpu)
             traced.append(TracedStep(pool, float(row["t_s"]) - first, seconds, expected, kind))
     return traced
 
@@ -238,6 +241,6 @@ def speed_course(profile: Profile, traces: list[Path], window_s: float) -> Speed
     return SpeedCourse(window_s, factors)
 
 
-def _spread_median(step_time: StepTime, fitted: float, mixed: bool) -> float:
-    quantiles = step_time.spread_at(fitted, mixed) if isinstance(step_time, LinearStep) else ()
+def _spread_median(step_time: StepTime, fitted: float, mixed: bool, free_cpu: bool) -> float:
+    quantiles = step_time.spread_at(fitted, mixed, free_cpu) if isinstance(step_time, LinearStep) else ()
     return statistics.median(quantiles) if quantiles else 1.0
