@@ -13,6 +13,7 @@ from test_sim_profile import fixed_profile
 
 from pdserve.cli import main
 from pdserve.costmodel import Step
+from pdserve.measure.cli import describe
 from pdserve.router.recorder import STEP_TRACE_KEYS
 from pdserve.sim import profile as profiles
 from pdserve.sim.calibrate import (
@@ -540,6 +541,18 @@ def test_runs_that_left_a_cpu_free_spread_on_their_own_around_the_filled_runs_fi
     )
     assert any("runs with a CPU free of workers (240)" in a for a in fitted.assumptions)
     assert not alone.steps["colocated"].free_spread  # type: ignore[union-attr]
+    printed = [line for line in describe(fitted) if "with a CPU free of workers, fitted at" in line]
+    assert printed and all("measured / fitted 0.9" in line for line in printed[:1])
+    # Too few steps of a lone worker: left out, and said.
+    few = written_trace(tmp_path / "c1-few.jsonl", 1, free[:12])
+    assert not calibrated(base, [traces[0], few]).steps["colocated"].free_spread  # type: ignore[union-attr]
+    assert any(
+        "free of workers: 12 (< 30), left out" in a for a in calibrated(base, [traces[0], few]).assumptions
+    )
+    # Only runs that left a CPU free: fitted to them (nothing else to fit), and said.
+    lone = calibrated(base, traces[1:])
+    assert lone.steps["colocated"].samples == 240  # type: ignore[union-attr]
+    assert any("0 of runs whose workers filled the host's 2 CPUs" in a for a in lone.assumptions)
     # On four CPUs both runs left one free: one fit of them all, and no spread apart.
     roomy = calibrated(replace(base, host=profiles.HostCpu(cpus=4)), traces)
     assert not roomy.steps["colocated"].free_spread  # type: ignore[union-attr]

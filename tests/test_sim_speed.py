@@ -59,6 +59,7 @@ def test_every_time_a_profile_measured_is_scaled_and_its_ratios_are_not() -> Non
         (0.01, 1e-4, 1e-9, 2e-3, 1e-6),
         spread=(Spread(0.05, (0.9, 1.0, 1.3)), Spread(None, (0.95, 1.0, 1.1))),
         mixed_spread=(0.9, 1.1),
+        free_spread=(Spread(0.04, (0.98, 1.02)), Spread(None, (1.0,))),
         passes=passes,
         pass_coefficients=(0.004, 0.01, 0.002),
     )
@@ -85,6 +86,8 @@ def test_every_time_a_profile_measured_is_scaled_and_its_ratios_are_not() -> Non
     assert [b.quantiles for b in scaled_linear.spread] == [b.quantiles for b in linear.spread]
     assert scaled_linear.spread[0].below_s == pytest.approx(0.075) and scaled_linear.spread[1].below_s is None
     assert scaled_linear.mixed_spread == linear.mixed_spread and scaled_linear.passes == passes
+    assert [b.quantiles for b in scaled_linear.free_spread] == [b.quantiles for b in linear.free_spread]
+    assert scaled_linear.free_spread[0].below_s == pytest.approx(0.06)  # a lone worker's bands too
     assert slow.transfer("shm").seconds(8) == pytest.approx(1.5 * pull.seconds(8))
     assert slow.transfer("shm").samples == [(8, pytest.approx(0.0045))]
     assert (slow.overhead.request_s, slow.overhead.step_s) == pytest.approx((0.003, 0.0015))

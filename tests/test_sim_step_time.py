@@ -36,10 +36,15 @@ def test_the_linear_and_roofline_step_times_are_their_formulas() -> None:
     assert free.spread_at(0.04, free_cpu=True) == (0.98, 1.05) and free.spread_at(0.04) == (0.9, 3.0)
     assert free.spread_at(0.04, mixed=True, free_cpu=True) == (0.9, 1.0)
     assert apart.spread_at(0.04, free_cpu=True) == (0.9, 3.0)
+    # Free runs without mixed steps of their own spread all their steps by band, as they were fitted.
+    banded_only = replace(free, free_mixed_spread=())
+    assert banded_only.spread_at(0.04, mixed=True, free_cpu=True) == (0.98, 1.05)
+    with pytest.raises(ProfileError, match="free_mixed_spread goes with a free_spread"):
+        replace(apart, free_mixed_spread=(0.9, 1.0))
     with pytest.raises(ProfileError, match="spread bands must end"):
         replace(banded, free_spread=(Spread(0.05, (1.0,)), Spread(0.04, (1.0,))))
     with pytest.raises(ProfileError, match="ascending ratios"):
-        replace(banded, free_mixed_spread=(1.2, 1.0))
+        replace(free, free_mixed_spread=(1.2, 1.0))
 
 
 def test_a_step_on_the_stream_gemv_costs_a_pass_every_rows_per_pass_rows() -> None:

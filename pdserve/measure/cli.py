@@ -79,8 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--served",
         action="store_true",
-        help="with --model: then trace a real DPD and colocated server under a climbing load (3-4 min) "
-        "and refit the step times to their steps (pdserve/measure/served.py), and time a worker's "
+        help="with --model: then trace a real DPD and colocated server under a climbing load (about 2.5 "
+        "min each; on two CPUs, a lone colocated worker too) and refit the step times to their steps "
+        "(pdserve/measure/served.py), and time a worker's "
         "start beside a busy one while serving, as the planner's scale-up (2 min; pdserve/measure/start.py)",
     )
     p.add_argument(

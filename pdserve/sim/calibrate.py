@@ -292,21 +292,38 @@ def runs_with_a_free_cpu(pools: dict[str, list[dict[str, Any]]], cpus: int) -> s
     return {run for run, names in workers.items() if len(names) < cpus}
 
 
-def set_free_runs_apart(pools: dict[str, list[dict[str, Any]]], cpus: int) -> dict[str, list[dict[str, Any]]]:
+def set_free_runs_apart(
+    pools: dict[str, list[dict[str, Any]]], cpus: int, notes: list[str]
+) -> dict[str, list[dict[str, Any]]]:
     """Takes out of `pools` the steps of runs that left a CPU free of workers (fewer workers than
     the host's CPUs: the router and the client ran there, not between the workers' steps), for
-    each role that keeps MIN_STEPS steps of runs that did not; returns them by role. A host's
-    steps spread otherwise with a CPU to spare (`LinearStep.free_spread`), and the fit is of the
-    runs that fill it: on two CPUs, 1P+1D and colocated 2 (`pdserve profile --served` traces a
-    colocated 1 beside them there)."""
+    each role that keeps MIN_STEPS timed steps of runs that did not; returns them by role. A
+    host's steps spread otherwise with a CPU to spare (`LinearStep.free_spread`), and the fit is
+    of the runs that fill it: on two CPUs, 1P+1D and colocated 2 (`pdserve profile --served`
+    traces a colocated 1 beside them there). A run's workers are the workers its trace names (a
+    run the planner scaled counts as the most it had). A role with fewer such steps keeps its free
+    runs' steps in its fit, and its one spread is then theirs or partly theirs (said in `notes`)."""
     free_runs = runs_with_a_free_cpu(pools, cpus)
     apart = {}
     for role, rows in pools.items():
         filled = [row for row in rows if row["trace"] not in free_runs]
-        if len(filled) >= MIN_STEPS and len(filled) < len(rows):
+        if len(filled) == len(rows):
+            continue
+        if len(timed_steps(filled)) >= MIN_STEPS:
             apart[role] = [row for row in rows if row["trace"] in free_runs]
             pools[role] = filled
+        else:
+            notes.append(
+                f"{role} steps: {len(timed_steps(filled))} of runs whose workers filled the host's {cpus} CPUs "
+                f"(< {MIN_STEPS}): fitted with those of runs that left one free, and spread as they did, "
+                "for every deployment"
+            )
     return apart
+
+
+def timed_steps(rows: list[dict[str, Any]]) -> list[tuple[Step, float, float]]:
+    """(step, seconds, how busy the others were) of each traced step that took time."""
+    return [(read_step(r), float(r["seconds"]), float(r["busy"])) for r in rows if float(r["seconds"]) > 0]
 
 
 def calibrated(base: Profile, traces: list[Path]) -> Profile:
@@ -315,15 +332,12 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
     are such; the steps of runs that left one free spread around the fit on their own)."""
     cpus = base.host.cpus if base.host is not None else 1
     pools = read_busy_trace(traces, cpus)
-    free_rows = set_free_runs_apart(pools, cpus)
+    notes: list[str] = []
+    free_rows = set_free_runs_apart(pools, cpus, notes)
     steps: dict[str, LinearStep] = {}
     steps_busy: dict[str, LinearStep] = {}
-    notes = []
     passes = stream_passes(base)
-    timed_by_role = {
-        role: [(read_step(r), float(r["seconds"]), float(r["busy"])) for r in rows if float(r["seconds"]) > 0]
-        for role, rows in pools.items()
-    }
+    timed_by_role = {role: timed_steps(rows) for role, rows in pools.items()}
 
     def prompt_steps(role: str) -> int:
         return sum(1 for step, _, _ in timed_by_role[role] if step.prefill_tokens >= PROMPT_CHUNK_TOKENS)
@@ -387,15 +401,17 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
             "contexts came with many streams, the decode pool's apart from them)"
         )
     for role, rows in free_rows.items():
-        timed = [
-            (read_step(r), float(r["seconds"]), float(r["busy"])) for r in rows if float(r["seconds"]) > 0
-        ]
-        if role not in steps or len(timed) < MIN_STEPS:
+        free_steps = timed_steps(rows)
+        if role not in steps or len(free_steps) < MIN_STEPS:
+            notes.append(
+                f"{role} steps of runs with a CPU free of workers: {len(free_steps)} (< {MIN_STEPS}), "
+                "left out; such a worker spreads as the others"
+            )
             continue
-        free_spread, free_mixed, _ = spreads(steps[role], steps_busy[role], timed)
+        free_spread, free_mixed, _ = spreads(steps[role], steps_busy[role], free_steps)
         steps[role] = replace(steps[role], free_spread=free_spread, free_mixed_spread=free_mixed)
         notes.append(
-            f"{role} steps of runs with a CPU free of workers ({len(timed)}): their own spread around "
+            f"{role} steps of runs with a CPU free of workers ({len(free_steps)}): their own spread around "
             f"the fit (p90 {spread_p90(free_spread):.3g} of the median, against "
             f"{spread_p90(steps[role].spread):.3g} with every CPU a worker's; the fit, the loop and the "
             "pulls are of the latter)"
@@ -447,7 +463,8 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
         },
         assumptions=[
             *base.assumptions,
-            f"step times fitted to served steps ({counts}) from {names}, alone and beside busy "
+            f"step times fitted to served steps ({counts}{', of the runs that filled the host' * bool(free_rows)}) "
+            f"from {names}, alone and beside busy "
             "neighbours: the router's and the client's CPU at the loads traced is in them, so the "
             "simulation adds no stretch of its own",
             *notes,

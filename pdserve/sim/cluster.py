@@ -105,7 +105,8 @@ class SimCluster:
         # run's noise seed: `sim --noise-seed`, `plan --repeats`): a run is reproducible.
         spread_at = (
             step_time.spread_at
-            if isinstance(step_time, LinearStep) and (step_time.spread or step_time.mixed_spread)
+            if isinstance(step_time, LinearStep)
+            and (step_time.spread or step_time.mixed_spread or step_time.free_spread)
             else None
         )
         fit_error = step_time.median_error if isinstance(step_time, LinearStep) else None

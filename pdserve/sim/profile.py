@@ -297,7 +297,7 @@ def _served_pull(role: str, body: dict[str, Any]) -> ServedPull:
     )
 
 
-def _listed(role: str, fields: dict[str, Any], key: str = "spread") -> list[Any]:
+def _listed(role: str, fields: dict[str, Any], key: str) -> list[Any]:
     spread = fields.pop(key, [])
     if not isinstance(spread, list):
         raise ProfileError(f"steps.{role}.{key} must be a list of bands")
@@ -308,7 +308,7 @@ def _bands(role: str, fields: dict[str, Any], key: str) -> tuple[Spread, ...]:
     return tuple(_spread_band(role, i, band, key) for i, band in enumerate(_listed(role, fields, key)))
 
 
-def _spread_band(role: str, index: int, band: Any, key: str = "spread") -> Spread:
+def _spread_band(role: str, index: int, band: Any, key: str) -> Spread:
     shape = f'steps.{role}.{key}[{index}] must be {{"below_s": seconds or null, "quantiles": [ratios]}}'
     if not isinstance(band, dict) or set(band) != {"below_s", "quantiles"}:
         raise ProfileError(shape)

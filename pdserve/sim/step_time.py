@@ -132,12 +132,13 @@ class LinearStep:
     # chunks): 1.09x at the median against 1.02x for its decode steps. Empty: they
     # spread as steps of their length.
     mixed_spread: tuple[float, ...] = ()
-    # The same two for a worker on a host with a CPU no worker is pinned to (`free_spread`,
-    # `free_mixed_spread`; empty: such a worker's steps spread as the others'): the router's and
-    # the client's CPU then runs there, and a lone worker's steps keep tight around the fit where
-    # a host every CPU of which has a worker gives them a right tail (colocated 1 on an AVX512
-    # EPYC's two CPUs: p90 1.03-1.2x the median at 1-6 streams; colocated 2 and 1P+1D at the same
-    # load 1.4x, even while the other worker idled).
+    # The same two for a worker on a host with a CPU no worker is on (`free_spread`,
+    # `free_mixed_spread`; empty: such a worker's steps spread as the others'; measured with the
+    # workers pinned): the router's and the client's CPU then runs there, and a lone worker's steps
+    # keep tight around the fit where a host every CPU of which has a worker gives them a right
+    # tail (colocated 1 on an AVX512 EPYC's two CPUs: p90 1.03-1.2x the median at 1-3 streams in
+    # three runs of four, 1.1-1.5x in the fourth; colocated 2 and 1P+1D at the same load 1.2-1.6x,
+    # even while the other worker idled).
     free_spread: tuple[Spread, ...] = ()
     free_mixed_spread: tuple[float, ...] = ()
     # The engine's stream GEMV, and seconds per pass over the weights, for the layers' GEMM past
@@ -170,6 +171,8 @@ class LinearStep:
             math.isfinite(c) and c >= 0 for c in self.pass_coefficients
         ):
             raise ProfileError("a step time's pass_coefficients must be 3 finite numbers >= 0")
+        if self.free_mixed_spread and not self.free_spread:
+            raise ProfileError("a step time's free_mixed_spread goes with a free_spread")
         for ratios in (self.mixed_spread, self.free_mixed_spread):
             if ratios:
                 Spread(None, ratios)  # the same checks: ascending ratios > 0
@@ -186,8 +189,9 @@ class LinearStep:
     def spread_at(self, seconds: float, mixed: bool = False, free_cpu: bool = False) -> tuple[float, ...]:
         """The measured / fitted quantiles of steps the fit puts at `seconds` (empty: none known);
         `mixed`: of a step with prompt tokens beside decode streams (`mixed_spread` where known);
-        `free_cpu`: of a worker on a host with a CPU no worker is pinned to (`free_spread`, and
-        `free_mixed_spread`, where known). Past the longest band's end (the longest step measured)
+        `free_cpu`: of a worker on a host with a CPU no worker is on (`free_spread`, and
+        `free_mixed_spread`, where known: without it, such a worker's mixed steps spread as its
+        others, as those runs' steps were banded). Past the longest band's end (the longest step measured)
         only its mean: how such a step deviates was not seen, and the tail of shorter ones is not
         its own."""
         bands, mixed_ratios = self.spread, self.mixed_spread
