@@ -137,7 +137,7 @@ class LinearStep:
     # workers pinned): the router's and the client's CPU then runs there, and a lone worker's steps
     # keep tight around the fit where a host every CPU of which has a worker gives them a right
     # tail (colocated 1 on an AVX512 EPYC's two CPUs: p90 1.03-1.2x the median at 1-3 streams in
-    # three runs of four, 1.1-1.5x in the fourth; colocated 2 and 1P+1D at the same load 1.2-1.6x,
+    # three runs of four, 1.2-1.3x in the fourth; colocated 2 and 1P+1D at the same load 1.2-1.6x,
     # even while the other worker idled).
     free_spread: tuple[Spread, ...] = ()
     free_mixed_spread: tuple[float, ...] = ()
