@@ -40,6 +40,7 @@ from pdserve.sim.loop_fit import fit_loop, loop_note
 from pdserve.sim.profile import LoopTime, Profile, ServedPull, TransferTime
 from pdserve.sim.spread_fit import MIN_STEPS, spread_p90, spreads
 from pdserve.sim.step_time import LinearStep, ProfileError, StreamPasses, line_features
+from pdserve.sim.trace_runs import against_the_check, runs_with_a_free_cpu
 
 OPTIONAL_KEYS = (
     "pull_wait_seconds",
@@ -283,15 +284,6 @@ def read_busy_trace(traces: list[Path], cpus: int) -> dict[str, list[dict[str, A
     return pools
 
 
-def runs_with_a_free_cpu(pools: dict[str, list[dict[str, Any]]], cpus: int) -> set[int]:
-    """The traced runs (`read_trace`'s index) whose workers were fewer than the host's CPUs."""
-    workers: dict[int, set[str]] = defaultdict(set)
-    for rows in pools.values():
-        for row in rows:
-            workers[row["trace"]].add(str(row["worker"]))
-    return {run for run, names in workers.items() if len(names) < cpus}
-
-
 def set_free_runs_apart(
     pools: dict[str, list[dict[str, Any]]], cpus: int, notes: list[str]
 ) -> dict[str, list[dict[str, Any]]]:
@@ -332,7 +324,7 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
     are such; the steps of runs that left one free spread around the fit on their own)."""
     cpus = base.host.cpus if base.host is not None else 1
     pools = read_busy_trace(traces, cpus)
-    notes: list[str] = []
+    notes = against_the_check(base, pools, traces)
     free_rows = set_free_runs_apart(pools, cpus, notes)
     steps: dict[str, LinearStep] = {}
     steps_busy: dict[str, LinearStep] = {}

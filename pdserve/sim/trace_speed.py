@@ -117,7 +117,10 @@ def traced_steps(profile: Profile, traces: list[Path]) -> list[TracedStep]:
     fit's own median deviation at its length. Only a profile fitted to served steps
     (`steps_from: serving`): a sweep's leaves out the router's and the client's CPU, which the
     served steps hold and the simulation adds again."""
-    from pdserve.sim import calibrate  # the trace's reader and neighbours' reckoning, as the fit's
+    from pdserve.sim import (  # the trace's reader and neighbours' reckoning, as the fit's
+        calibrate,
+        trace_runs,
+    )
 
     if profile.steps_from != "serving":
         raise ProfileError(
@@ -126,7 +129,7 @@ def traced_steps(profile: Profile, traces: list[Path]) -> list[TracedStep]:
         )
     cpus = profile.host.cpus if profile.host is not None else 1
     pools = calibrate.read_busy_trace(traces, cpus)
-    free_runs = calibrate.runs_with_a_free_cpu(pools, cpus)
+    free_runs = trace_runs.runs_with_a_free_cpu(pools, cpus)
     rows = [row for rows in pools.values() for row in rows]
     first = min((float(row["t_s"]) for row in rows), default=0.0)
     traced = []
