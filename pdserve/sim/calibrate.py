@@ -40,7 +40,7 @@ from pdserve.sim.loop_fit import fit_loop, loop_note
 from pdserve.sim.profile import LoopTime, Profile, ServedPull, TransferTime
 from pdserve.sim.spread_fit import MIN_STEPS, spread_p90, spreads
 from pdserve.sim.step_time import LinearStep, ProfileError, StreamPasses, line_features
-from pdserve.sim.trace_runs import against_the_check, runs_with_a_free_cpu
+from pdserve.sim.trace_runs import against_the_check, by_run, runs_with_a_free_cpu
 
 OPTIONAL_KEYS = (
     "pull_wait_seconds",
@@ -263,15 +263,6 @@ def attention_ratio(base: Profile, role: str) -> float | None:
     if not isinstance(step, LinearStep) or step.coefficients[1] <= 0 or step.coefficients[2] <= 0:
         return None
     return step.coefficients[2] / step.coefficients[1]
-
-
-def by_run(pools: dict[str, list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
-    """Each traced run's rows, every pool's together (one run's workers shared a host)."""
-    runs: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for rows in pools.values():
-        for row in rows:
-            runs[row["trace"]].append(row)
-    return list(runs.values())
 
 
 def read_busy_trace(traces: list[Path], cpus: int) -> dict[str, list[dict[str, Any]]]:

@@ -23,13 +23,19 @@ logger = logging.getLogger("pdserve.sim")
 CHECK_DRIFT = 0.10
 
 
-def runs_with_a_free_cpu(pools: dict[str, list[dict[str, Any]]], cpus: int) -> set[int]:
-    """The traced runs (`read_trace`'s index) whose workers were fewer than the host's CPUs."""
-    workers: dict[int, set[str]] = defaultdict(set)
+def by_run(pools: dict[str, list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    """Each traced run's rows (`read_trace`'s index: `trace`), every pool's together (one run's
+    workers shared a host), in the order of the traces."""
+    runs: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for rows in pools.values():
         for row in rows:
-            workers[row["trace"]].add(str(row["worker"]))
-    return {run for run, names in workers.items() if len(names) < cpus}
+            runs[row["trace"]].append(row)
+    return [runs[run] for run in sorted(runs)]
+
+
+def runs_with_a_free_cpu(pools: dict[str, list[dict[str, Any]]], cpus: int) -> set[int]:
+    """The traced runs (`read_trace`'s index) whose workers were fewer than the host's CPUs."""
+    return {rows[0]["trace"] for rows in by_run(pools) if len({str(r["worker"]) for r in rows}) < cpus}
 
 
 def against_the_check(base: Profile, pools: dict[str, list[dict[str, Any]]], traces: list[Path]) -> list[str]:
@@ -45,22 +51,18 @@ def against_the_check(base: Profile, pools: dict[str, list[dict[str, Any]]], tra
     if not one:
         return []
     reference = statistics.median(one)
-    by_run: dict[int, list[float]] = defaultdict(list)
-    for rows in pools.values():
-        for row in rows:
-            if (
-                int(row["decode_streams"]) == 1
-                and int(row["prefill_tokens"]) == 0
-                and float(row["seconds"]) > 0
-            ):
-                by_run[row["trace"]].append(float(row["seconds"]))
     notes = []
-    for run, seconds in sorted(by_run.items()):
+    for rows in by_run(pools):
+        seconds = [
+            float(r["seconds"])
+            for r in rows
+            if int(r["decode_streams"]) == 1 and int(r["prefill_tokens"]) == 0 and float(r["seconds"]) > 0
+        ]
         if len(seconds) < MIN_STEPS:
             continue
         served = statistics.median(seconds)
         note = (
-            f"{Path(traces[run]).name}: its one-stream decode steps x{served / reference:.2f} the speed "
+            f"{Path(traces[rows[0]['trace']]).name}: its one-stream decode steps x{served / reference:.2f} the speed "
             f"check's ({served * 1000:.1f} against {reference * 1000:.1f} ms)"
         )
         if abs(served / reference - 1) > CHECK_DRIFT:
