@@ -495,9 +495,9 @@ def test_a_colocated_pool_takes_the_decode_pools_cost_per_token_of_context(tmp_p
     assert isinstance(own, LinearStep) and own.coefficients[4] == pytest.approx(9e-6, rel=1e-3)
 
 
-def written_trace(path: Path, workers: int, steps: list[tuple[Step, float]]) -> Path:
+def written_trace(path: Path, workers: int, steps: list[tuple[Step, float]], loop_s: float = 0.001) -> Path:
     """`steps` as one run's step trace, taken in turn by `workers` colocated workers, one after
-    another in time (none beside another: b = 0)."""
+    another in time (none beside another: b = 0), each loop `loop_s`."""
     rows, t = [], 0.0
     for index, (step, seconds) in enumerate(steps):
         t += seconds + 0.001
@@ -505,7 +505,7 @@ def written_trace(path: Path, workers: int, steps: list[tuple[Step, float]]) -> 
             {"t_s": t, "worker": f"colocated-{index % workers}", "pool": "colocated", "seconds": seconds,
              "prefill_tokens": step.prefill_tokens, "prefill_attention": step.prefill_attention,
              "decode_streams": step.decode_streams, "decode_context": step.decode_context,
-             "loop_seconds": 0.001, "pull_wait_seconds": 0.0, "pull_blocks": 0, "pull_seconds": 0.0}
+             "loop_seconds": loop_s, "pull_wait_seconds": 0.0, "pull_blocks": 0, "pull_seconds": 0.0}
         )  # fmt: skip
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
@@ -523,13 +523,22 @@ def test_runs_that_left_a_cpu_free_spread_on_their_own_around_the_filled_runs_fi
     ]
     filled = [(step, truth.seconds(step) * (1.5 if k % 5 == 4 else 1.0)) for k, step in enumerate(steps)]
     free = [(step, truth.seconds(step) * 0.95) for step in steps]
-    traces = [written_trace(tmp_path / "c2.jsonl", 2, filled), written_trace(tmp_path / "c1.jsonl", 1, free)]
+    # The lone worker's loop too is shorter: the router and the client ran on the other CPU.
+    traces = [
+        written_trace(tmp_path / "c2.jsonl", 2, filled),
+        written_trace(tmp_path / "c1.jsonl", 1, free, loop_s=0.0004),
+    ]
     base = replace(fixed_profile(), host=profiles.HostCpu(cpus=2))
     fitted = calibrated(base, traces)
     alone = calibrated(base, traces[:1])
     step = fitted.steps["colocated"]
     assert isinstance(step, LinearStep) and step.coefficients == alone.steps["colocated"].coefficients
-    assert fitted.loops == alone.loops  # the loop too is the filled run's
+    assert fitted.loops == alone.loops  # the loop is the filled run's, the lone run's its own
+    assert fitted.loop_time("colocated").seconds(3) == pytest.approx(0.001)
+    assert fitted.loop_time("colocated", free_cpu=True).seconds(3) == pytest.approx(0.0004)
+    assert not alone.free_loops and alone.loop_time("colocated", free_cpu=True) == alone.loops["colocated"]
+    assert any("colocated worker loop of runs with a CPU free of workers" in a for a in fitted.assumptions)
+    assert any("worker loop with a CPU free of workers: 0.400 ms" in line for line in describe(fitted))
     assert step.spread == alone.steps["colocated"].spread
     tail = step.spread[0].quantiles
     assert tail[-1] / tail[len(tail) // 2] == pytest.approx(1.5, rel=0.05)
@@ -546,6 +555,7 @@ def test_runs_that_left_a_cpu_free_spread_on_their_own_around_the_filled_runs_fi
     # Too few steps of a lone worker: left out, and said.
     few = written_trace(tmp_path / "c1-few.jsonl", 1, free[:12])
     assert not calibrated(base, [traces[0], few]).steps["colocated"].free_spread  # type: ignore[union-attr]
+    assert not calibrated(base, [traces[0], few]).free_loops
     assert any(
         "free of workers: 12 (< 30), left out" in a for a in calibrated(base, [traces[0], few]).assumptions
     )

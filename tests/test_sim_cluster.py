@@ -20,7 +20,7 @@ from pdserve.config import POOL_ROLES, EngineConfig, WorkerConfig
 from pdserve.costmodel import Step
 from pdserve.sim.cluster import SimCluster, drawn
 from pdserve.sim.host import HostLoad
-from pdserve.sim.profile import HostCpu
+from pdserve.sim.profile import HostCpu, LoopTime
 from pdserve.sim.step_time import LinearStep, Spread
 from pdserve.sim.worker import SimConnector
 
@@ -173,16 +173,23 @@ def test_a_simulated_step_with_a_prompt_beside_streams_deviates_as_the_measured_
     assert ratios[False] == pytest.approx([1.0] * len(ratios[False]), rel=1e-3)
 
 
-@pytest.mark.parametrize(("workers", "ratio"), [(1, 1.0), (2, 2.0)])
-def test_a_worker_that_leaves_a_cpu_free_deviates_as_the_free_runs_steps(
-    tmp_path: Path, workers: int, ratio: float
+@pytest.mark.parametrize(("workers", "ratio", "loop_s"), [(1, 1.0, 0.0005), (2, 2.0, 0.002)])
+def test_a_worker_that_leaves_a_cpu_free_deviates_and_loops_as_the_free_runs(
+    tmp_path: Path, workers: int, ratio: float, loop_s: float
 ) -> None:
     # On two CPUs the profile's served steps ran at twice their fit where every CPU had a worker,
-    # as fitted where one was free: colocated 1 steps as the latter, colocated 2 as the former.
+    # as fitted where one was free, and their loops took 2 ms against 0.5: colocated 1 steps and
+    # loops as the latter, colocated 2 as the former.
     base = replace(fixed_profile(step=0.01, per_token=1e-4, per_stream=1e-3), host=HostCpu(cpus=2))
     step = replace(base.steps["decode"], spread=(Spread(None, (2.0,)),), free_spread=(Spread(None, (1.0,)),))
     assert isinstance(step, LinearStep)
-    replace(base, steps={"prefill": step, "decode": step}, steps_from="serving").save(tmp_path / "p.json")
+    replace(
+        base,
+        steps={"prefill": step, "decode": step},
+        steps_from="serving",
+        loops={"decode": LoopTime(0.002)},
+        free_loops={"decode": LoopTime(0.0005)},
+    ).save(tmp_path / "p.json")
     trace = tmp_path / "steps.jsonl"
     code = main(
         ["sim", "--profile", str(tmp_path / "p.json"), "--colocated", str(workers), "--workload",
@@ -197,3 +204,4 @@ def test_a_worker_that_leaves_a_cpu_free_deviates_as_the_free_runs_steps(
             row["prefill_tokens"], row["prefill_attention"], row["decode_streams"], row["decode_context"]
         )
         assert row["seconds"] / step.seconds(features) == pytest.approx(ratio, rel=1e-3)
+        assert row["loop_seconds"] == pytest.approx(loop_s, rel=1e-3)

@@ -68,6 +68,7 @@ def test_a_profile_reads_back_as_written(tmp_path: Path) -> None:
         steps_from="serving",
         start_busy_s=21.5,
         loops={"decode": LoopTime(0.001, 2e-4, ((1, 5e-4), (4, 9e-4))), "prefill": LoopTime(0.0015)},
+        free_loops={"decode": LoopTime(0.0005, 1e-4, ((1, 3e-4),))},
         pulls={
             "decode": ServedPull(
                 "shm",
@@ -98,6 +99,15 @@ def test_a_profile_reads_back_as_written(tmp_path: Path) -> None:
     bad["steps"]["decode"]["free_spread"], bad["steps"]["decode"]["free_mixed_spread"] = [], ["x"]
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     with pytest.raises(ProfileError, match=r"steps\.decode\.free_mixed_spread must be a list of ratios"):
+        profiles.load(tmp_path / "bad.json")
+    # A profile without free runs' loops writes none; a bad one is refused by where it is.
+    assert "free_loops" not in replace(original, free_loops={}).to_json()
+    assert back.loop_time("colocated", free_cpu=True) == original.free_loops["decode"]
+    assert back.loop_time("prefill", free_cpu=True) == back.loop_time("prefill")  # none of its own
+    bad = json.loads(json.dumps(body))
+    bad["free_loops"]["decode"]["per_step"] = 0.001
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ProfileError, match=r"free_loops\.decode must be an object of"):
         profiles.load(tmp_path / "bad.json")
     assert "by_streams" in body["loops"]["decode"] and "by_streams" not in body["loops"]["prefill"]
     body["loops"]["decode"]["by_stream"] = body["loops"]["decode"].pop("by_streams")

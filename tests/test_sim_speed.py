@@ -72,6 +72,7 @@ def test_every_time_a_profile_measured_is_scaled_and_its_ratios_are_not() -> Non
         start_busy_s=20.0,
         host=HostCpu(2, 1e-3, 2e-5, 3e-3, 4e-5, 0.05),
         loops={"decode": LoopTime(0.001, 1e-4, ((1, 4e-4), (3, 8e-4)))},
+        free_loops={"decode": LoopTime(0.0005, 1e-4, ((1, 3e-4),))},
         pulls={"decode": ServedPull("shm", pull, TransferTime(0.004, 2e-4), 30, pull, None)},
     )
     slow = speed.scaled(profile, 1.5)
@@ -98,6 +99,7 @@ def test_every_time_a_profile_measured_is_scaled_and_its_ratios_are_not() -> Non
     )
     assert slow.loop_time("decode").stream_s == pytest.approx(1.5e-4)
     assert slow.loop_time("decode").seconds(2) == pytest.approx(1.5 * 6e-4)  # the traced counts too
+    assert slow.loop_time("decode", free_cpu=True).seconds(1) == pytest.approx(1.5 * 3e-4)  # a lone worker's
     served = slow.pulls["decode"]
     assert served.seconds(8, 0.5) == pytest.approx(1.5 * profile.pulls["decode"].seconds(8, 0.5))
     assert served.copy_busy is None and served.samples == 30

@@ -262,9 +262,11 @@ def describe(profile: Profile) -> list[str]:
             lines += spread_lines(free, step.free_mixed_spread, "with a CPU free of workers, ")  # type: ignore[union-attr]
     for role, step in profile.steps_busy.items():
         lines.append(f"  {role} step beside a busy neighbour: {step.to_json()}")
-    for role, loop in profile.loops.items():
+    loops = [(role, loop, "") for role, loop in profile.loops.items()]
+    loops += [(role, loop, " with a CPU free of workers") for role, loop in profile.free_loops.items()]
+    for role, loop, runs in loops:
         lines.append(
-            f"  {role} worker loop: {loop.step_s * 1000:.3f} ms a step + {loop.stream_s * 1000:.3f} ms a stream"
+            f"  {role} worker loop{runs}: {loop.step_s * 1000:.3f} ms a step + {loop.stream_s * 1000:.3f} ms a stream"
             + (
                 f"; as traced at {len(loop.by_streams)} stream counts up to {loop.by_streams[-1][0]}: "
                 + ", ".join(f"{n}: {s * 1000:.2f} ms" for n, s in loop.by_streams[:4])

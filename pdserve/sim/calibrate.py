@@ -304,6 +304,16 @@ def set_free_runs_apart(
     return apart
 
 
+def _loop_of(role: str, rows: list[dict[str, Any]], notes: list[str], runs: str = "") -> LoopTime:
+    """The role's worker loop in these rows (said in `notes` where traced by stream count)."""
+    if role == "prefill":  # a prompt step's loop: its first tokens out, the next prompts in
+        return LoopTime(round(statistics.median(float(r.get("loop_seconds", 0.0)) for r in rows), 6))
+    loop = fit_loop(rows)
+    if loop.by_streams:
+        notes.append(loop_note(role, loop, runs))
+    return loop
+
+
 def timed_steps(rows: list[dict[str, Any]]) -> list[tuple[Step, float, float]]:
     """(step, seconds, how busy the others were) of each traced step that took time."""
     return [(read_step(r), float(r["seconds"]), float(r["busy"])) for r in rows if float(r["seconds"]) > 0]
@@ -388,7 +398,7 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
         if role not in steps or len(free_steps) < MIN_STEPS:
             notes.append(
                 f"{role} steps of runs with a CPU free of workers: {len(free_steps)} (< {MIN_STEPS}), "
-                "left out; such a worker spreads as the others"
+                "left out; such a worker spreads and loops as the others"
             )
             continue
         free_spread, free_mixed, _ = spreads(steps[role], steps_busy[role], free_steps)
@@ -396,19 +406,16 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
         notes.append(
             f"{role} steps of runs with a CPU free of workers ({len(free_steps)}): their own spread around "
             f"the fit (p90 {spread_p90(free_spread):.3g} of the median, against "
-            f"{spread_p90(steps[role].spread):.3g} with every CPU a worker's; the fit, the loop and the "
-            "pulls are of the latter)"
+            f"{spread_p90(steps[role].spread):.3g} with every CPU a worker's; the fit and the pulls are "
+            "of the latter, the worker loop their own)"
         )
-    loops = {}
-    for role in steps:
-        if role == "prefill":  # a prompt step's loop: its first tokens out, the next prompts in
-            loops[role] = LoopTime(
-                round(statistics.median(float(r.get("loop_seconds", 0.0)) for r in pools[role]), 6)
-            )
-        else:
-            loops[role] = fit_loop(pools[role])
-            if loops[role].by_streams:
-                notes.append(loop_note(role, loops[role]))
+    loops = {role: _loop_of(role, pools[role], notes) for role in steps}
+    # A free run's loop apart, as its steps' spread: the router and the client ran beside it.
+    free_loops = {
+        role: _loop_of(role, rows, notes, "of runs with a CPU free of workers")
+        for role, rows in free_rows.items()
+        if role in steps and len(timed_steps(rows)) >= MIN_STEPS
+    }
     pulls = {}
     for role in steps:
         fitted = fit_pull(pools[role]) if role != "prefill" else None
@@ -438,6 +445,7 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
         },
         steps_from="serving",
         loops=loops,
+        free_loops=free_loops,
         pulls=pulls,
         meta=base.meta
         | {

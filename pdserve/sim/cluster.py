@@ -89,6 +89,7 @@ class SimCluster:
         pool = config.pool
         step_time = self.profile.step_time(pool)
         loop_time = self.profile.loop_time(pool)
+        free_loop_time = self.profile.loop_time(pool, free_cpu=True)
         transfer = self.profile.transfer(config.transport) if pool != "prefill" else None
         served_pull = self.profile.served_pull(pool, config.transport)
 
@@ -141,7 +142,10 @@ class SimCluster:
             return seconds
 
         def loop_seconds(out: SchedulerOutput) -> float:
-            loop = loop_time.seconds(sum(1 for c in out.chunks if c.sample))
+            # A worker's loop with a CPU free of workers beside it, as traced so (the free CPU's
+            # router and client did not run on its own).
+            free = host is not None and host.free_cpu()
+            loop = (free_loop_time if free else loop_time).seconds(sum(1 for c in out.chunks if c.sample))
             loop *= self._course(pool)
             if host is None:
                 return loop

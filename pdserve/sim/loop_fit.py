@@ -76,11 +76,11 @@ def fit_loop(rows: list[dict[str, Any]]) -> LoopTime:
     return LoopTime(base, slope, table)
 
 
-def loop_note(role: str, loop: LoopTime) -> str:
-    """The profile's assumption line for a loop with traced counts."""
+def loop_note(role: str, loop: LoopTime, runs: str = "") -> str:
+    """The profile's assumption line for a loop with traced counts (`runs`: of which runs)."""
     counts = [n for n, _ in loop.by_streams]
     return (
-        f"{role} worker loop: each stream count the trace ran {MIN_TABLE_STEPS} times or more its own "
+        f"{role} worker loop{' ' + runs if runs else ''}: each stream count the trace ran {MIN_TABLE_STEPS} times or more its own "
         f"({len(counts)} counts, {counts[0]} to {counts[-1]}; {loop.by_streams[0][1] * 1000:.2f} ms at "
         f"{counts[0]}), the line ({loop.step_s * 1000:.2f} ms + {loop.stream_s * 1000:.3f} ms a stream) "
         "past them and across gaps (pdserve/sim/loop_fit.py)"

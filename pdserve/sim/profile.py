@@ -202,6 +202,11 @@ class Profile:
     # Per pool role, the worker loop's time as fitted to served steps (empty: the overhead's
     # step_s and stream_s for every role). A decode worker's loop also takes its KV pulls.
     loops: dict[str, LoopTime] = field(default_factory=dict)
+    # The same, of runs that left a CPU free of workers (empty: such a worker's loop is `loops`'):
+    # the router and the client ran on the free CPU, not on the worker's, and a lone colocated
+    # worker's loop took 0.44-0.46 ms a step at one stream and 0.51-0.54 at two on the AVX512 EPYC,
+    # where colocated 2's and 1P+1D's took 0.62-0.94 and 0.82-1.34 at the same load.
+    free_loops: dict[str, LoopTime] = field(default_factory=dict)
     # Per pool role that pulls KV, its pulls' wait as fitted to served steps (empty: the transfer's
     # time between idle caches, slowed by the worker's CPU-mates).
     pulls: dict[str, ServedPull] = field(default_factory=dict)
@@ -211,11 +216,14 @@ class Profile:
         pull = self.pulls.get(role) or (self.pulls.get("decode") if role == "colocated" else None)
         return pull if pull is not None and pull.transport == transport else None
 
-    def loop_time(self, role: str) -> LoopTime:
-        if role in self.loops:
-            return self.loops[role]
-        if role == "colocated" and "decode" in self.loops:  # as step_time: a mixed worker is a decode one
-            return self.loops["decode"]
+    def loop_time(self, role: str, free_cpu: bool = False) -> LoopTime:
+        """The role's worker loop; `free_cpu`: on a host with a CPU no worker is on (`free_loops`
+        where known)."""
+        for loops in (self.free_loops, self.loops) if free_cpu else (self.loops,):
+            if role in loops:
+                return loops[role]
+            if role == "colocated" and "decode" in loops:  # as step_time: a mixed worker is a decode one
+                return loops["decode"]
         return LoopTime(self.overhead.step_s, self.overhead.stream_s)
 
     def model_config(self) -> ModelConfig:
@@ -268,7 +276,11 @@ class Profile:
             "steps_from": self.steps_from,
             "loops": {role: loop.to_json() for role, loop in self.loops.items()},
             "pulls": {role: asdict(pull) for role, pull in self.pulls.items()},
-        }
+        } | (  # only where known: older readers read the rest as before
+            {"free_loops": {role: loop.to_json() for role, loop in self.free_loops.items()}}
+            if self.free_loops
+            else {}
+        )
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -329,10 +341,10 @@ def _mixed_spread(role: str, ratios: Any, key: str = "mixed_spread") -> tuple[fl
     return tuple(float(r) for r in ratios)
 
 
-def _loop(role: str, body: Any) -> LoopTime:
+def _loop(where: str, body: Any) -> LoopTime:
     keys = {"step_s", "stream_s", "by_streams"}
     if not isinstance(body, dict) or not set(body) <= keys:
-        raise ProfileError(f"loops.{role} must be an object of {sorted(keys)}, got {body!r}")
+        raise ProfileError(f"{where} must be an object of {sorted(keys)}, got {body!r}")
     return LoopTime(
         float(body.get("step_s", 0.0)), float(body.get("stream_s", 0.0)), tuple(body.get("by_streams", ()))
     )
@@ -406,7 +418,11 @@ def load(path: Path) -> Profile:
             host=HostCpu(**body["host"]) if body.get("host") else None,
             steps_busy={role: _step_from_json(role, s) for role, s in body.get("steps_busy", {}).items()},
             steps_from=str(body.get("steps_from", "alone")),
-            loops={str(role): _loop(str(role), loop) for role, loop in body.get("loops", {}).items()},
+            loops={str(role): _loop(f"loops.{role}", loop) for role, loop in body.get("loops", {}).items()},
+            free_loops={
+                str(role): _loop(f"free_loops.{role}", loop)
+                for role, loop in body.get("free_loops", {}).items()
+            },
             pulls={str(role): _served_pull(str(role), pull) for role, pull in body.get("pulls", {}).items()},
         )
         for name in ("start_s", "start_busy_s"):

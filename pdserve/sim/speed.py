@@ -218,6 +218,7 @@ def scaled(
         start_busy_s=profile.start_busy_s * factor,
         host=None if host is None else _times(host, factor, keep=("cpus",)),
         loops={role: loop.scaled(factor) for role, loop in profile.loops.items()},
+        free_loops={role: loop.scaled(factor) for role, loop in profile.free_loops.items()},
         pulls={role: _pull(pull, factor) for role, pull in profile.pulls.items()},
         meta=profile.meta
         | {
