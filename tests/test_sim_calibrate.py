@@ -493,6 +493,16 @@ def test_a_colocated_pool_takes_the_decode_pools_cost_per_token_of_context(tmp_p
     # Traced alone, a colocated pool keeps its own (nothing to take it from).
     own = calibrated(truth, [colocated]).steps["colocated"]
     assert isinstance(own, LinearStep) and own.coefficients[4] == pytest.approx(9e-6, rel=1e-3)
+    # A decode pool whose steps cost nothing a token of context (its fit's c4 is 0) has none to
+    # give: the colocated pool keeps its own, and no note says it took one.
+    flat = replace(decode, coefficients=(0.01, 1e-4, 0.0, 2e-3, 0.0))
+    flat_truth = replace(truth, steps={**truth.steps, "prefill": flat, "decode": flat})
+    (tmp_path / "dpd-flat").mkdir()
+    flat_dpd = traced_run(tmp_path / "dpd-flat", flat_truth, "--prefill", "1", "--decode", "1")
+    kept = calibrated(flat_truth, [flat_dpd, colocated])
+    assert kept.steps["decode"].coefficients[4] == 0  # type: ignore[union-attr]
+    assert kept.steps["colocated"].coefficients[4] == pytest.approx(9e-6, rel=1e-3)  # type: ignore[union-attr]
+    assert not any("cost per token of a stream's context" in a for a in kept.assumptions)
 
 
 def written_trace(path: Path, workers: int, steps: list[tuple[Step, float]], loop_s: float = 0.001) -> Path:
