@@ -322,7 +322,8 @@ def timed_steps(rows: list[dict[str, Any]]) -> list[tuple[Step, float, float]]:
 def calibrated(base: Profile, traces: list[Path]) -> Profile:
     """`base` with each traced pool role's step time (alone, and beside busy neighbours), and its
     worker loop's time, fitted to the traces (the runs that filled the host's CPUs, where there
-    are such; the steps of runs that left one free spread around the fit on their own)."""
+    are such; the steps of runs that left one free spread around the fit on their own, and their
+    worker loop is their own: `free_spread`, `free_loops`)."""
     cpus = base.host.cpus if base.host is not None else 1
     pools = read_busy_trace(traces, cpus)
     notes = against_the_check(base, pools, traces)
