@@ -104,6 +104,10 @@ def test_a_profile_reads_back_as_written(tmp_path: Path) -> None:
     assert "free_loops" not in replace(original, free_loops={}).to_json()
     assert back.loop_time("colocated", free_cpu=True) == original.free_loops["decode"]
     assert back.loop_time("prefill", free_cpu=True) == back.loop_time("prefill")  # none of its own
+    # A colocated role's own loop before the decode pool's free one; the decode pool's where it has none.
+    own = replace(back, loops={**back.loops, "colocated": LoopTime(0.003)})
+    assert own.loop_time("colocated", free_cpu=True) == LoopTime(0.003)
+    assert back.loop_time("colocated") == back.loops["decode"]
     bad = json.loads(json.dumps(body))
     bad["free_loops"]["decode"]["per_step"] = 0.001
     (tmp_path / "bad.json").write_text(json.dumps(bad))

@@ -218,12 +218,13 @@ class Profile:
 
     def loop_time(self, role: str, free_cpu: bool = False) -> LoopTime:
         """The role's worker loop; `free_cpu`: on a host with a CPU no worker is on (`free_loops`
-        where known)."""
-        for loops in (self.free_loops, self.loops) if free_cpu else (self.loops,):
-            if role in loops:
-                return loops[role]
-            if role == "colocated" and "decode" in loops:  # as step_time: a mixed worker is a decode one
-                return loops["decode"]
+        where known). A colocated role without a loop of its own takes the decode pool's (as
+        step_time: a mixed worker is a decode one), its own filled runs' before another's free."""
+        kinds = (self.free_loops, self.loops) if free_cpu else (self.loops,)
+        for name in (role, "decode") if role == "colocated" else (role,):
+            for loops in kinds:
+                if name in loops:
+                    return loops[name]
         return LoopTime(self.overhead.step_s, self.overhead.stream_s)
 
     def model_config(self) -> ModelConfig:
