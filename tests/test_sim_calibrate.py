@@ -566,6 +566,12 @@ def test_runs_that_left_a_cpu_free_spread_on_their_own_around_the_filled_runs_fi
     few = written_trace(tmp_path / "c1-few.jsonl", 1, free[:12])
     assert not calibrated(base, [traces[0], few]).steps["colocated"].free_spread  # type: ignore[union-attr]
     assert not calibrated(base, [traces[0], few]).free_loops
+    # A lone worker's run of prompt steps only says nothing of its loop (a decode step's): none
+    # kept (a loop of 0 would be a guess), and said; its steps' spread is kept.
+    prompts = [(step, seconds) for step, seconds in free if step.decode_streams == 0]
+    silent = calibrated(base, [traces[0], written_trace(tmp_path / "c1-prompts.jsonl", 1, prompts, 0.0)])
+    assert not silent.free_loops and silent.steps["colocated"].free_spread  # type: ignore[union-attr]
+    assert any("loop of runs with a CPU free of workers: not seen" in a for a in silent.assumptions)
     assert any(
         "free of workers: 12 (< 30), left out" in a for a in calibrated(base, [traces[0], few]).assumptions
     )

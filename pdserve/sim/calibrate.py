@@ -14,8 +14,8 @@ alone and beside busy neighbours), into a copy of a base profile (its KV transfe
 blocks and overhead are kept). Each step is fitted as alone x (1 - b) + beside busy neighbours x b,
 b how busy the other workers were while it ran (read from the trace as the simulation reckons
 it), so the fit keeps how the steps move as the load rises; how they spread around it is kept too
-(spread_fit.py), apart for runs that left a CPU free of workers (`set_free_runs_apart`: the fit
-is of the runs that filled the host). The result says `steps_from: serving`: the simulation then adds the
+(spread_fit.py), apart for runs that left a CPU free of workers, as is their worker loop
+(`set_free_runs_apart`: the fit is of the runs that filled the host). The result says `steps_from: serving`: the simulation then adds the
 neighbours' term and no stretch for the router's and the client's CPU (that is in the fit, at the
 loads the trace covered: trace a load that climbs past the knee, as `pdserve profile --served` does).
 """
@@ -48,6 +48,7 @@ OPTIONAL_KEYS = (
     "pull_seconds",
 )  # traces from before they were traced lack them
 MIN_PULL_STEPS = 20  # steps that waited on pulls, for a role's served pull wait to be fitted
+FREE_RUNS = "of runs with a CPU free of workers"  # said of what such runs alone fitted
 SERVED_TRANSPORT = "shm"  # what a step trace's pulls went over: `pdserve serve`'s default on one host
 PROMPT_CHUNK_TOKENS = 128  # a step with this many prompt tokens or more computes a prompt's chunk
 
@@ -298,20 +299,17 @@ def set_free_runs_apart(
         else:
             notes.append(
                 f"{role} steps: {len(timed_steps(filled))} of runs whose workers filled the host's {cpus} CPUs "
-                f"(< {MIN_STEPS}): fitted with those of runs that left one free, and spread as they did, "
-                "for every deployment"
+                f"(< {MIN_STEPS}): fitted with those of runs that left one free, and spread and loop as they "
+                "did, for every deployment"
             )
     return apart
 
 
-def _loop_of(role: str, rows: list[dict[str, Any]], notes: list[str], runs: str = "") -> LoopTime:
-    """The role's worker loop in these rows (said in `notes` where traced by stream count)."""
+def _loop_of(role: str, rows: list[dict[str, Any]]) -> LoopTime:
+    """The role's worker loop in these rows."""
     if role == "prefill":  # a prompt step's loop: its first tokens out, the next prompts in
         return LoopTime(round(statistics.median(float(r.get("loop_seconds", 0.0)) for r in rows), 6))
-    loop = fit_loop(rows)
-    if loop.by_streams:
-        notes.append(loop_note(role, loop, runs))
-    return loop
+    return fit_loop(rows)
 
 
 def timed_steps(rows: list[dict[str, Any]]) -> list[tuple[Step, float, float]]:
@@ -394,29 +392,38 @@ def calibrated(base: Profile, traces: list[Path]) -> Profile:
             f"({steps['decode'].coefficients[4]:.3g} s; fitted on their own, {free:.3g} s: its long "
             "contexts came with many streams, the decode pool's apart from them)"
         )
+    free_loops: dict[str, LoopTime] = {}
     for role, rows in free_rows.items():
         free_steps = timed_steps(rows)
         if role not in steps or len(free_steps) < MIN_STEPS:
             notes.append(
-                f"{role} steps of runs with a CPU free of workers: {len(free_steps)} (< {MIN_STEPS}), "
+                f"{role} steps {FREE_RUNS}: {len(free_steps)} (< {MIN_STEPS}), "
                 "left out; such a worker spreads and loops as the others"
             )
             continue
         free_spread, free_mixed, _ = spreads(steps[role], steps_busy[role], free_steps)
         steps[role] = replace(steps[role], free_spread=free_spread, free_mixed_spread=free_mixed)
         notes.append(
-            f"{role} steps of runs with a CPU free of workers ({len(free_steps)}): their own spread around "
+            f"{role} steps {FREE_RUNS} ({len(free_steps)}): their own spread around "
             f"the fit (p90 {spread_p90(free_spread):.3g} of the median, against "
             f"{spread_p90(steps[role].spread):.3g} with every CPU a worker's; the fit and the pulls are "
             "of the latter, the worker loop their own)"
         )
-    loops = {role: _loop_of(role, pools[role], notes) for role in steps}
-    # A free run's loop apart, as its steps' spread: the router and the client ran beside it.
-    free_loops = {
-        role: _loop_of(role, rows, notes, "of runs with a CPU free of workers")
-        for role, rows in free_rows.items()
-        if role in steps and len(timed_steps(rows)) >= MIN_STEPS
-    }
+        # Their loop apart too: the router and the client ran on the free CPU, not on the worker's.
+        loop = _loop_of(role, rows)
+        if not (loop.by_streams or loop.step_s > 0 or loop.stream_s > 0):  # nothing seen: no guess of 0
+            notes.append(
+                f"{role} worker loop {FREE_RUNS}: not seen in their steps; such a worker loops as the others"
+            )
+            continue
+        free_loops[role] = loop
+        notes.append(
+            loop_note(role, loop, FREE_RUNS)
+            if loop.by_streams
+            else f"{role} worker loop {FREE_RUNS}: {loop.step_s * 1000:.2f} ms + {loop.stream_s * 1000:.3f} ms a stream"
+        )
+    loops = {role: _loop_of(role, pools[role]) for role in steps}
+    notes += [loop_note(role, loop) for role, loop in loops.items() if loop.by_streams]
     pulls = {}
     for role in steps:
         fitted = fit_pull(pools[role]) if role != "prefill" else None

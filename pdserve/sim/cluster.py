@@ -3,7 +3,8 @@ profile's start time, so the real pool manager and planner scale simulated pools
 real ones. No torch, no process.
 
 A worker's step time is the profile's for its pool role (the worker loop's own time follows each
-step: the profile's per-step and per-stream time for that role), spread as the profile's
+step: the profile's per-step and per-stream time for that role, a free-CPU run's own while the
+host has a CPU no worker is on), spread as the profile's
 measured steps spread around their fit (their quantiles, else `median_error`), and stretched by
 the CPU the router takes from the workers on a shared host and by the other workers pinned to its
 CPU, a starting one included (pdserve/sim/host.py);

@@ -204,8 +204,9 @@ class Profile:
     loops: dict[str, LoopTime] = field(default_factory=dict)
     # The same, of runs that left a CPU free of workers (empty: such a worker's loop is `loops`'):
     # the router and the client ran on the free CPU, not on the worker's, and a lone colocated
-    # worker's loop took 0.44-0.46 ms a step at one stream and 0.51-0.54 at two on the AVX512 EPYC,
-    # where colocated 2's and 1P+1D's took 0.62-0.94 and 0.82-1.34 at the same load.
+    # worker's loop took 0.44-0.46 ms a step at one stream and 0.51-0.54 at two on the AVX512 EPYC
+    # (decode-only steps), where colocated 2's and 1P+1D's took 0.62-0.94 at one stream and
+    # 0.82-1.34 at two at the same load.
     free_loops: dict[str, LoopTime] = field(default_factory=dict)
     # Per pool role that pulls KV, its pulls' wait as fitted to served steps (empty: the transfer's
     # time between idle caches, slowed by the worker's CPU-mates).
