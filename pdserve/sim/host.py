@@ -135,8 +135,9 @@ class HostLoad:
 
     def free_cpu(self) -> bool:
         """Whether the host has a CPU no worker is on (fewer workers placed than CPUs, pinned or not:
-        the rule the profile's traced runs are read by, calibrate.runs_with_a_free_cpu): the router
-        and a local client then run there, not between a worker's steps (`LinearStep.free_spread`)."""
+        the rule the profile's traced runs are read by, trace_runs.runs_with_a_free_cpu): the router
+        and a local client then run there, not between a worker's steps (`LinearStep.free_spread`,
+        `Profile.free_loops`)."""
         return len(self._busy) < self.host.cpus
 
     def leave(self, worker_id: str) -> None:

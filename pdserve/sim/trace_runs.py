@@ -1,5 +1,5 @@
 """What each traced run of a step trace was (`pdserve profile --from-trace`, calibrate.py): how many
-workers it had against the host's CPUs (a run that left one free spreads otherwise), and at what
+workers it had against the host's CPUs (a run that left one free spreads and loops otherwise), and at what
 pace the host served it against the speed check the profile was measured with. No torch."""
 
 from __future__ import annotations
