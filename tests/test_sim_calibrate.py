@@ -321,6 +321,25 @@ def test_the_stream_gemvs_terms_are_fitted_back_from_steps_that_show_them() -> N
     assert few.passes is None
 
 
+def test_a_gemm_term_that_every_step_shows_is_the_lines_base() -> None:
+    # An AMX Xeon's engine: the stream GEMV up to 2 rows, the logits always on a GEMM
+    # (logits_rows 0). Its decode pool's steps all have a stream, so all show the logits' term:
+    # that term cannot be told from the base, which holds it; a prompt alone (no stream) then
+    # steps at the base too, not the base less an arbitrary share.
+    passes = StreamPasses(8, 2, 0)
+    truth = LinearStep((0.03, 4e-4, 0.0, 2e-4, 5e-6), passes=passes, pass_coefficients=(0.0, 6e-4, 0.0))
+    samples = []
+    for k in range(120):
+        step = Step(prefill_tokens=(k * 7) % 40 if k % 5 == 0 else 0, decode_streams=k % 3 + 1)
+        step = replace(step, decode_context=step.decode_streams * (100 + k))
+        samples.append((step, truth.seconds(step), 0.0))
+    fitted, _ = fit_alone_and_busy(samples, passes=passes)
+    assert fitted.pass_coefficients[2] == 0.0
+    assert fitted.coefficients[0] == pytest.approx(0.03, rel=1e-6)
+    alone_prompt = Step(prefill_tokens=64, decode_streams=0)
+    assert fitted.seconds(alone_prompt) == pytest.approx(truth.seconds(alone_prompt), rel=1e-6)
+
+
 def test_a_served_fit_takes_the_stream_gemv_its_base_profile_recorded(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

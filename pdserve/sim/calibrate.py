@@ -117,6 +117,16 @@ def others_busy(rows: list[dict[str, Any]], cpus: int) -> list[float]:
     return busy
 
 
+def _both_sides(flags: list[int]) -> bool:
+    """Whether MIN_STEPS steps or more ran a GEMM's step and as many did not: a term that every
+    step (or none) shows is the line's base, not a step of its own. An AMX Xeon runs the logits
+    on a GEMM at every stream count (`logits_rows` 0): its decode pool's steps all showed that
+    term, and a free fit split their base between the two at random (20.7 of 31.9 ms on the
+    term), so that a prompt alone on a decode worker would have stepped 20 ms short."""
+    shown = sum(1 for flag in flags if flag)
+    return shown >= MIN_STEPS and len(flags) - shown >= MIN_STEPS
+
+
 def fit_alone_and_busy(
     samples: list[tuple[Step, float, float]],
     prompt_from: tuple[LinearStep, LinearStep] | None = None,
@@ -137,7 +147,8 @@ def fit_alone_and_busy(
     whatever else ran), and a free fit set the colocated role's cost per token attended to 0, its
     long prompts' later chunks as cheap as their first. `passes`: the engine's stream GEMV, whose
     terms (`StreamPasses.features`) are fitted too, alike alone and beside busy neighbours, each
-    where MIN_STEPS steps or more show it (with fewer steps on the GEMV, the line alone).
+    where MIN_STEPS steps or more show it and as many do not (with fewer steps on the GEMV, the
+    line alone).
     `context_from`: another role's (alone, busy) fit whose cost per token of a decode stream's
     context (c4) is taken as it is (`calibrated` says when)."""
     given = [1, 2] if prompt_from is not None else []
@@ -171,10 +182,10 @@ def fit_alone_and_busy(
         for i in range(10)
         if i % 5 not in given and not (shaped and i % 5 == 2) and not (given_context and i % 5 == 4)
     ]
-    if passes is not None:  # the GEMMs' steps where the steps reach them
+    if passes is not None:  # the GEMMs' steps where the steps show them and steps without
         active.append(10)
-        active += [11] if sum(1 for _, layers, _ in kernels if layers) >= MIN_STEPS else []
-        active += [12] if sum(1 for _, _, logits in kernels if logits) >= MIN_STEPS else []
+        active += [11] if _both_sides([layers for _, layers, _ in kernels]) else []
+        active += [12] if _both_sides([logits for _, _, logits in kernels]) else []
     coef = _nonnegative_fit(a, target, active)
     if coef is None:
         raise ProfileError("the served steps fit no step time with non-negative coefficients")
