@@ -323,12 +323,16 @@ def test_every_committed_profile_loads_and_predicts_steps(path: Path) -> None:
 
 
 def test_the_committed_cpu_profiles_hold_a_speed_check() -> None:
-    """The AVX2 EPYC's profiles (2026-12-06 20:54 UTC) were measured with the check: `pdserve sim
-    --profile profiles/cpu-avx2-epyc-smollm2-served.json --speed-check now.json` works on such a host."""
-    names = {p.name for p in COMMITTED if "speed_check" in json.loads(p.read_text())["meta"]}
+    """Every committed CPU profile was measured with the check (the AMX Xeon's again 2026-12-07 for
+    it): `pdserve sim --profile profiles/cpu-amx-xeon-smollm2-served.json --speed-check now.json`
+    works on such a host."""
+    metas = {p.name: json.loads(p.read_text())["meta"] for p in COMMITTED}
+    cpu = {name for name, meta in metas.items() if meta.get("device") == "cpu"}
     assert {
+        "cpu-amx-xeon-smollm2.json",
+        "cpu-amx-xeon-smollm2-served.json",
         "cpu-avx2-epyc-smollm2.json",
-        "cpu-avx2-epyc-smollm2-served.json",
-        "cpu-avx512-epyc-smollm2.json",
-        "cpu-avx512-epyc-smollm2-served.json",
-    } <= names
+    } <= cpu
+    assert all("speed_check" in metas[name] for name in cpu), sorted(
+        n for n in cpu if "speed_check" not in metas[n]
+    )
