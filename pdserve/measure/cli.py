@@ -470,6 +470,7 @@ def measured(args: argparse.Namespace) -> Profile:
             args.model, roles["colocated"], threads=args.threads, vocab_size=model_config.vocab_size
         )
         overhead, start_s, host = probed.overhead, probed.start_s, probed.host
+        notes.append(probed.note)
     if args.quick:
         notes.append("--quick: a small sweep, for a check; not a profile to plan with")
     profile = Profile(

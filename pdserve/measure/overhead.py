@@ -1,9 +1,14 @@
 """Measures what serving adds to the engine's steps (no torch here): a real `pdserve serve
---colocated 1` on this machine, sent one request at a time by the bench's own client, its TTFT
-and ITL set against the step time the profile predicts for the same steps.
+--colocated 1 --step-trace` on this machine, sent one request at a time by the bench's own
+client, its TTFT and ITL set against the steps its worker ran for them (traced):
 
-    per-step overhead    = median(ITL - predicted decode step)
-    per-request overhead = median(TTFT - predicted prompt step) - per-step overhead
+    per-step overhead    = median over requests of (ITL - its decode steps), a step
+    per-request overhead = median(TTFT - its prompt step) - per-step overhead
+
+Against the steps as they ran, not as the profile's fit predicts them: the host's pace drifts by
+5-10% from one minute to the next, which on a 60 ms prompt step is several ms of a 10 ms overhead
+(three probes of one AMX Xeon against the fit: 4.1, 11.8 and 17.5 ms a request). Where the trace
+does not show the probe's requests one by one, the fit's prediction instead, said.
 
 The first is the worker loop's work around a step (sending tokens, load reports) and the router's
 per-token path (split into a part per step and a part per stream of the step, from a second
@@ -18,9 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,7 +36,7 @@ from pdserve.bench.client import PreparedRequest, Target, run_load
 from pdserve.bench.summary import RequestRecord
 from pdserve.costmodel import Step, chunk_attention
 from pdserve.errors import PdserveError
-from pdserve.measure.server import running
+from pdserve.measure.server import RunningServer, running
 from pdserve.sim.profile import HostCpu, Overhead
 from pdserve.sim.step_time import StepTime
 
@@ -42,6 +49,7 @@ class OverheadResult:
     start_s: float
     requests: int
     host: HostCpu | None = None
+    note: str = ""  # what the overhead was set against (the profile's assumptions)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -68,45 +76,98 @@ def measure(
     output_tokens: int = 32,
     vocab_size: int = 32000,
 ) -> OverheadResult:
-    with running(model, ["--colocated", "1"], threads) as server:
-        url = server.url
-        start_s = server.start_s
-        pid = server.process.pid
-
-        def probe(count: int, outputs: int, concurrency: int = 1) -> _Probe:
-            prompts = [
-                PreparedRequest(i, "probe", None, [(i * 31 + k) % (vocab_size - 2) + 1 for k in range(prompt_tokens)],
-                                prompt_tokens, outputs)
-                for i in range(count)
-            ]  # fmt: skip
-            router, client, wall = _cpu_seconds(pid), time.process_time(), time.perf_counter()
-            records, _ = asyncio.run(
-                run_load(
-                    Target(url, model, request_timeout_s=120.0),
-                    prompts,
-                    concurrency=concurrency,
-                    drain_timeout_s=300.0,
-                )
-            )
-            return _Probe(
-                records,
-                _cpu_seconds(pid) - router,
-                time.process_time() - client,
-                time.perf_counter() - wall,
-            )
-
-        probe(2, output_tokens)  # warm-up: the first requests' paths are cold
-        router_idle = _cpu_seconds(pid)
-        time.sleep(IDLE_PROBE_S)  # the router's own background work (load reports, keepers)
-        idle_rate = (_cpu_seconds(pid) - router_idle) / IDLE_PROBE_S
-        long = probe(requests, output_tokens)
-        short = probe(requests, SHORT_OUTPUT)
-        # STREAMS requests at once, twice: steps of STREAMS streams, each sending its token.
-        batched = [r for _ in range(2) for r in probe(STREAMS, output_tokens, STREAMS).records]
+    with tempfile.TemporaryDirectory(prefix="pdserve-overhead-") as folder:
+        trace = Path(folder) / "steps.jsonl"
+        with running(model, ["--colocated", "1", "--step-trace", str(trace)], threads) as server:
+            probed = _probes(server, model, requests, prompt_tokens, output_tokens, vocab_size)
+        long, short, batched, idle_rate, start_s = probed
+        served = _sequential_steps(trace)
     host = _host_cpu(long, short, requests, output_tokens, idle_rate)
-    overhead = _overhead(long.records, step_time, prompt_tokens)
+    # The long probe's requests, after the two of the warm-up; the short probe's follow.
+    mine = served[2 : 2 + requests]
+    if len(served) >= 2 + 2 * requests and all(
+        prompt.prefill_tokens == prompt_tokens and decode for prompt, decode in mine
+    ):
+        overhead = _overhead_traced(long.records, [(p.seconds, [d.seconds for d in ds]) for p, ds in mine])
+        note = (
+            f"serving overhead: {requests} requests one at a time to a real colocated worker, their TTFT "
+            "and ITL beyond the steps it traced for them (pdserve/measure/overhead.py)"
+        )
+    else:
+        overhead = _overhead(long.records, step_time, prompt_tokens)
+        note = (
+            f"serving overhead: against the fit's step time (the probe's trace showed {len(served)} "
+            f"requests one at a time, not the {2 + 2 * requests} sent): the host's drift is in it"
+        )
+        logger.warning(note)
     overhead = _per_stream(overhead, batched, step_time, prompt_tokens)
-    return OverheadResult(overhead, start_s, requests, host)
+    return OverheadResult(overhead, start_s, requests, host, note)
+
+
+@dataclass(frozen=True)
+class _TracedStep:
+    seconds: float
+    prefill_tokens: int
+
+
+def _sequential_steps(trace: Path) -> list[tuple[_TracedStep, list[_TracedStep]]]:
+    """The probe server's steps, one request at a time: each prompt step alone (prompt tokens, no
+    stream) with the one-stream decode steps after it, up to the first step of another kind (the
+    batched probe's)."""
+    served: list[tuple[_TracedStep, list[_TracedStep]]] = []
+    lines = trace.read_text().splitlines() if trace.exists() else []
+    for line in lines:
+        row = json.loads(line)
+        step = _TracedStep(float(row["seconds"]), int(row["prefill_tokens"]))
+        streams = int(row["decode_streams"])
+        if step.prefill_tokens > 0 and streams == 0:
+            served.append((step, []))
+        elif step.prefill_tokens == 0 and streams == 1 and served:
+            served[-1][1].append(step)
+        else:
+            break
+    return served
+
+
+def _probes(
+    server: RunningServer, model: str, requests: int, prompt_tokens: int, output_tokens: int, vocab_size: int
+) -> tuple[_Probe, _Probe, list[RequestRecord], float, float]:
+    """(long, short, the batched probe's records, the router's idle CPU rate, the start time)."""
+    url = server.url
+    start_s = server.start_s
+    pid = server.process.pid
+
+    def probe(count: int, outputs: int, concurrency: int = 1) -> _Probe:
+        prompts = [
+            PreparedRequest(i, "probe", None, [(i * 31 + k) % (vocab_size - 2) + 1 for k in range(prompt_tokens)],
+                            prompt_tokens, outputs)
+            for i in range(count)
+        ]  # fmt: skip
+        router, client, wall = _cpu_seconds(pid), time.process_time(), time.perf_counter()
+        records, _ = asyncio.run(
+            run_load(
+                Target(url, model, request_timeout_s=120.0),
+                prompts,
+                concurrency=concurrency,
+                drain_timeout_s=300.0,
+            )
+        )
+        return _Probe(
+            records,
+            _cpu_seconds(pid) - router,
+            time.process_time() - client,
+            time.perf_counter() - wall,
+        )
+
+    probe(2, output_tokens)  # warm-up: the first requests' paths are cold
+    router_idle = _cpu_seconds(pid)
+    time.sleep(IDLE_PROBE_S)  # the router's own background work (load reports, keepers)
+    idle_rate = (_cpu_seconds(pid) - router_idle) / IDLE_PROBE_S
+    long = probe(requests, output_tokens)
+    short = probe(requests, SHORT_OUTPUT)
+    # STREAMS requests at once, twice: steps of STREAMS streams, each sending its token.
+    batched = [r for _ in range(2) for r in probe(STREAMS, output_tokens, STREAMS).records]
+    return long, short, batched, idle_rate, start_s
 
 
 IDLE_PROBE_S = 2.0
@@ -148,6 +209,26 @@ def _host_cpu(long: _Probe, short: _Probe, requests: int, outputs: int, idle_rat
     )
     client = split(long.client_cpu_s, short.client_cpu_s)
     return HostCpu(os.cpu_count() or 1, *router, *client, router_idle=round(idle_rate, 5))
+
+
+def _overhead_traced(records: list[RequestRecord], steps: list[tuple[float, list[float]]]) -> Overhead:
+    """Each request against its own steps (its prompt step's seconds, its decode steps'): the
+    per-step overhead from its first token to its last beyond its decode steps, a step (tokens
+    sent together in one chunk count alike); the per-request overhead its TTFT beyond its prompt
+    step, less the per-step part its first token carries too."""
+    failed = [r.error for r in records if r.error]
+    if failed or not records:
+        raise PdserveError(f"the overhead probe's requests failed: {failed[:1] or 'none came back'}")
+    itl_excess, ttft_excess = [], []
+    for record, (prompt_s, decode_s) in zip(records, steps, strict=True):
+        assert record.ttft is not None
+        ttft_excess.append(record.ttft - prompt_s)
+        if decode_s and len(record.chunk_times_s) > 1:
+            streamed = record.chunk_times_s[-1] - record.chunk_times_s[0]
+            itl_excess.append((streamed - sum(decode_s)) / len(decode_s))
+    step_s = max(0.0, statistics.median(itl_excess)) if itl_excess else 0.0
+    request_s = max(0.0, statistics.median(ttft_excess) - step_s)
+    return Overhead(request_s=round(request_s, 6), step_s=round(step_s, 6))
 
 
 def _overhead(records: list[RequestRecord], step_time: StepTime, prompt_tokens: int) -> Overhead:
