@@ -40,7 +40,7 @@ def test_the_overhead_is_set_against_each_requests_own_traced_steps(tmp_path: Pa
     rows.append({"seconds": 0.02, "prefill_tokens": 64, "decode_streams": 0})  # not one at a time
     trace = tmp_path / "steps.jsonl"
     trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    served = overhead._sequential_steps(trace)
+    served = overhead._sequential_steps(overhead._trace_rows(trace))
     assert [(p.seconds, [d.seconds for d in ds]) for p, ds in served] == [
         (0.050, [0.010, 0.010]),
         (0.070, [0.014, 0.014]),
@@ -54,8 +54,39 @@ def test_the_overhead_is_set_against_each_requests_own_traced_steps(tmp_path: Pa
     assert got.request_s == pytest.approx(0.003)
     # Against one fitted step time (the first request's pace) the second request's slower steps
     # would read as overhead: 11 ms a request, not 3.
-    fitted = overhead._overhead(records, LinearStep((0.010, 0.040 / 64, 0.0, 0.0, 0.0)), 64)
+    fit = LinearStep((0.010, 0.040 / 64, 0.0, 0.0, 0.0))
+    fitted = overhead._overhead(records, fit, 64)
     assert fitted.request_s == pytest.approx(0.011)
+
+    # The probe's settling: the traced steps where the trace shows each request sent, one at a
+    # time (here two warm-up requests' steps ahead of them), the fit's where it does not, said.
+    warm = [{"seconds": 0.05, "prefill_tokens": 64, "decode_streams": 0}] * 2
+    settled, note = overhead._settled(warm + rows, records, [], fit, 64)
+    assert settled == got and "beyond the steps it traced" in note
+    dropped = warm + rows[:2] + rows[3:]  # the first request's second decode step lost
+    settled, note = overhead._settled(dropped, records, [], fit, 64)
+    assert settled == fitted and "request 2's trace held 1 decode steps for its 3 tokens" in note
+    settled, note = overhead._settled(rows, records, [], fit, 64)  # the warm-up's steps missing
+    assert settled == fitted and "showed 2 requests one at a time, not the 4 sent" in note
+    chunked = [*warm, dict(rows[0], prefill_tokens=32), *rows[1:]]
+    settled, note = overhead._settled(chunked, records, [], fit, 64)
+    assert settled == fitted and "request 2's prompt step ran 32 tokens, not 64" in note
+
+
+def test_the_per_stream_part_is_set_against_the_traced_batched_steps() -> None:
+    # Steps of 8 streams traced at 40 ms; each stream's gaps 41.7 ms: with a one-stream overhead
+    # of 0.3 ms, 0.2 ms a stream more for each of the 7 others (0.1 + 0.2 x 8 = 1.7).
+    rows = [{"seconds": 0.040, "prefill_tokens": 0, "decode_streams": 8}] * 10
+    records = [
+        RequestRecord(i, "probe", None, 0.0, 64, 6, chunk_times_s=[0.0417 * k for k in range(6)])
+        for i in range(8)
+    ]
+    fit = LinearStep((0.050, 0.0, 0.0, 0.0, 0.0))  # the fit's 8-stream step 50 ms: no overhead seen
+    base = overhead.Overhead(request_s=0.003, step_s=0.0003)
+    got, note = overhead._per_stream(base, records, rows, fit, 64)
+    assert got.stream_s == pytest.approx(0.0002) and got.step_s == pytest.approx(0.0001) and note == ""
+    fitted, note = overhead._per_stream(base, records, rows[:4], fit, 64)  # too few traced
+    assert fitted.stream_s == 0.0 and "against the fit's 8-stream step" in note
 
 
 def test_a_real_server_is_measured_and_stopped(tiny_llama: Path) -> None:

@@ -4,6 +4,8 @@ client, its TTFT and ITL set against the steps its worker ran for them (traced):
 
     per-step overhead    = median over requests of (ITL - its decode steps), a step
     per-request overhead = median(TTFT - its prompt step) - per-step overhead
+    per-stream overhead  = (median ITL of 8 streams at once - their traced step
+                            - per-step overhead) / 7
 
 Against the steps as they ran, not as the profile's fit predicts them: the host's pace drifts by
 5-10% from one minute to the next, which on a 60 ms prompt step is several ms of a 10 ms overhead
@@ -77,31 +79,63 @@ def measure(
     vocab_size: int = 32000,
 ) -> OverheadResult:
     with tempfile.TemporaryDirectory(prefix="pdserve-overhead-") as folder:
+        # The trace costs the router a line of JSON a step, within the CPU `_host_cpu` reads.
         trace = Path(folder) / "steps.jsonl"
         with running(model, ["--colocated", "1", "--step-trace", str(trace)], threads) as server:
             probed = _probes(server, model, requests, prompt_tokens, output_tokens, vocab_size)
         long, short, batched, idle_rate, start_s = probed
-        served = _sequential_steps(trace)
+        rows = _trace_rows(trace)
     host = _host_cpu(long, short, requests, output_tokens, idle_rate)
-    # The long probe's requests, after the two of the warm-up; the short probe's follow.
-    mine = served[2 : 2 + requests]
-    if len(served) >= 2 + 2 * requests and all(
-        prompt.prefill_tokens == prompt_tokens and decode for prompt, decode in mine
-    ):
-        overhead = _overhead_traced(long.records, [(p.seconds, [d.seconds for d in ds]) for p, ds in mine])
-        note = (
-            f"serving overhead: {requests} requests one at a time to a real colocated worker, their TTFT "
-            "and ITL beyond the steps it traced for them (pdserve/measure/overhead.py)"
-        )
+    overhead, note = _settled(rows, long.records, short.records, step_time, prompt_tokens)
+    overhead, stream_note = _per_stream(overhead, batched, rows, step_time, prompt_tokens)
+    return OverheadResult(overhead, start_s, requests, host, note + stream_note)
+
+
+def _trace_rows(trace: Path) -> list[dict[str, float]]:
+    lines = trace.read_text().splitlines() if trace.exists() else []
+    return [json.loads(line) for line in lines]
+
+
+def _settled(
+    rows: list[dict[str, float]],
+    long: list[RequestRecord],
+    short: list[RequestRecord],
+    step_time: StepTime,
+    prompt_tokens: int,
+) -> tuple[Overhead, str]:
+    """The overhead against the long probe's requests' own traced steps (`_overhead_traced`), with
+    the note to keep in the profile; the fit's (`_overhead`) where the trace does not show each of
+    the probes' requests (the warm-up's two, the long probe's, the short probe's) one at a time,
+    its prompt step whole and a decode step for each token after the first, said."""
+    served = _sequential_steps(rows)
+    records = [None, None, *long, *short]  # the warm-up's two are not checked
+    why = ""
+    if len(served) < len(records):
+        why = f"its trace showed {len(served)} requests one at a time, not the {len(records)} sent"
     else:
-        overhead = _overhead(long.records, step_time, prompt_tokens)
-        note = (
-            f"serving overhead: against the fit's step time (the probe's trace showed {len(served)} "
-            f"requests one at a time, not the {2 + 2 * requests} sent): the host's drift is in it"
-        )
+        for index, (record, (prompt, decode)) in enumerate(zip(records, served, strict=False)):
+            if record is None:
+                continue
+            if prompt.prefill_tokens != prompt_tokens:
+                why = f"request {index}'s prompt step ran {prompt.prefill_tokens} tokens, not {prompt_tokens}"
+            elif len(decode) != record.output_tokens - 1:
+                why = (
+                    f"request {index}'s trace held {len(decode)} decode steps for its {record.output_tokens} "
+                    "tokens (steps dropped from a load report?)"
+                )
+            if why:
+                break
+    if why:
+        note = f"serving overhead: against the fit's step time, the host's drift in it ({why})"
         logger.warning(note)
-    overhead = _per_stream(overhead, batched, step_time, prompt_tokens)
-    return OverheadResult(overhead, start_s, requests, host, note)
+        return _overhead(long, step_time, prompt_tokens), note
+    mine = served[2 : 2 + len(long)]
+    overhead = _overhead_traced(long, [(p.seconds, [d.seconds for d in ds]) for p, ds in mine])
+    note = (
+        f"serving overhead: {len(long)} requests one at a time to a real colocated worker, their TTFT "
+        "and ITL beyond the steps it traced for them (pdserve/measure/overhead.py)"
+    )
+    return overhead, note
 
 
 @dataclass(frozen=True)
@@ -110,14 +144,12 @@ class _TracedStep:
     prefill_tokens: int
 
 
-def _sequential_steps(trace: Path) -> list[tuple[_TracedStep, list[_TracedStep]]]:
+def _sequential_steps(rows: list[dict[str, float]]) -> list[tuple[_TracedStep, list[_TracedStep]]]:
     """The probe server's steps, one request at a time: each prompt step alone (prompt tokens, no
     stream) with the one-stream decode steps after it, up to the first step of another kind (the
     batched probe's)."""
     served: list[tuple[_TracedStep, list[_TracedStep]]] = []
-    lines = trace.read_text().splitlines() if trace.exists() else []
-    for line in lines:
-        row = json.loads(line)
+    for row in rows:
         step = _TracedStep(float(row["seconds"]), int(row["prefill_tokens"]))
         streams = int(row["decode_streams"])
         if step.prefill_tokens > 0 and streams == 0:
@@ -137,12 +169,14 @@ def _probes(
     start_s = server.start_s
     pid = server.process.pid
 
+    sent = itertools.count()  # each prompt its own first token: no prompt a cached prefix of another
+
     def probe(count: int, outputs: int, concurrency: int = 1) -> _Probe:
-        prompts = [
-            PreparedRequest(i, "probe", None, [(i * 31 + k) % (vocab_size - 2) + 1 for k in range(prompt_tokens)],
-                            prompt_tokens, outputs)
-            for i in range(count)
-        ]  # fmt: skip
+        prompts = []
+        for i in range(count):
+            first = next(sent) % (vocab_size - 2) + 1
+            tokens = [first] + [(i * 31 + k) % (vocab_size - 2) + 1 for k in range(1, prompt_tokens)]
+            prompts.append(PreparedRequest(i, "probe", None, tokens, prompt_tokens, outputs))
         router, client, wall = _cpu_seconds(pid), time.process_time(), time.perf_counter()
         records, _ = asyncio.run(
             run_load(
@@ -176,10 +210,20 @@ STREAMS = 8  # the batched probe's streams
 
 
 def _per_stream(
-    overhead: Overhead, records: list[RequestRecord], step_time: StepTime, prompt_tokens: int
-) -> Overhead:
+    overhead: Overhead,
+    records: list[RequestRecord],
+    rows: list[dict[str, float]],
+    step_time: StepTime,
+    prompt_tokens: int,
+) -> tuple[Overhead, str]:
     """The worker loop's cost per stream of a step (each stream's token sent), from ITLs at
-    STREAMS streams beyond the predicted step, against the one-stream overhead: a + b x streams."""
+    STREAMS streams beyond the step, against the one-stream overhead: a + b x streams. The step:
+    the median of the STREAMS-stream decode steps the server traced (MIN_TRACED or more), else the
+    fit's at each gap's context (said, in the note's words returned)."""
+    traced = [
+        float(r["seconds"]) for r in rows if r["decode_streams"] == STREAMS and r["prefill_tokens"] == 0
+    ]
+    step_s = statistics.median(traced) if len(traced) >= MIN_TRACED else None
     excess = []
     for r in records:
         if r.error:
@@ -187,12 +231,17 @@ def _per_stream(
         gaps = list(itertools.pairwise(r.chunk_times_s))
         for k, (before, after) in enumerate(gaps[2:], start=2):  # the batch's prompts are in by then
             context = STREAMS * (prompt_tokens + k + 1)
-            excess.append((after - before) - step_time.seconds(Step(0, 0, STREAMS, context)))
+            step = step_s if step_s is not None else step_time.seconds(Step(0, 0, STREAMS, context))
+            excess.append((after - before) - step)
     if not excess:
-        return overhead
+        return overhead, ""
     per_stream = max(0.0, (statistics.median(excess) - overhead.step_s) / (STREAMS - 1))
     base = max(0.0, overhead.step_s - per_stream)
-    return replace(overhead, step_s=round(base, 6), stream_s=round(per_stream, 7))
+    note = "" if step_s is not None else f"; its part a stream against the fit's {STREAMS}-stream step"
+    return replace(overhead, step_s=round(base, 6), stream_s=round(per_stream, 7)), note
+
+
+MIN_TRACED = 5  # STREAMS-stream steps in the trace to take their median as the batched probe's step
 
 
 def _host_cpu(long: _Probe, short: _Probe, requests: int, outputs: int, idle_rate: float) -> HostCpu:

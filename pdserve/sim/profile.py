@@ -63,7 +63,8 @@ class TransferTime:
 class Overhead:
     """What serving adds to the engine's steps: the router's work before a request's first step
     (HTTP, tokenization, admission, dispatch), and the worker loop's work around each step
-    (sending tokens, load reports), as measured end to end against the step model."""
+    (sending tokens, load reports), as measured end to end against the steps a probe's server
+    traced (pdserve/measure/overhead.py)."""
 
     request_s: float = 0.0
     step_s: float = 0.0
