@@ -237,7 +237,10 @@ def _per_stream(
         return overhead, ""
     per_stream = max(0.0, (statistics.median(excess) - overhead.step_s) / (STREAMS - 1))
     base = max(0.0, overhead.step_s - per_stream)
-    note = "" if step_s is not None else f"; its part a stream against the fit's {STREAMS}-stream step"
+    note = ""
+    if step_s is None:
+        note = f"; its part a stream against the fit's {STREAMS}-stream step ({len(traced)} traced)"
+        logger.warning("serving overhead%s", note.removeprefix(";"))
     return replace(overhead, step_s=round(base, 6), stream_s=round(per_stream, 7)), note
 
 
