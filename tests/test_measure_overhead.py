@@ -39,7 +39,14 @@ def test_the_overhead_is_set_against_each_requests_own_traced_steps(tmp_path: Pa
     rows.append({"seconds": 0.03, "prefill_tokens": 128, "decode_streams": 2})  # the batched probe's
     rows.append({"seconds": 0.02, "prefill_tokens": 64, "decode_streams": 0})  # not one at a time
     trace = tmp_path / "steps.jsonl"
-    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    line = {
+        "t_s": 1.0,
+        "worker": "colocated-0",
+        "pool": "colocated",
+        "prefill_attention": 0,
+        "decode_context": 0,
+    }
+    trace.write_text("".join(json.dumps(line | {"loop_seconds": 0.0} | row) + "\n" for row in rows))
     served = overhead._sequential_steps(overhead._trace_rows(trace))
     assert [(p.seconds, [d.seconds for d in ds]) for p, ds in served] == [
         (0.050, [0.010, 0.010]),
@@ -92,12 +99,13 @@ def test_the_per_stream_part_is_set_against_the_traced_batched_steps() -> None:
 def test_a_real_server_is_measured_and_stopped(tiny_llama: Path) -> None:
     step = LinearStep((0.0005, 0.0, 0.0, 0.0, 0.0))
     result = overhead.measure(
-        str(tiny_llama), step, threads=1, requests=3, prompt_tokens=16, output_tokens=8, vocab_size=320
+        str(tiny_llama), step, threads=1, requests=3, prompt_tokens=80, output_tokens=8, vocab_size=259
     )
     assert result.requests == 3
     assert result.start_s > 0
     assert result.overhead.request_s >= 0 and result.overhead.step_s >= 0
-    # Set against the steps the server traced for each request, and said so.
+    # Set against the steps the server traced for each request, and said so: each prompt (longer
+    # than a KV block) computed whole, none a cached prefix of another probe's.
     assert "beyond the steps it traced for them" in result.note, result.note
     # The server and its worker are gone (other children of this process, such as
     # multiprocessing's resource tracker, may be there).

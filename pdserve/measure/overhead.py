@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import os
 import statistics
@@ -33,12 +32,14 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from pdserve.bench.client import PreparedRequest, Target, run_load
 from pdserve.bench.summary import RequestRecord
 from pdserve.costmodel import Step, chunk_attention
 from pdserve.errors import PdserveError
 from pdserve.measure.server import RunningServer, running
+from pdserve.sim.calibrate import read_trace
 from pdserve.sim.profile import HostCpu, Overhead
 from pdserve.sim.step_time import StepTime
 
@@ -91,13 +92,13 @@ def measure(
     return OverheadResult(overhead, start_s, requests, host, note + stream_note)
 
 
-def _trace_rows(trace: Path) -> list[dict[str, float]]:
-    lines = trace.read_text().splitlines() if trace.exists() else []
-    return [json.loads(line) for line in lines]
+def _trace_rows(trace: Path) -> list[dict[str, Any]]:
+    """The probe worker's steps as its server traced them, in order (none if it wrote no trace)."""
+    return [row for rows in read_trace([trace]).values() for row in rows] if trace.exists() else []
 
 
 def _settled(
-    rows: list[dict[str, float]],
+    rows: list[dict[str, Any]],
     long: list[RequestRecord],
     short: list[RequestRecord],
     step_time: StepTime,
@@ -144,7 +145,7 @@ class _TracedStep:
     prefill_tokens: int
 
 
-def _sequential_steps(rows: list[dict[str, float]]) -> list[tuple[_TracedStep, list[_TracedStep]]]:
+def _sequential_steps(rows: list[dict[str, Any]]) -> list[tuple[_TracedStep, list[_TracedStep]]]:
     """The probe server's steps, one request at a time: each prompt step alone (prompt tokens, no
     stream) with the one-stream decode steps after it, up to the first step of another kind (the
     batched probe's)."""
@@ -212,7 +213,7 @@ STREAMS = 8  # the batched probe's streams
 def _per_stream(
     overhead: Overhead,
     records: list[RequestRecord],
-    rows: list[dict[str, float]],
+    rows: list[dict[str, Any]],
     step_time: StepTime,
     prompt_tokens: int,
 ) -> tuple[Overhead, str]:
